@@ -1,0 +1,1 @@
+"""The moe-train command line (installed as moe_train.cli): one module per command."""

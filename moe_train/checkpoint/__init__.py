@@ -1,0 +1,1 @@
+"""DCP checkpoints (save, load, resume) and Hugging Face import/export."""

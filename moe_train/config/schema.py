@@ -1,0 +1,270 @@
+"""The recipe schema: every field a YAML recipe may hold (../shared/INTERFACES.md is the contract).
+
+Every model forbids unknown keys, so a typo is an error rather than a silently ignored setting. Rules that
+relate several fields live in `rules.py`, where all problems can be reported at once instead of stopping at
+the first model validator that fails.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Section(BaseModel):
+    """Base of every recipe section: unknown keys are errors, values are immutable once resolved."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+# --------------------------------------------------------------------------------------------------- model
+
+
+class YarnScaling(Section):
+    type: Literal["yarn"] = "yarn"
+    factor: float = Field(gt=0)
+    original_max_position_embeddings: int = Field(gt=0)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+class RopeConfig(Section):
+    theta: float = Field(10000.0, gt=0)
+    scaling: YarnScaling | None = None
+
+
+class RouterConfig(Section):
+    score_function: Literal["softmax", "sigmoid"] = "softmax"
+    normalize_topk: bool = Field(True, description="Renormalise the top-k weights to sum to 1.")
+    num_groups: int | None = Field(None, ge=1, description="Group-limited routing: expert groups.")
+    group_top_k: int | None = Field(None, ge=1, description="Groups each token may route into.")
+    topk_scaling_factor: float = Field(1.0, gt=0)
+    expert_bias: bool = Field(False, description="Aux-loss-free balancing: a bias used for selection only.")
+    bias_update_rate: float = Field(1e-3, ge=0)
+    load_balancing: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
+    aux_loss_coeff: float = Field(1e-3, ge=0)
+    z_loss_coeff: float = Field(0.0, ge=0)
+
+
+class MoEConfig(Section):
+    num_experts: int = Field(ge=1)
+    top_k: int = Field(ge=1)
+    ffn_hidden_size: int = Field(ge=1, description="Hidden size of each routed expert's SwiGLU.")
+    shared_expert_ffn_hidden_size: int = Field(0, ge=0, description="0: no shared expert.")
+    router: RouterConfig = RouterConfig()
+    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    capacity_factor: float | None = Field(None, gt=0, description="null: dropless.")
+    drop_policy: Literal["probs", "position"] = "probs"
+    pad_to_capacity: bool = False
+
+
+class ModelConfig(Section):
+    family: Literal["qwen3", "qwen3_moe", "deepseek_v3"]
+    num_layers: int = Field(ge=1)
+    hidden_size: int = Field(ge=1)
+    num_attention_heads: int = Field(ge=1)
+    num_query_groups: int | None = Field(None, ge=1, description="KV heads; null: as many as attention heads.")
+    head_dim: int | None = Field(None, ge=1, description="null: hidden_size / num_attention_heads.")
+    ffn_hidden_size: int = Field(ge=1, description="Dense SwiGLU hidden size (dense layers).")
+    vocab_size: int = Field(ge=1)
+    make_vocab_size_divisible_by: int = Field(128, ge=1)
+    max_position_embeddings: int = Field(4096, ge=1)
+    tie_embeddings: bool = False
+    qk_norm: bool = True
+    norm_eps: float = Field(1e-6, gt=0)
+    init_std: float = Field(0.02, gt=0)
+    rope: RopeConfig = RopeConfig()
+    # deepseek_v3 only (multi-head latent attention, dense-first layers, multi-token prediction)
+    q_lora_rank: int | None = Field(None, ge=1)
+    kv_lora_rank: int | None = Field(None, ge=1)
+    qk_nope_head_dim: int | None = Field(None, ge=1)
+    qk_rope_head_dim: int | None = Field(None, ge=1)
+    v_head_dim: int | None = Field(None, ge=1)
+    first_k_dense: int = Field(0, ge=0)
+    mtp_layers: int = Field(0, ge=0)
+    mtp_loss_weight: float = Field(0.3, ge=0)
+    moe: MoEConfig | None = None
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def attention_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        """Megatron pads the vocabulary to a multiple of divisible_by * tp for vocab-parallel layers."""
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.moe is not None and index >= self.first_k_dense
+
+
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+DEEPSEEK_ONLY_FIELDS = MLA_FIELDS + ("first_k_dense", "mtp_layers", "mtp_loss_weight")
+
+
+# ------------------------------------------------------------------------------------------------ parallel
+
+
+RecomputeModule = Literal["core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"]
+
+
+class RecomputeConfig(Section):
+    granularity: Literal["none", "selective", "full"] = "none"
+    modules: tuple[RecomputeModule, ...] = ("core_attn",)
+    method: Literal["uniform", "block"] = "uniform"
+    num_layers: int = Field(1, ge=1, description="Full recompute: layers per chunk (uniform) or count (block).")
+
+
+class ParallelConfig(Section):
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    vpp: int = Field(1, ge=1, description="Virtual pipeline stages per pipeline rank.")
+    pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe", "zero_bubble"] = "1f1b"
+    pp_layout: str | None = Field(None, description="Megatron notation, e.g. 'Et*3|(tt|)*29m|L'.")
+    cp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1)
+    etp: int = Field(1, ge=1)
+    dp: int | None = Field(None, ge=1, description="null: derived from the world size.")
+    sequence_parallel: bool = False
+    recompute: RecomputeConfig = RecomputeConfig()
+
+
+# --------------------------------------------------------------------------------------------------- train
+
+
+class TrainConfig(Section):
+    seq_length: int = Field(ge=1)
+    micro_batch_size: int = Field(1, ge=1)
+    global_batch_size: int = Field(ge=1)
+    steps: int = Field(ge=1, description="The schedule's horizon; COMPLETE is written when reached.")
+    exit_at_step: int | None = Field(None, ge=1, description="Stop early: checkpoint and exit 0.")
+    lr: float = Field(3e-4, gt=0)
+    min_lr: float = Field(3e-5, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    wsd_decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: share of steps spent decaying.")
+    weight_decay: float = Field(0.1, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.95, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    grad_clip: float | None = Field(1.0, gt=0, description="null: no clipping.")
+    precision: Literal["fp32", "bf16", "fp8"] = "bf16"
+    seed: int = 1234
+    eval_interval: int | None = Field(None, ge=1, description="null: no evaluation.")
+    eval_steps: int = Field(1, ge=1)
+    on_nonfinite: Literal["skip", "stop"] = "skip"
+    max_skipped_steps: int = Field(10, ge=0)
+
+
+# ---------------------------------------------------------------------------------------------------- data
+
+
+class DataConfig(Section):
+    source: Literal["builtin", "mock", "indexed"] = "builtin"
+    paths: tuple[str, ...] = Field((), description="indexed: .bin/.idx prefixes (without extension).")
+    weights: tuple[float, ...] | None = Field(None, description="Blending weights, one per path.")
+    tokenizer: str = Field("byte", description="'byte' or a tokenizer.json path.")
+    valid_fraction: float = Field(0.0, ge=0, lt=1)
+    reset_at_eod: bool = False
+
+
+# ---------------------------------------------------------------------------------------------- checkpoint
+
+
+class CheckpointConfig(Section):
+    dir: str | None = Field(None, description="null: {run_dir}/checkpoints.")
+    interval: int | None = Field(None, ge=1, description="Steps between checkpoints; null: only at the end.")
+    keep: int | None = Field(2, ge=1, description="Newest checkpoints kept; null: all.")
+    resume: str = Field("auto", description="auto | required | never | a checkpoint path.")
+    init_from: str | None = Field(None, description="A model-only checkpoint (e.g. from convert from-hf).")
+
+
+class LoggingConfig(Section):
+    dir: str | None = Field(None, description="null: {run_dir}.")
+    interval: int = Field(1, ge=1)
+    tensorboard: bool = False
+
+
+# -------------------------------------------------------------------------------------------------- launch
+
+
+class SlurmConfig(Section):
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = Field(None, description="Wall-clock limit, e.g. '04:00:00'.")
+    job_name: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    exclusive: bool = True
+    extra_sbatch: tuple[str, ...] = Field((), description="Extra #SBATCH directives, e.g. '--mem=0'.")
+    signal_seconds: int = Field(120, ge=0, description="Preemption notice this long before the time limit.")
+    requeue: bool = True
+    max_restarts: int = Field(3, ge=0)
+    container_image: str | None = None
+
+
+class LaunchConfig(Section):
+    device: Literal["cpu", "cuda"] = "cpu"
+    gpu: str = Field("cpu", description="An id of the hardware table (moe-train validate lists them).")
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(1, ge=1, description="Ranks per node, also on CPU.")
+    timeout_minutes: float = Field(10.0, gt=0, description="Timeout of collectives.")
+    env: dict[str, str] = Field(default_factory=dict)
+    setup: tuple[str, ...] = Field((), description="Shell lines run before the job (trusted, not quoted).")
+    cluster: str | None = Field(None, description="A cluster profile name or path supplying launch defaults.")
+    slurm: SlurmConfig = SlurmConfig()
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+# -------------------------------------------------------------------------------------------------- recipe
+
+
+class Recipe(Section):
+    name: str = Field(min_length=1)
+    extends: str | None = None
+    run_dir: str = "runs/{name}"
+    provenance: dict[str, Any] | None = None
+    model: ModelConfig
+    parallel: ParallelConfig = ParallelConfig()
+    train: TrainConfig
+    data: DataConfig = DataConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+    launch: LaunchConfig = LaunchConfig()
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.world_size
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size, derived from the world size when the recipe leaves it out."""
+        if self.parallel.dp is not None:
+            return self.parallel.dp
+        p = self.parallel
+        return max(1, self.world_size // (p.pp * p.cp * p.tp))
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size: the expert mesh folds onto the dense mesh's dp*cp*tp ranks."""
+        p = self.parallel
+        return max(1, self.dp * p.cp * p.tp // (p.ep * p.etp))
+
+    def resolved_run_dir(self) -> str:
+        return self.run_dir.replace("{name}", self.name)
+
+    def checkpoint_dir(self) -> str:
+        return (self.checkpoint.dir or "{run_dir}/checkpoints").replace("{run_dir}", self.resolved_run_dir())
+
+    def logging_dir(self) -> str:
+        return (self.logging.dir or "{run_dir}").replace("{run_dir}", self.resolved_run_dir())

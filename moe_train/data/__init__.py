@@ -1,0 +1,1 @@
+"""Megatron-format indexed datasets, sampling, blending, tokenizers and prepare."""

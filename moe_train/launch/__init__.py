@@ -1,0 +1,1 @@
+"""Torchrun and SLURM rendering, run directories, submit and sweep expansion (no torch at import)."""

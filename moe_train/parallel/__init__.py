@@ -1,0 +1,1 @@
+"""Meshes, tensor/sequence/expert/pipeline/data parallel plans and recompute policies."""

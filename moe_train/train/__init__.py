@@ -1,0 +1,1 @@
+"""The trainer loop, optimizer and LR schedules, metrics and preemption."""

@@ -1,0 +1,1 @@
+"""Built-in recipes, resolvable by name (moe-train recipes list)."""

@@ -1,0 +1,1 @@
+"""jinja2 templates of the rendered jobs (sbatch scripts)."""
