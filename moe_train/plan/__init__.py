@@ -1,0 +1,1 @@
+"""The analytic model: parameters, FLOPs, memory, communication, time (no torch)."""
