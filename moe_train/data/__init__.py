@@ -1,1 +1,29 @@
-"""Megatron-format indexed datasets, sampling, blending, tokenizers and prepare."""
+"""Megatron-format indexed datasets, sampling, blending, tokenizers and prepare.
+
+The public names below load lazily, so that `from moe_train.data.index_header import read_index_header` (and
+`DataError`) stay free of numpy and torch for the login-node `validate`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from moe_train.data.errors import DataError
+
+_LAZY = {
+    "Datasets": "moe_train.data.datasets",
+    "build_datasets": "moe_train.data.datasets",
+    "eod_id": "moe_train.data.datasets",
+    "global_batch": "moe_train.data.batch",
+    "position_ids": "moe_train.data.batch",
+    "read_index_header": "moe_train.data.index_header",
+}
+
+__all__ = ["DataError", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'moe_train.data' has no attribute {name!r}")
