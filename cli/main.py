@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import typer
 
+from .recipes import recipes_app
+from .schema import schema
+from .validate import validate
+
 app = typer.Typer(
     name="moe-train",
     help="Pretraining launcher and training engine for dense and Mixture-of-Experts LLMs.",
@@ -12,6 +16,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
 )
+
+app.command()(validate)
+app.command()(schema)
+app.add_typer(recipes_app, name="recipes")
 
 
 def main() -> None:

@@ -1,0 +1,76 @@
+"""Megatron's pipeline layout notation, parsed without torch so `validate` can check it on a login node.
+
+A layout lists what each pipeline stage holds: `E` the embedding, `t` a decoder layer, `m` an MTP module, `L`
+the loss (final norm and head), `|` a stage break; `X*n` repeats X and parentheses group, so
+`Et*3|(tt|)*29m|L` is 32 stages for DeepSeek-V3's 61 layers. Stages are numbered in virtual order: with pp
+ranks and vpp chunks each, stage s runs on rank s % pp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SYMBOLS = "EtmL"
+
+
+class LayoutError(ValueError):
+    """A layout string that does not parse; the message says where."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    embedding: bool
+    layers: int
+    mtp: int
+    loss: bool
+
+
+def _expand(text: str, position: int, depth: int) -> tuple[str, int]:
+    """Expand repetitions from `position` until a closing parenthesis (depth > 0) or the end."""
+    out: list[str] = []
+    while position < len(text):
+        char = text[position]
+        if char == ")":
+            if depth == 0:
+                raise LayoutError(f"unmatched ')' at character {position + 1}")
+            return "".join(out), position + 1
+        if char == "(":
+            piece, position = _expand(text, position + 1, depth + 1)
+        elif char in SYMBOLS or char == "|":
+            piece, position = char, position + 1
+        elif char.isspace():
+            position += 1
+            continue
+        else:
+            raise LayoutError(f"unexpected '{char}' at character {position + 1} (allowed: E t m L | ( ) *N)")
+        if position < len(text) and text[position] == "*":
+            end = position + 1
+            while end < len(text) and text[end].isdigit():
+                end += 1
+            if end == position + 1:
+                raise LayoutError(f"'*' at character {position + 1} needs a count")
+            piece *= int(text[position + 1 : end])
+            position = end
+        out.append(piece)
+    if depth > 0:
+        raise LayoutError("unclosed '('")
+    return "".join(out), position
+
+
+def parse_layout(text: str) -> list[Stage]:
+    """The stages of a layout string, in virtual-stage order."""
+    flat, _ = _expand(text, 0, 0)
+    stages = [
+        Stage(embedding="E" in chunk, layers=chunk.count("t"), mtp=chunk.count("m"), loss="L" in chunk)
+        for chunk in flat.split("|")
+    ]
+    return stages
+
+
+def even_layout(num_layers: int, stages: int, mtp_layers: int = 0) -> list[Stage]:
+    """The default split: layers divided evenly; embedding first, MTP and loss on the last stage."""
+    per_stage = num_layers // stages
+    return [
+        Stage(embedding=i == 0, layers=per_stage, mtp=mtp_layers if i == stages - 1 else 0, loss=i == stages - 1)
+        for i in range(stages)
+    ]

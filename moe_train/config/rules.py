@@ -1,0 +1,324 @@
+"""Cross-field rules: everything a job would crash on because of its configuration, found before allocation.
+
+Each rule looks at a schema-valid recipe and returns problems, each tied to the field a user should change, so
+the loader can print file:line:column for it. All rules run; nothing stops at the first problem.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .hardware import HARDWARE
+from .pp_layout import LayoutError, parse_layout
+from .schema import DEEPSEEK_ONLY_FIELDS, MLA_FIELDS, Recipe
+
+IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+BYTE_VOCAB = 257
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: tuple[str | int, ...]
+    message: str
+
+    def __str__(self) -> str:
+        return f"{'.'.join(str(part) for part in self.path)}: {self.message}"
+
+
+def _p(dotted: str, message: str) -> Problem:
+    return Problem(tuple(int(part) if part.isdigit() else part for part in dotted.split(".")), message)
+
+
+def check_recipe(recipe: Recipe, *, check_files: bool = True) -> list[Problem]:
+    problems: list[Problem] = []
+    for rule in (_name, _model, _moe, _layout, _pipeline, _recompute, _batch, _train, _launch):
+        problems.extend(rule(recipe))
+    if check_files:
+        problems.extend(_data_files(recipe))
+        problems.extend(_checkpoint_files(recipe))
+    else:
+        problems.extend(_data_shape(recipe))
+    return problems
+
+
+def _name(r: Recipe) -> list[Problem]:
+    if not SAFE_NAME.match(r.name):
+        return [_p("name", f"'{r.name}' must be letters, digits, '.', '_' or '-' (it names the run folder)")]
+    return []
+
+
+def _model(r: Recipe) -> list[Problem]:
+    m, out = r.model, []
+    set_fields = m.model_fields_set
+    if m.family != "deepseek_v3":
+        for field in DEEPSEEK_ONLY_FIELDS:
+            if field in set_fields and getattr(m, field) not in (None, 0):
+                out.append(_p(f"model.{field}", f"only for family deepseek_v3 (this recipe is {m.family})"))
+        if m.num_attention_heads % m.kv_heads:
+            out.append(
+                _p("model.num_query_groups", f"{m.kv_heads} must divide num_attention_heads {m.num_attention_heads}")
+            )
+        if m.head_dim is None and m.hidden_size % m.num_attention_heads:
+            out.append(_p("model.head_dim", "required when hidden_size is not a multiple of num_attention_heads"))
+    else:
+        for field in MLA_FIELDS[1:]:
+            if getattr(m, field) is None:
+                out.append(_p(f"model.{field}", "required for family deepseek_v3 (multi-head latent attention)"))
+        if m.qk_rope_head_dim is not None and m.qk_rope_head_dim % 2:
+            out.append(_p("model.qk_rope_head_dim", f"must be even for rotary embeddings, got {m.qk_rope_head_dim}"))
+        if m.first_k_dense > m.num_layers:
+            out.append(_p("model.first_k_dense", f"{m.first_k_dense} exceeds num_layers {m.num_layers}"))
+    if m.family == "qwen3" and m.moe is not None:
+        out.append(_p("model.moe", "family qwen3 is dense; use family qwen3_moe for experts"))
+    if m.family in ("qwen3_moe", "deepseek_v3") and m.moe is None:
+        out.append(_p("model.moe", f"required for family {m.family}"))
+    if m.family != "deepseek_v3" and m.attention_head_dim % 2:
+        out.append(_p("model.head_dim", f"must be even for rotary embeddings, got {m.attention_head_dim}"))
+    if r.data.source != "mock" and r.data.tokenizer == "byte" and m.vocab_size < BYTE_VOCAB:
+        out.append(_p("model.vocab_size", f"{m.vocab_size} cannot hold the byte tokenizer's {BYTE_VOCAB} ids"))
+    if r.train.seq_length > m.max_position_embeddings:
+        out.append(
+            _p("train.seq_length", f"{r.train.seq_length} exceeds model.max_position_embeddings "
+               f"{m.max_position_embeddings}")
+        )
+    return out
+
+
+def _moe(r: Recipe) -> list[Problem]:
+    moe, out = r.model.moe, []
+    if moe is None:
+        return out
+    router = moe.router
+    if moe.top_k > moe.num_experts:
+        out.append(_p("model.moe.top_k", f"{moe.top_k} exceeds num_experts {moe.num_experts}"))
+    if (router.num_groups is None) != (router.group_top_k is None):
+        out.append(_p("model.moe.router.group_top_k", "set num_groups and group_top_k together, or neither"))
+    elif router.num_groups is not None and router.group_top_k is not None:
+        if moe.num_experts % router.num_groups:
+            out.append(
+                _p("model.moe.router.num_groups", f"{router.num_groups} must divide num_experts {moe.num_experts}")
+            )
+        if router.group_top_k > router.num_groups:
+            out.append(
+                _p("model.moe.router.group_top_k", f"{router.group_top_k} exceeds num_groups {router.num_groups}")
+            )
+        elif moe.num_experts % router.num_groups == 0:
+            reachable = router.group_top_k * moe.num_experts // router.num_groups
+            if moe.top_k > reachable:
+                out.append(
+                    _p("model.moe.top_k", f"{moe.top_k} exceeds the {reachable} experts in group_top_k groups")
+                )
+    if moe.pad_to_capacity and moe.capacity_factor is None:
+        out.append(_p("model.moe.pad_to_capacity", "needs capacity_factor (dropless has no capacity)"))
+    return out
+
+
+def _layout(r: Recipe) -> list[Problem]:
+    p, m, launch, out = r.parallel, r.model, r.launch, []
+    dense = p.pp * p.cp * p.tp
+    if p.dp is None:
+        if r.world_size % dense:
+            out.append(
+                _p("launch.gpus_per_node", f"world size {r.world_size} (nodes {launch.nodes} x gpus_per_node "
+                   f"{launch.gpus_per_node}) is not divisible by pp*cp*tp = {dense}")
+            )
+            return out
+    elif dense * p.dp != r.world_size:
+        out.append(
+            _p("parallel.dp", f"pp*dp*cp*tp = {dense * p.dp} but the world size is {r.world_size} (nodes "
+               f"{launch.nodes} x gpus_per_node {launch.gpus_per_node})")
+        )
+        return out
+    folded = r.dp * p.cp * p.tp
+    if m.moe is None:
+        for field in ("ep", "etp"):
+            if getattr(p, field) > 1:
+                out.append(_p(f"parallel.{field}", "expert parallelism needs a MoE model (model.moe)"))
+    else:
+        if folded % (p.ep * p.etp):
+            out.append(
+                _p("parallel.ep", f"the expert mesh must fold onto the dense one: dp*cp*tp = {folded} is not "
+                   f"divisible by ep*etp = {p.ep * p.etp}")
+            )
+        if m.moe.num_experts % p.ep:
+            out.append(_p("parallel.ep", f"{p.ep} must divide model.moe.num_experts {m.moe.num_experts}"))
+        if m.moe.ffn_hidden_size % p.etp:
+            out.append(_p("parallel.etp", f"{p.etp} must divide model.moe.ffn_hidden_size {m.moe.ffn_hidden_size}"))
+    if m.num_attention_heads % p.tp:
+        out.append(_p("parallel.tp", f"{p.tp} must divide model.num_attention_heads {m.num_attention_heads}"))
+    if m.family != "deepseek_v3" and m.kv_heads % p.tp:
+        out.append(_p("parallel.tp", f"{p.tp} must divide model.num_query_groups {m.kv_heads}"))
+    if m.ffn_hidden_size % p.tp:
+        out.append(_p("parallel.tp", f"{p.tp} must divide model.ffn_hidden_size {m.ffn_hidden_size}"))
+    if p.sequence_parallel and p.tp == 1:
+        out.append(_p("parallel.sequence_parallel", "needs tp > 1 (it shards the tensor-parallel region)"))
+    if (p.sequence_parallel or p.cp > 1) and r.train.seq_length % (p.tp * p.cp):
+        out.append(
+            _p("train.seq_length", f"{r.train.seq_length} must be divisible by tp*cp = {p.tp * p.cp} with "
+               "sequence/context parallelism")
+        )
+    return out
+
+
+def _pipeline(r: Recipe) -> list[Problem]:
+    p, m, out = r.parallel, r.model, []
+    stages = p.pp * p.vpp
+    if p.vpp > 1 and p.pp == 1:
+        out.append(_p("parallel.vpp", "virtual stages need pp > 1"))
+    if p.pp_schedule == "interleaved_1f1b" and p.vpp == 1:
+        out.append(_p("parallel.pp_schedule", "interleaved_1f1b needs vpp > 1"))
+    if p.vpp > 1 and p.pp_schedule not in ("interleaved_1f1b", "zero_bubble"):
+        out.append(_p("parallel.pp_schedule", f"vpp {p.vpp} needs interleaved_1f1b or zero_bubble"))
+    if p.pp_layout is None:
+        if m.num_layers % stages:
+            out.append(
+                _p("parallel.pp_layout", f"num_layers {m.num_layers} does not split evenly over pp*vpp = {stages} "
+                   "stages; give a layout such as 'Et*3|(tt|)*29m|L'")
+            )
+        return out
+    try:
+        layout = parse_layout(p.pp_layout)
+    except LayoutError as error:
+        return [_p("parallel.pp_layout", str(error))]
+    layers = sum(stage.layers for stage in layout)
+    mtp = sum(stage.mtp for stage in layout)
+    if len(layout) != stages:
+        out.append(_p("parallel.pp_layout", f"has {len(layout)} stages, but pp*vpp = {stages}"))
+    if layers != m.num_layers:
+        out.append(_p("parallel.pp_layout", f"places {layers} decoder layers ('t'), but num_layers is {m.num_layers}"))
+    if mtp != m.mtp_layers:
+        out.append(_p("parallel.pp_layout", f"places {mtp} MTP modules ('m'), but mtp_layers is {m.mtp_layers}"))
+    if not layout[0].embedding or sum(stage.embedding for stage in layout) != 1:
+        out.append(_p("parallel.pp_layout", "the embedding 'E' must appear once, in the first stage"))
+    if not layout[-1].loss or sum(stage.loss for stage in layout) != 1:
+        out.append(_p("parallel.pp_layout", "the loss 'L' must appear once, in the last stage"))
+    return out
+
+
+def _recompute(r: Recipe) -> list[Problem]:
+    rc, m, out = r.parallel.recompute, r.model, []
+    if rc.granularity != "selective":
+        return out
+    for module in rc.modules:
+        if module == "mla_up_proj" and m.family != "deepseek_v3":
+            out.append(_p("parallel.recompute.modules", "mla_up_proj needs multi-head latent attention (deepseek_v3)"))
+        if module in ("moe_act", "moe") and m.moe is None:
+            out.append(_p("parallel.recompute.modules", f"{module} needs a MoE model (model.moe)"))
+        if module == "shared_experts" and (m.moe is None or m.moe.shared_expert_ffn_hidden_size == 0):
+            out.append(_p("parallel.recompute.modules", "shared_experts needs model.moe.shared_expert_ffn_hidden_size"))
+        if module == "mlp" and m.moe is not None and m.first_k_dense == 0:
+            out.append(_p("parallel.recompute.modules", "mlp recomputes dense MLPs, and this model has none; use moe"))
+    return out
+
+
+def _batch(r: Recipe) -> list[Problem]:
+    t, p, out = r.train, r.parallel, []
+    per_step = t.micro_batch_size * r.dp
+    if t.global_batch_size % per_step:
+        out.append(
+            _p("train.global_batch_size", f"{t.global_batch_size} must be divisible by micro_batch_size * dp = "
+               f"{t.micro_batch_size} * {r.dp}")
+        )
+    elif p.pp_schedule == "interleaved_1f1b" and p.pp > 1 and (t.global_batch_size // per_step) % p.pp:
+        out.append(
+            _p("train.global_batch_size", f"interleaved 1F1B needs the micro-batch count "
+               f"{t.global_batch_size // per_step} to be a multiple of pp {p.pp}")
+        )
+    return out
+
+
+def _train(r: Recipe) -> list[Problem]:
+    t, out = r.train, []
+    if t.exit_at_step is not None and t.exit_at_step > t.steps:
+        out.append(_p("train.exit_at_step", f"{t.exit_at_step} is after the last step {t.steps}"))
+    if t.warmup_steps > t.steps:
+        out.append(_p("train.warmup_steps", f"{t.warmup_steps} exceeds steps {t.steps}"))
+    if t.min_lr > t.lr:
+        out.append(_p("train.min_lr", f"{t.min_lr} exceeds lr {t.lr}"))
+    if t.eval_interval is not None and r.data.valid_fraction == 0 and r.data.source != "mock":
+        out.append(_p("train.eval_interval", "evaluation needs held-out data: set data.valid_fraction > 0"))
+    if t.precision == "fp8" and r.launch.device != "cuda":
+        out.append(_p("train.precision", "fp8 needs launch.device: cuda (transformer-engine on Hopper or newer)"))
+    return out
+
+
+def _launch(r: Recipe) -> list[Problem]:
+    launch, out = r.launch, []
+    hardware = HARDWARE.get(launch.gpu)
+    if hardware is None:
+        out.append(_p("launch.gpu", f"unknown '{launch.gpu}'; allowed: {', '.join(HARDWARE)}"))
+    else:
+        if launch.device == "cpu" and launch.gpu != "cpu":
+            out.append(_p("launch.gpu", f"'{launch.gpu}' with launch.device cpu; use gpu: cpu or device: cuda"))
+        if launch.device == "cuda" and launch.gpu == "cpu":
+            out.append(_p("launch.gpu", "name the GPU for launch.device cuda (e.g. h100)"))
+        if launch.device == "cuda" and launch.gpus_per_node > hardware.gpus_per_node:
+            out.append(
+                _p("launch.gpus_per_node", f"{launch.gpus_per_node} exceeds the {hardware.gpus_per_node} GPUs "
+                   f"of a {launch.gpu} node")
+            )
+        if r.train.precision == "fp8" and hardware.id != "cpu" and not hardware.supports_fp8:
+            out.append(_p("train.precision", f"{hardware.name} has no fp8 tensor cores"))
+    for name in launch.env:
+        if not IDENTIFIER.match(name):
+            out.append(_p("launch.env", f"'{name}' is not a valid environment variable name"))
+    slurm = launch.slurm
+    for field in ("partition", "account", "time", "job_name", "qos", "constraint", "container_image"):
+        value = getattr(slurm, field)
+        if value is not None and ("\n" in value or "\r" in value):
+            out.append(_p(f"launch.slurm.{field}", "must be one line (newlines would break the #SBATCH header)"))
+    for index, directive in enumerate(slurm.extra_sbatch):
+        if "\n" in directive or "\r" in directive:
+            out.append(_p(f"launch.slurm.extra_sbatch.{index}", "must be one line"))
+    return out
+
+
+def _data_shape(r: Recipe) -> list[Problem]:
+    d, out = r.data, []
+    if d.source == "indexed" and not d.paths:
+        out.append(_p("data.paths", "source indexed needs at least one .bin/.idx prefix"))
+    if d.source != "indexed" and d.paths:
+        out.append(_p("data.paths", f"only for source indexed (source is {d.source})"))
+    if d.weights is not None:
+        if len(d.weights) != len(d.paths):
+            out.append(_p("data.weights", f"{len(d.weights)} weights for {len(d.paths)} paths"))
+        if any(w <= 0 or not math.isfinite(w) for w in d.weights):
+            out.append(_p("data.weights", "weights must be positive"))
+    return out
+
+
+def _data_files(r: Recipe) -> list[Problem]:
+    from moe_train.data.errors import DataError
+    from moe_train.data.index_header import read_index_header
+
+    d, out = r.data, _data_shape(r)
+    if d.tokenizer != "byte" and r.data.source != "mock" and not Path(d.tokenizer).is_file():
+        out.append(_p("data.tokenizer", f"'byte' or a tokenizer.json file; {d.tokenizer} does not exist"))
+    if d.source != "indexed":
+        return out
+    for index, prefix in enumerate(d.paths):
+        stem = prefix.removesuffix(".bin").removesuffix(".idx")
+        for suffix in (".bin", ".idx"):
+            if not Path(stem + suffix).is_file():
+                out.append(_p(f"data.paths.{index}", f"{stem + suffix} does not exist"))
+        if Path(stem + ".idx").is_file():
+            try:
+                read_index_header(stem)
+            except DataError as error:
+                out.append(_p(f"data.paths.{index}", str(error)))
+    return out
+
+
+def _checkpoint_files(r: Recipe) -> list[Problem]:
+    c, out = r.checkpoint, []
+    if c.resume not in ("auto", "required", "never") and not Path(c.resume).exists():
+        out.append(_p("checkpoint.resume", f"auto, required, never or an existing checkpoint; {c.resume} does not exist"))
+    if c.init_from is not None and not Path(c.init_from).exists():
+        out.append(_p("checkpoint.init_from", f"{c.init_from} does not exist"))
+    if c.init_from is not None and c.resume not in ("auto", "never"):
+        out.append(_p("checkpoint.init_from", f"conflicts with resume {c.resume}: init_from starts fresh at step 0"))
+    return out
