@@ -107,12 +107,11 @@ def _read_with_parents(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict[
 
 def _get(data: Any, path: Path_) -> Any:
     for part in path:
-        if isinstance(data, dict) and part in data:
-            data = data[part]
-        elif isinstance(data, list) and isinstance(part, int) and part < len(data):
-            data = data[part]
-        else:
+        in_mapping = isinstance(data, dict) and part in data
+        in_list = isinstance(data, list) and isinstance(part, int) and part < len(data)
+        if not (in_mapping or in_list):
             return None
+        data = data[part]
     return data
 
 

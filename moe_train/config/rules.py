@@ -316,7 +316,9 @@ def _data_files(r: Recipe) -> list[Problem]:
 def _checkpoint_files(r: Recipe) -> list[Problem]:
     c, out = r.checkpoint, []
     if c.resume not in ("auto", "required", "never") and not Path(c.resume).exists():
-        out.append(_p("checkpoint.resume", f"auto, required, never or an existing checkpoint; {c.resume} does not exist"))
+        out.append(
+            _p("checkpoint.resume", f"auto, required, never or an existing checkpoint; {c.resume} does not exist")
+        )
     if c.init_from is not None and not Path(c.init_from).exists():
         out.append(_p("checkpoint.init_from", f"{c.init_from} does not exist"))
     if c.init_from is not None and c.resume not in ("auto", "never"):

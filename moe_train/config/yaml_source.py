@@ -112,5 +112,5 @@ def read_yaml_mapping(path: Path, display: str) -> tuple[dict[str, Any], dict[Pa
 
     if not isinstance(data, dict):
         kind = "a list" if isinstance(data, list) else f"a {type(data).__name__} value"
-        raise SourceError([f"{display}:1:1: the recipe must be a mapping of sections (name, model, train, ...), got {kind}"])
+        raise SourceError([f"{display}:1:1: a recipe is a mapping of sections (name, model, train, ...), not {kind}"])
     return data, positions
