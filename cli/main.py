@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from .data import data_app
 from .recipes import recipes_app
 from .schema import schema
 from .validate import validate
@@ -20,6 +21,7 @@ app = typer.Typer(
 app.command()(validate)
 app.command()(schema)
 app.add_typer(recipes_app, name="recipes")
+app.add_typer(data_app, name="data")
 
 
 def main() -> None:
