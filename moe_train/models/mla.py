@@ -1,0 +1,73 @@
+"""Multi-head latent attention (DeepSeek-V2/V3): keys and values pass through a low-rank latent.
+
+q: hidden -> q_lora_rank -> RMSNorm -> heads x (nope + rope), or one plain projection when q_lora_rank is null.
+kv: hidden -> kv_lora_rank + rope (kv_a_proj_with_mqa); the latent part is normed and expanded to
+heads x (nope + v) by kv_b_proj; the rope part is one key shared by all heads. Rotary embeddings touch only the
+rope dims, in DeepSeek's interleaved layout. With YaRN the softmax scale grows by mscale(factor,
+mscale_all_dim)^2. SDPA's fused kernels need one head size for q, k and v, so the smaller side is zero-padded
+(zeros change neither q.k nor the output columns kept).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_train.config.schema import ModelConfig
+from moe_train.models.attention import attend
+from moe_train.models.norm import RMSNorm
+from moe_train.models.rope import apply_rotary, yarn_mscale
+
+# DeepSeek-V3 (and transformers) build the two latent norms with the default eps, not the model's norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.heads = cfg.num_attention_heads
+        self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.q_lora_rank, self.kv_lora_rank = cfg.q_lora_rank, cfg.kv_lora_rank
+        qk_dim = self.nope_dim + self.rope_dim
+        hidden = cfg.hidden_size
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, self.heads * qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.heads * qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.heads * self.v_dim, hidden, bias=False)
+
+        self.scale = qk_dim**-0.5
+        yarn = cfg.rope.scaling
+        if yarn is not None and yarn.mscale_all_dim:
+            self.scale *= yarn_mscale(yarn.factor, yarn.mscale_all_dim) ** 2
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        b, s, _ = x.shape
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rot = q.view(b, s, self.heads, -1).transpose(1, 2).split([self.nope_dim, self.rope_dim], dim=-1)
+
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, s, self.heads, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+
+        q_rot = apply_rotary(q_rot, cos, sin, interleaved=True)
+        k_rot = apply_rotary(k_rot.view(b, 1, s, self.rope_dim), cos, sin, interleaved=True)
+        q = torch.cat((q_nope, q_rot), dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(b, self.heads, s, self.rope_dim)), dim=-1)
+
+        pad = q.shape[-1] - self.v_dim
+        if pad > 0:
+            v = F.pad(v, (0, pad))
+        elif pad < 0:
+            q, k = F.pad(q, (0, -pad)), F.pad(k, (0, -pad))
+        out = attend(q, k, v, mask, scale=self.scale)[..., : self.v_dim]
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))

@@ -1,0 +1,39 @@
+"""DeepSeek-V3 multi-token prediction (MTP): module k predicts the token k+1 positions ahead of the main head.
+
+At position i, module k combines the previous depth's hidden state h_i (the main model's final-normed output for
+k = 1) with the embedding of token i+k: eh_proj(cat(enorm(emb), hnorm(h))), runs one decoder block over the
+sequence, normalises, and scores with the shared output head. The embedding and head are the main model's
+(shared, not copied), as in the paper, Megatron-Core and DeepSeek's checkpoints (whose per-module copies
+`embed_tokens` / `shared_head.head` import_hf ignores and export_hf leaves out).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moe_train.config.schema import ModelConfig
+from moe_train.models.decoder import DecoderBlock
+from moe_train.models.norm import RMSNorm
+
+
+class MTPModule(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, layer_index: int) -> None:
+        super().__init__()
+        self.enorm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.block = DecoderBlock(cfg, layer_index=layer_index)
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        next_embeds: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """hidden [b, s, h] from the previous depth, next_embeds [b, s, h] of the tokens k ahead -> [b, s, h]."""
+        x = self.eh_proj(torch.cat((self.enorm(next_embeds), self.hnorm(hidden)), dim=-1))
+        return self.norm(self.block(x, cos, sin, mask))

@@ -1,0 +1,81 @@
+"""Rotary position embeddings: plain and YaRN frequencies, half-split and interleaved (DeepSeek-V3) layouts.
+
+The angles are computed in fp32 from the position ids on every forward (no buffers: nothing to materialise after
+building on the meta device, nothing to checkpoint), and the rotation itself runs in fp32 so bf16 runs keep
+precise positions. Frequencies and the YaRN attention factor follow transformers' formulas to the bit, which is
+what lets our logits match Hugging Face models within 1e-4.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from moe_train.config.schema import RopeConfig
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 when the context is not extended)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def inverse_frequencies(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
+    """fp32 inverse frequencies [dim/2] and the factor cos/sin are multiplied by (1 without YaRN)."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    yarn = rope.scaling
+    if yarn is None:
+        return 1.0 / (rope.theta**exponents), 1.0
+
+    if yarn.mscale and yarn.mscale_all_dim:
+        attention_factor = yarn_mscale(yarn.factor, yarn.mscale) / yarn_mscale(yarn.factor, yarn.mscale_all_dim)
+    else:
+        attention_factor = yarn_mscale(yarn.factor)
+
+    # Dimensions rotating fast within the original context keep their frequency (extrapolation), slow ones are
+    # divided by the factor (interpolation), with a linear ramp between the two correction dimensions.
+    def correction_dim(rotations: float) -> float:
+        wavelengths = yarn.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return dim * math.log(wavelengths) / (2 * math.log(rope.theta))
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp
+    base = rope.theta**exponents
+    inv_freq = 1.0 / (yarn.factor * base) * (1 - keep) + 1.0 / base * keep
+    return inv_freq, attention_factor
+
+
+class RotaryEmbedding(nn.Module):
+    """Maps position ids [b, s] to fp32 (cos, sin) [b, s, dim/2], shared by every layer of one forward."""
+
+    def __init__(self, *, dim: int, rope: RopeConfig) -> None:
+        super().__init__()
+        self.dim = dim
+        self.rope = rope
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq, attention_factor = inverse_frequencies(self.dim, self.rope)
+        angles = position_ids[..., None].float() * inv_freq.to(position_ids.device)
+        return angles.cos() * attention_factor, angles.sin() * attention_factor
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False) -> torch.Tensor:
+    """Rotate x [b, heads, s, d] by the angles (cos, sin) [b, s, d/2].
+
+    Half-split layout (Qwen3): pairs are (x[i], x[i + d/2]). Interleaved layout (DeepSeek-V3): pairs are
+    (x[2i], x[2i+1]); the result is written half-split, as transformers does: q and k get the same permutation,
+    so their dot products, the only thing attention uses, are unchanged.
+    """
+    dtype = x.dtype
+    x = x.float()
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
