@@ -1,0 +1,49 @@
+"""Saving a training checkpoint atomically: temporary folder, DCP write, rename, `latest`, keep-K.
+
+Every rank calls `save_checkpoint` at the same step boundary. Rank 0 owns the folder operations; barriers
+order them around the collective DCP write, so no rank can see `latest` move before every shard is on disk.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe_train.checkpoint.layout import prune, publish, step_dir_name, tmp_dir
+from moe_train.checkpoint.state import Progress, save_training_state, write_model_config
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def save_checkpoint(
+    ckpt_dir: Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    progress: Progress,
+    model_config: dict,
+    keep: int | None,
+) -> Path:
+    """Write `step-NNNNNNN` for `progress.step` and make it the latest; returns its final path."""
+    is_rank0 = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    tmp = tmp_dir(ckpt_dir, progress.step)
+    if is_rank0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # left by a save that was killed midway
+            shutil.rmtree(tmp)
+    _barrier()
+    save_training_state(tmp, model=model, optimizer=optimizer, progress=progress)
+    write_model_config(tmp, model_config)
+    _barrier()
+    if is_rank0:
+        publish(tmp, step=progress.step)
+        prune(ckpt_dir, keep=keep)
+    _barrier()
+    return ckpt_dir / step_dir_name(progress.step)

@@ -1,0 +1,135 @@
+"""What a checkpoint holds and how it goes through torch.distributed.checkpoint (DCP).
+
+A training checkpoint is one DCP state dict:
+- `model.*`: the model's state dict (parameters and persistent buffers such as the MoE expert bias);
+- `optim.state.*`: AdamW's per-parameter moments and step counts, keyed by parameter name
+  (`get_state_dict`), so they reshard with the model. Hyperparameters (`param_groups`) are not stored: they
+  come from the recipe, and the learning rate is a function of the step;
+- `progress.*`: the step, consumed samples and skipped-step count, as int64 tensors;
+- `rng.rank{R}.cpu` (and `.cuda`): each rank's generator states, restored when the rank exists in the save.
+Everything is a tensor, so loading never unpickles objects: DCP's byte items (read with a full unpickler)
+never occur, and `torch.load` is called nowhere in this package but with `weights_only=True`.
+DCP works with or without a process group; with one, every rank calls these functions together.
+A model-only checkpoint (`convert from-hf`, `init_from`) is the same format with only `model.*`.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from moe_train.checkpoint.layout import MODEL_CONFIG, CheckpointError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Progress:
+    """Where training stands: enough, with the model and optimizer, to continue bit for bit."""
+
+    step: int = 0
+    consumed_samples: int = 0
+    skipped: int = 0
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _dcp(fn, state: dict, path: Path) -> None:
+    """Call dcp.save/load, single-process when no process group exists (without DCP's warning about it)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        fn(state, checkpoint_id=str(path), no_dist=not _distributed())
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    prefix = f"rank{_rank()}"
+    state = {f"{prefix}.cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state[f"{prefix}.cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _progress_tensors(progress: Progress) -> dict[str, torch.Tensor]:
+    return {
+        "step": torch.tensor(progress.step, dtype=torch.int64),
+        "consumed_samples": torch.tensor(progress.consumed_samples, dtype=torch.int64),
+        "skipped": torch.tensor(progress.skipped, dtype=torch.int64),
+    }
+
+
+def write_model_config(path: Path, model_config: dict) -> None:
+    """The model section beside the tensors, so a checkpoint can be exported or inspected on its own."""
+    if _rank() == 0:
+        (path / MODEL_CONFIG).write_text(json.dumps(model_config, indent=1) + "\n", encoding="utf-8")
+
+
+def read_model_config(path: Path) -> dict:
+    return json.loads((path / MODEL_CONFIG).read_text(encoding="utf-8"))
+
+
+def save_training_state(
+    path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, progress: Progress
+) -> None:
+    """Write model, optimizer, progress and RNG states into `path` (a fresh folder)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {
+        "model": model_sd,
+        "optim": {"state": optim_sd["state"]},
+        "progress": _progress_tensors(progress),
+        "rng": _rng_state(),
+    }
+    _dcp(dcp.save, state, path)
+
+
+def load_training_state(path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> Progress:
+    """Restore what `save_training_state` wrote into a freshly built model and optimizer."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # also materialises empty optimizer state to fill
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    rng = {k: v for k, v in _rng_state().items() if f"rng.{k}" in saved}
+    state = {
+        "model": model_sd,
+        "optim": {"state": optim_sd["state"]},
+        "progress": _progress_tensors(Progress()),
+        "rng": rng,
+    }
+    _dcp(dcp.load, state, path)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    prefix = f"rank{_rank()}"
+    if f"{prefix}.cpu" in rng:
+        torch.set_rng_state(rng[f"{prefix}.cpu"])
+    if f"{prefix}.cuda" in rng:
+        torch.cuda.set_rng_state(rng[f"{prefix}.cuda"])
+    p = state["progress"]
+    return Progress(step=int(p["step"]), consumed_samples=int(p["consumed_samples"]), skipped=int(p["skipped"]))
+
+
+def save_model_weights(path: Path, state_dict: dict[str, torch.Tensor]) -> None:
+    """A model-only checkpoint (no optimizer, no progress): what `init_from` loads."""
+    _dcp(dcp.save, {"model": state_dict}, path)
+
+
+def load_model_weights(path: Path, model: nn.Module) -> None:
+    """Load the `model.*` part of any checkpoint (model-only or full) into `model`, strictly by name."""
+    model_sd = model.state_dict()
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    missing = sorted(k for k in model_sd if f"model.{k}" not in saved)
+    unexpected = sorted(k[len("model.") :] for k in saved if k.startswith("model.") and k[6:] not in model_sd)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path}: does not match the model: {len(missing)} tensors missing {missing[:3]}, "
+            f"{len(unexpected)} unexpected {unexpected[:3]}"
+        )
+    _dcp(dcp.load, {"model": model_sd}, path)
+    model.load_state_dict(model_sd, strict=True)

@@ -1,0 +1,391 @@
+"""The trainer: from a resolved recipe to trained steps, metrics and checkpoints.
+
+One optimizer step ("step N", 1-based) trains on global batch N-1 of the data (samples [(N-1)*G, N*G)), split
+over data-parallel ranks and then into micro-batches whose gradients accumulate. The optimised loss is the
+token-summed cross-entropy divided by the global batch's token count, plus the model's weighted aux loss and
+MTP loss averaged over micro-batches, so the gradient is the same whatever the micro-batch size or the number
+of data-parallel ranks (whose gradients are summed by one all-reduce).
+
+The state that decides the next step is the model, the optimizer and the step number (data order and learning
+rate are functions of the step), which is exactly what a checkpoint holds: a run stopped at step K and resumed
+reproduces the uninterrupted run bit for bit in fp32.
+
+Stops at a step boundary: `train.steps` (writes COMPLETE), `train.exit_at_step`, SIGINT/SIGTERM or the
+launcher's preemption notice file (all three: checkpoint, then a clean return). A non-finite loss or gradient
+norm skips the update (the model stays as it was) or stops with a TrainingError, per `train.on_nonfinite`;
+no checkpoint is ever written after a non-finite update because none is ever applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import resource
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moe_train.checkpoint.resume import start_point
+from moe_train.checkpoint.save import save_checkpoint
+from moe_train.checkpoint.state import Progress, load_model_weights, load_training_state
+from moe_train.config.schema import Recipe
+from moe_train.data import build_datasets, global_batch, position_ids
+from moe_train.models import build_model
+from moe_train.models.decoder import DecoderBlock
+from moe_train.models.moe import MoELayer, update_expert_bias
+from moe_train.train.errors import TrainingError
+from moe_train.train.flops import training_flops_per_token
+from moe_train.train.metrics import MetricsLogger, eval_record, expert_balance, train_record
+from moe_train.train.optimizer import build_optimizer, set_lr
+from moe_train.train.peak import peak_flops
+from moe_train.train.schedule import lr_at
+
+PREEMPT_FILE = "PREEMPT"
+COMPLETE_FILE = "COMPLETE"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Summary:
+    """What a run did. `status`: complete (train.steps reached), exited (exit_at_step) or preempted."""
+
+    status: str
+    step: int
+    steps_run: int
+    tokens: int
+    final_loss: float | None
+    tokens_per_s: float
+    mfu: float
+    wall_s: float
+    run_dir: Path
+    checkpoint: Path | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    loss: float
+    lm_loss: float
+    aux_loss: float
+    mtp_loss: float
+    grad_norm: float
+    moe: dict[str, dict[str, float]] | None
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
+
+
+def _finite_or_none(value: float) -> float | None:
+    """JSON has no NaN or infinity: a skipped step's poisoned figures are written as null."""
+    return value if math.isfinite(value) else None
+
+
+class Trainer:
+    """Builds model, optimizer, data and the start point from a recipe; `train()` runs the steps.
+
+    Every rank of a job constructs one Trainer with the same resolved recipe. The process group, when the
+    world size is above 1, must already exist (`run_from_recipe` creates it).
+    """
+
+    def __init__(self, recipe: Recipe) -> None:
+        self.recipe = recipe
+        train = recipe.train
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.dp_size = dist.get_world_size() if self.distributed else 1
+        self.device = torch.device(
+            f"cuda:{torch.cuda.current_device()}" if recipe.launch.device == "cuda" else "cpu"
+        )
+        torch.manual_seed(train.seed)
+        self.run_dir = Path(recipe.resolved_run_dir())
+        self.ckpt_dir = Path(recipe.checkpoint_dir())
+        self.datasets = build_datasets(recipe)
+        self.model = build_model(recipe.model, device=self.device, seed=train.seed)
+        self.model.train()
+        self.optimizer = build_optimizer(self.model, train=train)
+        self.moe_layers = {
+            m.layer_index: m.mlp
+            for m in self.model.modules()
+            if isinstance(m, DecoderBlock) and isinstance(m.mlp, MoELayer)
+        }
+        self.progress = Progress()
+        self.started_from: Path | None = None
+        start = start_point(
+            ckpt_dir=self.ckpt_dir, resume=recipe.checkpoint.resume, init_from=recipe.checkpoint.init_from
+        )
+        if start.resume_from is not None:
+            self.progress = load_training_state(start.resume_from, model=self.model, optimizer=self.optimizer)
+            self.started_from = start.resume_from
+        elif start.init_from is not None:
+            load_model_weights(start.init_from, self.model)
+            self.started_from = start.init_from
+        self.tokens_per_step = train.global_batch_size * train.seq_length
+        self.flops_per_token = training_flops_per_token(recipe.model, seq_length=train.seq_length)
+        self.peak = peak_flops(device=recipe.launch.device, gpu=recipe.launch.gpu, precision=train.precision)
+        self._stop_signal: str | None = None
+
+    # ------------------------------------------------------------------------------------------ one step
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.recipe.train.precision == "bf16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def _micro_batches(self, source, batch_index: int) -> list[torch.Tensor]:
+        train = self.recipe.train
+        tokens = global_batch(
+            source,
+            step=batch_index,
+            global_batch_size=train.global_batch_size,
+            dp_rank=self.rank,
+            dp_size=self.dp_size,
+        ).to(self.device)
+        return list(tokens.split(train.micro_batch_size))
+
+    def _inputs(self, micro: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        inputs, labels = micro[:, :-1], micro[:, 1:]
+        positions = position_ids(inputs, self.datasets.eod) if self.recipe.data.reset_at_eod else None
+        return inputs, labels, positions
+
+    def train_step(self, step: int) -> StepResult:
+        """Forward/backward over this rank's micro-batches of global batch step-1, then clip and update."""
+        train = self.recipe.train
+        micro_batches = self._micro_batches(self.datasets.train, step - 1)
+        share = 1.0 / (len(micro_batches) * self.dp_size)  # of each micro-batch's mean losses
+        global_tokens = train.global_batch_size * train.seq_length
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = torch.zeros(3, dtype=torch.float64)  # lm, aux, mtp contributions to the global mean
+        counts = {i: torch.zeros(layer.moe.num_experts, dtype=torch.int64) for i, layer in self.moe_layers.items()}
+        dropped = dict.fromkeys(self.moe_layers, 0.0)
+        for micro in micro_batches:
+            inputs, labels, positions = self._inputs(micro)
+            with self._autocast():
+                logits = self.model(inputs, positions, labels=labels)
+            lm = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / global_tokens
+            aux = self.model.aux_loss() * share
+            mtp = self.model.mtp_loss() * share
+            (lm + aux + mtp).backward()
+            sums += torch.stack([lm.detach(), aux.detach(), mtp.detach()]).double().cpu()
+            for index, stats in self.model.moe_stats().items():
+                counts[index] += stats.tokens_per_expert.cpu()
+                dropped[index] += stats.dropped_fraction * share
+        self._reduce_gradients()
+        self._all_reduce(sums)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), train.grad_clip or math.inf, foreach=True
+        ).item()
+        lm_loss, aux_loss, mtp_loss = sums.tolist()
+        result = StepResult(
+            loss=lm_loss + aux_loss + mtp_loss,
+            lm_loss=lm_loss,
+            aux_loss=aux_loss,
+            mtp_loss=mtp_loss,
+            grad_norm=grad_norm,
+            moe=self._balance(counts, dropped),
+        )
+        if result.finite:
+            set_lr(self.optimizer, lr_at(step, train=train))
+            self.optimizer.step()
+            self._update_expert_bias(counts)
+        self.optimizer.zero_grad(set_to_none=True)
+        return result
+
+    def _reduce_gradients(self) -> None:
+        """Sum gradients over data-parallel ranks in one flat all-reduce (each rank's loss is already scaled)."""
+        if not self.distributed:
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _balance(self, counts: dict[int, torch.Tensor], dropped: dict[int, float]) -> dict | None:
+        if not self.moe_layers:
+            return None
+        stacked = self._all_reduce(torch.stack([counts[i] for i in sorted(counts)]))
+        drops = self._all_reduce(torch.tensor([dropped[i] for i in sorted(dropped)], dtype=torch.float64))
+        for row, index in enumerate(sorted(counts)):
+            counts[index] = stacked[row]
+        return {str(i): expert_balance(counts[i], drops[row].item()) for row, i in enumerate(sorted(counts))}
+
+    def _update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
+        """Aux-loss-free balancing from the whole global batch's counts (identical on every rank)."""
+        for index, layer in self.moe_layers.items():
+            bias = layer.router.expert_bias
+            if bias is not None:
+                update_expert_bias(bias, counts[index], layer.moe.router.bias_update_rate)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Cross-entropy on the validation split's first eval_steps global batches (the same ones every time)."""
+        train = self.recipe.train
+        self.model.eval()
+        total = torch.zeros(1, dtype=torch.float64)
+        for batch_index in range(train.eval_steps):
+            for micro in self._micro_batches(self.datasets.valid, batch_index):
+                inputs, labels, positions = self._inputs(micro)
+                with self._autocast():
+                    logits = self.model(inputs, positions)
+                total += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum").cpu()
+        self.model.train()
+        self._all_reduce(total)
+        return total.item() / (train.eval_steps * train.global_batch_size * train.seq_length)
+
+    # ------------------------------------------------------------------------------------------ the loop
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self._stop_signal = signal.Signals(signum).name
+
+    def _stop_requested(self) -> str | None:
+        """A signal or the preemption notice on any rank stops every rank at the same step boundary."""
+        reason = self._stop_signal
+        if reason is None and (self.run_dir / PREEMPT_FILE).exists():
+            reason = f"preemption notice {self.run_dir / PREEMPT_FILE}"
+        flag = self._all_reduce(torch.tensor([1 if reason else 0]))
+        if flag.item() and reason is None:
+            reason = "a stop requested on another rank"
+        return reason
+
+    def _save(self, logger: MetricsLogger | None) -> Path:
+        path = save_checkpoint(
+            self.ckpt_dir,
+            model=self.model,
+            optimizer=self.optimizer,
+            progress=self.progress,
+            model_config=self.recipe.model.model_dump(mode="json"),
+            keep=self.recipe.checkpoint.keep,
+        )
+        if logger is not None:
+            logger.message(f"checkpoint saved: {path}")
+        return path
+
+    def _memory_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+    def train(self) -> Summary:
+        """Run steps until train.steps, exit_at_step or a stop request; see the module docstring."""
+        train, recipe = self.recipe.train, self.recipe
+        last = train.steps if train.exit_at_step is None else min(train.steps, train.exit_at_step)
+        logger = None
+        if self.rank == 0:
+            logger = MetricsLogger(
+                Path(recipe.logging_dir()),
+                total_steps=train.steps,
+                start_step=self.progress.step,
+                tensorboard=recipe.logging.tensorboard,
+            )
+            if self.started_from is not None:
+                logger.message(f"started from {self.started_from} at step {self.progress.step}")
+        handlers = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(ValueError):  # not the main thread: the launcher's notice file still works
+                handlers[sig] = signal.signal(sig, self._on_signal)
+        try:
+            return self._loop(last, logger)
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+            if logger is not None:
+                logger.close()
+
+    def _loop(self, last: int, logger: MetricsLogger | None) -> Summary:
+        train, recipe = self.recipe.train, self.recipe
+        start_time = time.perf_counter()
+        first_step = self.progress.step
+        timed_tokens, timed_seconds = 0, 0.0
+        final_loss, checkpoint, status = None, None, None
+        saved_step = self.progress.step if self.started_from is not None else None
+        while self.progress.step < last:
+            reason = self._stop_requested()
+            if reason is not None:
+                status = "preempted"
+                if logger is not None:
+                    logger.message(f"stopping at step {self.progress.step}: {reason}")
+                break
+            step = self.progress.step + 1
+            t0 = time.perf_counter()
+            result = self.train_step(step)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            seconds = time.perf_counter() - t0
+            skipped = self.progress.skipped + (0 if result.finite else 1)
+            self.progress = Progress(
+                step=step,
+                consumed_samples=self.progress.consumed_samples + train.global_batch_size,
+                skipped=skipped,
+            )
+            if step > first_step + 1 or step == last:  # the first step of a process warms caches
+                timed_tokens += self.tokens_per_step
+                timed_seconds += seconds
+            tokens_per_s = self.tokens_per_step / seconds
+            tflops = self.flops_per_token * tokens_per_s / self.dp_size / 1e12
+            if logger is not None and (step % recipe.logging.interval == 0 or step == last or not result.finite):
+                logger.train(
+                    train_record(
+                        step=step,
+                        loss=_finite_or_none(result.loss),
+                        lm_loss=_finite_or_none(result.lm_loss),
+                        aux_loss=_finite_or_none(result.aux_loss),
+                        grad_norm=_finite_or_none(result.grad_norm),
+                        lr=lr_at(step, train=train),
+                        tokens=step * self.tokens_per_step,
+                        tokens_per_s=tokens_per_s,
+                        tflops_per_device=tflops,
+                        mfu=tflops * 1e12 / self.peak,
+                        memory_bytes=self._memory_bytes(),
+                        skipped=skipped,
+                        moe=result.moe,
+                        mtp_loss=_finite_or_none(result.mtp_loss) if recipe.model.mtp_layers else None,
+                    )
+                )
+            if not result.finite:
+                what = f"non-finite loss {result.loss} or grad norm {result.grad_norm} at step {step}"
+                if train.on_nonfinite == "stop":
+                    raise TrainingError(self.rank, f"{what} (train.on_nonfinite: stop)")
+                if skipped > train.max_skipped_steps:
+                    raise TrainingError(self.rank, f"{what}: {skipped} steps skipped, over train.max_skipped_steps")
+                if logger is not None:
+                    logger.message(f"step {step} skipped: {what}")
+            else:
+                final_loss = result.loss
+            if self.datasets.valid is not None and train.eval_interval and step % train.eval_interval == 0:
+                loss = self.evaluate()
+                if logger is not None:
+                    logger.eval(eval_record(step=step, loss=loss))
+            interval = recipe.checkpoint.interval
+            if interval and step % interval == 0 and step != last:
+                checkpoint, saved_step = self._save(logger), step
+        if saved_step != self.progress.step:
+            checkpoint = self._save(logger)
+        if status is None:
+            status = "complete" if self.progress.step >= train.steps else "exited"
+        if status == "complete" and self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / COMPLETE_FILE).write_text(f"step {self.progress.step}\n", encoding="utf-8")
+        tokens_per_s = timed_tokens / timed_seconds if timed_seconds else 0.0
+        return Summary(
+            status=status,
+            step=self.progress.step,
+            steps_run=self.progress.step - first_step,
+            tokens=self.progress.step * self.tokens_per_step,
+            final_loss=final_loss,
+            tokens_per_s=tokens_per_s,
+            mfu=self.flops_per_token * tokens_per_s / self.dp_size / self.peak,
+            wall_s=time.perf_counter() - start_time,
+            run_dir=self.run_dir,
+            checkpoint=checkpoint,
+        )

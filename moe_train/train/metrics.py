@@ -1,0 +1,160 @@
+"""Training metrics: metrics.jsonl (the contract), the console display and optional TensorBoard events.
+
+metrics.jsonl is written by the one rank that holds the loss, one JSON object per line, flushed per line so a
+killed run keeps everything it logged. The record's keys are built here and only here (`train_record`,
+`eval_record`), so the file's schema has one definition. On a terminal the console shows a rich live progress
+bar with the step, loss, tokens/s, MFU and the worst expert balance; otherwise (CI, SLURM logs) plain lines.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def expert_balance(tokens_per_expert: torch.Tensor, dropped_fraction: float) -> dict[str, float]:
+    """How unevenly one MoE layer's tokens spread over its experts: max/mean and the coefficient of variation.
+
+    1.0 and 0.0 are perfect balance; max/mean is the slowdown of the busiest expert's rank under EP.
+    """
+    load = tokens_per_expert.double()
+    mean = load.mean().item()
+    if mean == 0:
+        return {"load_max_over_mean": 0.0, "load_cv": 0.0, "dropped_fraction": dropped_fraction}
+    return {
+        "load_max_over_mean": load.max().item() / mean,
+        "load_cv": load.std(unbiased=False).item() / mean,
+        "dropped_fraction": dropped_fraction,
+    }
+
+
+def train_record(
+    *,
+    step: int,
+    loss: float,
+    lm_loss: float,
+    aux_loss: float,
+    grad_norm: float,
+    lr: float,
+    tokens: int,
+    tokens_per_s: float,
+    tflops_per_device: float,
+    mfu: float,
+    memory_bytes: int,
+    skipped: int,
+    moe: dict[str, dict[str, float]] | None = None,
+    mtp_loss: float | None = None,
+) -> dict[str, Any]:
+    """One `kind: train` line. `tokens` is the cumulative count trained on; `skipped` the cumulative skips."""
+    record: dict[str, Any] = {
+        "kind": "train",
+        "step": step,
+        "loss": loss,
+        "lm_loss": lm_loss,
+        "aux_loss": aux_loss,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "tokens": tokens,
+        "tokens_per_s": tokens_per_s,
+        "tflops_per_device": tflops_per_device,
+        "mfu": mfu,
+        "memory_bytes": memory_bytes,
+        "skipped": skipped,
+    }
+    if mtp_loss is not None:
+        record["mtp_loss"] = mtp_loss
+    if moe is not None:
+        record["moe"] = moe
+    return record
+
+
+def eval_record(*, step: int, loss: float) -> dict[str, Any]:
+    """One `kind: eval` line: the language-model loss on the validation split."""
+    return {"kind": "eval", "step": step, "loss": loss}
+
+
+def _worst_balance(record: dict[str, Any]) -> float | None:
+    layers = record.get("moe")
+    return max(v["load_max_over_mean"] for v in layers.values()) if layers else None
+
+
+def _summary_text(record: dict[str, Any]) -> str:
+    text = (
+        f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  {record['tokens_per_s']:,.0f} tok/s  "
+        f"MFU {record['mfu']:.1%}"
+    )
+    worst = _worst_balance(record)
+    if worst is not None:
+        text += f"  load max/mean {worst:.2f}"
+    if record["skipped"]:
+        text += f"  skipped {record['skipped']}"
+    return text
+
+
+class MetricsLogger:
+    """Appends records to metrics.jsonl and shows them on the console (and TensorBoard when asked)."""
+
+    def __init__(self, log_dir: Path, *, total_steps: int, start_step: int, tensorboard: bool) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.path = log_dir / "metrics.jsonl"
+        self._file = self.path.open("a", encoding="utf-8")
+        self._total = total_steps
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(log_dir))
+        self._progress = None
+        if sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(
+                TextColumn("step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[status]}"),
+            )
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
+            self._progress.start()
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def train(self, record: dict[str, Any]) -> None:
+        self._write(record)
+        step = record["step"]
+        if self._tb is not None:
+            for key in ("loss", "lm_loss", "aux_loss", "grad_norm", "lr", "tokens_per_s", "mfu"):
+                self._tb.add_scalar(f"train/{key}", record[key], step)
+            for layer, stats in (record.get("moe") or {}).items():
+                self._tb.add_scalar(f"moe/{layer}/load_max_over_mean", stats["load_max_over_mean"], step)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, status=_summary_text(record))
+        else:
+            print(f"step {step}/{self._total}  {_summary_text(record)}", flush=True)
+
+    def eval(self, record: dict[str, Any]) -> None:
+        self._write(record)
+        if self._tb is not None:
+            self._tb.add_scalar("eval/loss", record["loss"], record["step"])
+        self.message(f"eval step {record['step']}  loss {record['loss']:.4f}")
+
+    def message(self, text: str) -> None:
+        """A line for the human watching (checkpoint saved, resumed from...), above the live display."""
+        if self._progress is not None:
+            self._progress.console.print(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        if self._tb is not None:
+            self._tb.close()
+        self._file.close()
