@@ -1,0 +1,58 @@
+"""Load-balancing and router losses, as pure functions of the router's outputs.
+
+Each is unweighted (its coefficient is applied by the caller) so that the trainer can also aggregate them across
+layers, micro-batches or ranks. Expert counts never carry gradient: the gradient reaches the router through the
+scores alone, as in the Switch Transformer and DeepSeek-V3 papers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def global_aux_loss(
+    probs: torch.Tensor, tokens_per_expert: torch.Tensor, num_tokens: int | torch.Tensor
+) -> torch.Tensor:
+    """Switch loss with the expert load counted over a (possibly larger) token set.
+
+    probs [T, E] are this process's router probabilities (the gradient path); tokens_per_expert [E] counts top-k
+    assignments over the `num_tokens` tokens of the whole set (e.g. all-reduced over ranks or summed over
+    micro-batches). Loss = E * sum_e (count_e / num_tokens) * mean_t probs[t, e]; it equals top_k at perfect
+    balance, as transformers' Qwen3-MoE loss does.
+    """
+    num_experts = probs.shape[-1]
+    load = tokens_per_expert.detach().to(torch.float32) / num_tokens
+    importance = probs.float().sum(dim=0) / probs.shape[0]
+    return torch.sum(load * importance) * num_experts
+
+
+def switch_aux_loss(probs: torch.Tensor, topk_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """transformers' `load_balancing_loss_func` (Qwen3-MoE): probs [T, E], topk_indices [T, K] -> scalar.
+
+    Given the concatenation of all layers' probs and indices it equals transformers' loss for the whole model.
+    """
+    counts = torch.bincount(topk_indices.reshape(-1), minlength=num_experts)
+    return global_aux_loss(probs, counts, probs.shape[0])
+
+
+def seq_aux_loss(scores: torch.Tensor, topk_indices: torch.Tensor, top_k: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss, averaged over sequences.
+
+    scores [b, s, E] (sigmoid or softmax), topk_indices [b, s, K]. Per sequence of T tokens:
+    f_i = E / (K * T) * (times expert i is in a top-k), P_i = mean_t s_i,t / sum_j s_j,t; loss = sum_i f_i P_i
+    (1 at perfect balance).
+    """
+    batch, seq, num_experts = scores.shape
+    counts = torch.zeros(batch, num_experts, dtype=torch.float32, device=scores.device)
+    counts.scatter_add_(
+        1, topk_indices.reshape(batch, -1), torch.ones_like(topk_indices.reshape(batch, -1), dtype=torch.float32)
+    )
+    f = counts * (num_experts / (top_k * seq))
+    scores = scores.float()
+    p = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=1)
+    return (f * p).sum(dim=-1).mean()
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2; keeps router logits small and stable."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()

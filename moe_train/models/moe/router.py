@@ -1,0 +1,99 @@
+"""The router: scores every token against every expert and picks its top-k experts with their weights.
+
+All router math runs in fp32 whatever the model's dtype: the scores decide discrete choices, and bf16 rounding
+would flip near-ties between experts from one step (or one layout) to the next. The order of operations follows
+transformers' Qwen3MoeTopKRouter (softmax) and DeepseekV3TopkRouter (sigmoid, expert bias, groups), which the
+model tests compare against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_train.config.schema import MoEConfig
+
+
+@dataclass
+class Routing:
+    """One forward's routing decision for T tokens."""
+
+    logits: torch.Tensor  # [T, E] fp32, with grad (z-loss)
+    scores: torch.Tensor  # [T, E] fp32 softmax probabilities or sigmoid scores, with grad (aux losses)
+    topk_indices: torch.Tensor  # [T, K] int64 chosen experts
+    topk_weights: torch.Tensor  # [T, K] fp32 weights applied to the experts' outputs, with grad
+
+
+class Router(nn.Module):
+    """Linear scoring, optional aux-loss-free expert bias, optional group-limited top-k.
+
+    `expert_bias` only changes which experts are chosen, never the weights, and never receives a gradient: the
+    trainer moves it with `update_expert_bias` after each optimizer step.
+    """
+
+    def __init__(self, *, hidden_size: int, moe: MoEConfig):
+        super().__init__()
+        cfg = moe.router
+        self.num_experts = moe.num_experts
+        self.top_k = moe.top_k
+        self.score_function = cfg.score_function
+        self.normalize_topk = cfg.normalize_topk
+        # Group limiting is active only when it can exclude something: several groups, not all of them kept.
+        groups, group_top_k = cfg.num_groups or 1, cfg.group_top_k or cfg.num_groups or 1
+        _check_routing(moe, groups, group_top_k)
+        self.num_groups = groups if group_top_k < groups else None
+        self.group_top_k = group_top_k
+        self.scaling_factor = cfg.topk_scaling_factor
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        if cfg.expert_bias:
+            # fp32 whatever the model dtype: updates of 1e-3 would vanish in bf16 next to scores near 1.
+            self.register_buffer("expert_bias", torch.empty(moe.num_experts, dtype=torch.float32), persistent=True)
+        else:
+            self.expert_bias = None
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """x [T, H] -> Routing."""
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.softmax(dim=-1) if self.score_function == "softmax" else logits.sigmoid()
+        with torch.no_grad():
+            choice = scores if self.expert_bias is None else scores + self.expert_bias
+            if self.num_groups is not None:
+                choice = self._mask_groups(choice)
+            topk_indices = torch.topk(choice, self.top_k, dim=-1).indices
+        weights = scores.gather(1, topk_indices)
+        if self.normalize_topk:
+            # The 1e-20 guards all-zero sigmoid scores (as transformers' DeepSeek-V3); it cannot change a sum >= 1e-12.
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * self.scaling_factor
+        return Routing(logits=logits, scores=scores, topk_indices=topk_indices, topk_weights=weights)
+
+    def _mask_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """Keep the group_top_k groups whose two best (biased) scores sum highest; others become -inf.
+
+        DeepSeek-V3 limits each token to a few expert groups (nodes, in its deployment) to bound communication.
+        """
+        tokens = choice.shape[0]
+        grouped = choice.view(tokens, self.num_groups, -1)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+        group_idx = torch.topk(group_scores, self.group_top_k, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        return grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(tokens, -1)
+
+
+def _check_routing(moe: MoEConfig, num_groups: int, group_top_k: int) -> None:
+    """Refuse routing settings that would silently pick -inf experts (the recipe rules report them earlier)."""
+    experts, k = moe.num_experts, moe.top_k
+    if k > experts:
+        raise ValueError(f"model.moe.top_k ({k}) exceeds model.moe.num_experts ({experts})")
+    if experts % num_groups:
+        raise ValueError(f"model.moe.num_experts ({experts}) is not divisible by router.num_groups ({num_groups})")
+    if group_top_k > num_groups:
+        raise ValueError(f"model.moe.router.group_top_k ({group_top_k}) exceeds router.num_groups ({num_groups})")
+    if k > group_top_k * (experts // num_groups):
+        raise ValueError(
+            f"model.moe.top_k ({k}) exceeds the experts of router.group_top_k groups "
+            f"({group_top_k} x {experts // num_groups})"
+        )

@@ -1,0 +1,469 @@
+"""The MoE layer: routing by hand and against transformers, grouped experts, capacity, losses, bias update."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from moe_train.config.schema import MoEConfig
+from moe_train.models.moe import (
+    MoELayer,
+    global_aux_loss,
+    seq_aux_loss,
+    switch_aux_loss,
+    update_expert_bias,
+    z_loss,
+)
+from moe_train.models.moe.capacity import capacity_keep_mask, expert_capacity
+from moe_train.models.moe.experts import GroupedExperts, grouped_mm_supported
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def moe_config(**fields) -> MoEConfig:
+    router = fields.pop("router", {})
+    base = {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 32}
+    return MoEConfig.model_validate({**base, **fields, "router": router})
+
+
+def make_layer(hidden_size: int, moe: MoEConfig, seed: int = 0, std: float = 0.5) -> MoELayer:
+    """A layer built on meta, materialised and filled with random weights (the model's init does this by name)."""
+    with torch.device("meta"):
+        layer = MoELayer(hidden_size=hidden_size, moe=moe)
+    layer.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in layer.named_parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * std)
+        if layer.router.expert_bias is not None:
+            layer.router.expert_bias.zero_()
+    return layer
+
+
+def set_router_logits(layer: MoELayer, logits: torch.Tensor) -> torch.Tensor:
+    """Make the router produce `logits` [T, E] exactly: inputs are one-hot rows, weight = logits^T (H = T)."""
+    with torch.no_grad():
+        layer.router.weight.copy_(logits.t())
+    return torch.eye(logits.shape[0])
+
+
+# --------------------------------------------------------------------------------------------------- router
+
+
+def test_softmax_router_by_hand():
+    moe = moe_config(num_experts=4, top_k=2, router={"score_function": "softmax", "normalize_topk": True})
+    layer = make_layer(4, moe)
+    x = set_router_logits(layer, torch.log(torch.tensor([[1.0, 2.0, 3.0, 4.0]] * 4)))
+    routing = layer.router(x)
+    assert torch.allclose(routing.scores[0], torch.tensor([0.1, 0.2, 0.3, 0.4]))
+    assert routing.topk_indices[0].tolist() == [3, 2]
+    assert torch.allclose(routing.topk_weights[0], torch.tensor([4 / 7, 3 / 7]))
+
+    unnormalised = make_layer(4, moe_config(num_experts=4, top_k=2, router={"normalize_topk": False}))
+    x = set_router_logits(unnormalised, torch.log(torch.tensor([[1.0, 2.0, 3.0, 4.0]] * 4)))
+    assert torch.allclose(unnormalised.router(x).topk_weights[0], torch.tensor([0.4, 0.3]))
+
+
+def sigmoid_logits(scores: list[float]) -> torch.Tensor:
+    s = torch.tensor(scores, dtype=torch.float64)
+    return torch.log(s / (1 - s)).float()
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_sigmoid_router_bias_selects_only_and_groups_limit(grouped: bool):
+    # scores s = [0.9, 0.3, 0.6, 0.5], bias [0, 0, 0.35, 0.2] -> choice [0.9, 0.3, 0.95, 0.7].
+    # Ungrouped: top-2 of the choice = {2, 0}. Two groups of 2, keep 1 group: group sums of top-2 choices are
+    # 1.2 and 1.65 -> group {2, 3}. Weights always come from the unbiased s, normalised, times 2.0.
+    router = {
+        "score_function": "sigmoid",
+        "expert_bias": True,
+        "topk_scaling_factor": 2.0,
+        **({"num_groups": 2, "group_top_k": 1} if grouped else {}),
+    }
+    layer = make_layer(4, moe_config(num_experts=4, top_k=2, router=router))
+    x = set_router_logits(layer, sigmoid_logits([0.9, 0.3, 0.6, 0.5]).expand(4, 4))
+    with torch.no_grad():
+        layer.router.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.35, 0.2]))
+    routing = layer.router(x)
+    s = torch.tensor([0.9, 0.3, 0.6, 0.5])
+    expected = [2, 3] if grouped else [2, 0]
+    assert sorted(routing.topk_indices[0].tolist()) == sorted(expected)
+    chosen = s[routing.topk_indices[0]]
+    assert torch.allclose(routing.topk_weights[0], chosen / chosen.sum() * 2.0)
+    assert torch.allclose(routing.scores[0], s)
+
+
+def test_bad_group_settings_are_refused():
+    with pytest.raises(ValueError, match="group_top_k"):
+        MoELayer(hidden_size=8, moe=moe_config(num_experts=8, top_k=8, router={"num_groups": 4, "group_top_k": 2}))
+    with pytest.raises(ValueError, match="num_groups"):
+        MoELayer(hidden_size=8, moe=moe_config(num_experts=8, top_k=2, router={"num_groups": 3, "group_top_k": 1}))
+
+
+# --------------------------------------------------------------------------------------- against transformers
+
+
+def qwen3_block(layer: MoELayer, moe: MoEConfig, hidden_size: int):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = Qwen3MoeConfig(
+        hidden_size=hidden_size,
+        moe_intermediate_size=moe.ffn_hidden_size,
+        num_experts=moe.num_experts,
+        num_experts_per_tok=moe.top_k,
+        norm_topk_prob=moe.router.normalize_topk,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    block = Qwen3MoeSparseMoeBlock(config)
+    block.load_state_dict(
+        {
+            "gate.weight": layer.router.weight,
+            "experts.gate_up_proj": layer.experts.gate_up_proj,
+            "experts.down_proj": layer.experts.down_proj,
+        }
+    )
+    return block
+
+
+def deepseek_block(layer: MoELayer, moe: MoEConfig, hidden_size: int):
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    config = DeepseekV3Config(
+        hidden_size=hidden_size,
+        moe_intermediate_size=moe.ffn_hidden_size,
+        n_routed_experts=moe.num_experts,
+        num_experts_per_tok=moe.top_k,
+        n_shared_experts=moe.shared_expert_ffn_hidden_size // moe.ffn_hidden_size,
+        n_group=moe.router.num_groups,
+        topk_group=moe.router.group_top_k,
+        routed_scaling_factor=moe.router.topk_scaling_factor,
+        norm_topk_prob=moe.router.normalize_topk,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
+    block = DeepseekV3MoE(config)
+    state = {
+        "gate.weight": layer.router.weight,
+        "gate.e_score_correction_bias": layer.router.expert_bias,
+        "experts.gate_up_proj": layer.experts.gate_up_proj,
+        "experts.down_proj": layer.experts.down_proj,
+    }
+    state.update({f"shared_experts.{k}": v for k, v in layer.shared_experts.state_dict().items()})
+    block.load_state_dict(state)
+    return block
+
+
+@pytest.mark.parametrize("use_grouped_mm", [True, False])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_qwen3_moe_block_matches_transformers(use_grouped_mm: bool, normalize: bool):
+    moe = moe_config(num_experts=8, top_k=2, ffn_hidden_size=32, router={"normalize_topk": normalize})
+    layer = make_layer(64, moe, seed=1, std=0.2)
+    layer.experts.use_grouped_mm = use_grouped_mm
+    block = qwen3_block(layer, moe, 64)
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(2))
+    expected = block(x)
+    _, hf_weights, hf_indices = block.gate(x.view(-1, 64))
+    out = layer(x)
+    assert torch.equal(layer.stats.topk_indices, hf_indices)
+    assert torch.allclose(layer.stats.topk_weights, hf_weights, atol=1e-6)
+    assert (out - expected).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("groups", [(1, 1), (4, 2), (8, 3)])
+def test_deepseek_v3_moe_block_matches_transformers(groups: tuple[int, int]):
+    num_groups, group_top_k = groups
+    moe = moe_config(
+        num_experts=16,
+        top_k=4,
+        ffn_hidden_size=32,
+        shared_expert_ffn_hidden_size=32,
+        router={
+            "score_function": "sigmoid",
+            "num_groups": num_groups,
+            "group_top_k": group_top_k,
+            "topk_scaling_factor": 2.5,
+            "expert_bias": True,
+            "load_balancing": "seq_aux_loss",
+            "aux_loss_coeff": 1e-4,
+        },
+    )
+    layer = make_layer(64, moe, seed=3, std=0.2)
+    with torch.no_grad():  # a non-zero bias that changes choices
+        layer.router.expert_bias.copy_(torch.randn(16, generator=torch.Generator().manual_seed(4)) * 0.1)
+    block = deepseek_block(layer, moe, 64)
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(5))
+    expected = block(x)
+    _, hf_weights, hf_indices = block.gate(x)
+    out = layer(x)
+    ours = layer.stats.topk_indices.sort(dim=-1)
+    theirs = hf_indices.sort(dim=-1)
+    assert torch.equal(ours.values, theirs.values)
+    assert torch.allclose(layer.stats.topk_weights.gather(1, ours.indices), hf_weights.gather(1, theirs.indices))
+    assert (out - expected).abs().max().item() < 1e-5
+
+
+def test_switch_aux_loss_equals_transformers_over_layers():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    generator = torch.Generator().manual_seed(6)
+    moe = moe_config(num_experts=8, top_k=2)
+    layers = [make_layer(32, moe, seed=s, std=0.2) for s in range(3)]
+    logits, probs, indices = [], [], []
+    for layer in layers:
+        layer(torch.randn(2, 10, 32, generator=generator))
+        logits.append(layer.stats.router_logits)
+        probs.append(layer.stats.router_probs)
+        indices.append(layer.stats.topk_indices)
+    expected = load_balancing_loss_func(tuple(logits), num_experts=8, top_k=2)
+    ours = switch_aux_loss(torch.cat(probs), torch.cat(indices), num_experts=8)
+    assert abs(ours.item() - expected.item()) < 1e-6
+    ours.backward()  # the gradient reaches every layer's router through the probabilities
+    assert all(layer.router.weight.grad.abs().sum() > 0 for layer in layers)
+    # The layers' own aux_loss is zero for load_balancing aux_loss: the model owns the cross-layer sum.
+    assert layers[0].stats.aux_loss.item() == 0.0
+
+
+# ---------------------------------------------------------------------------------------------- aux losses
+
+
+def test_switch_and_global_aux_loss_by_hand():
+    # T=2, E=2, K=1: both tokens to expert 0. f = [1, 0], P = [0.7, 0.3] -> 2 * 0.7 = 1.4.
+    probs = torch.tensor([[0.8, 0.2], [0.6, 0.4]])
+    indices = torch.tensor([[0], [0]])
+    assert math.isclose(switch_aux_loss(probs, indices, num_experts=2).item(), 1.4, rel_tol=1e-6)
+    # Counted over a larger set (4 tokens, loads [1, 3]): f = [0.25, 0.75] -> 2 * (0.175 + 0.225) = 0.8.
+    assert math.isclose(global_aux_loss(probs, torch.tensor([1, 3]), 4).item(), 0.8, rel_tol=1e-6)
+
+
+def test_seq_aux_loss_by_hand():
+    # One sequence, T=2, E=2, K=1. Scores [0.6, 0.2] and [0.5, 0.5]; both tokens pick expert 0.
+    # f = E/(K T) * counts = [2, 0]; P = mean of normalised scores = [(0.75 + 0.5)/2, .] = [0.625, .]; loss 1.25.
+    # Second sequence balanced: picks 0 then 1: f = [1, 1]; scores [0.2, 0.2], [0.9, 0.1] -> P = [0.7, 0.3]; 1.0.
+    scores = torch.tensor([[[0.6, 0.2], [0.5, 0.5]], [[0.2, 0.2], [0.9, 0.1]]])
+    indices = torch.tensor([[[0], [0]], [[0], [1]]])
+    assert math.isclose(seq_aux_loss(scores, indices, top_k=1).item(), (1.25 + 1.0) / 2, rel_tol=1e-6)
+    # Perfect balance gives exactly 1 whatever E and K.
+    uniform = torch.full((1, 4, 4), 0.3)
+    assert math.isclose(seq_aux_loss(uniform, torch.tensor([[[0, 1], [2, 3], [0, 1], [2, 3]]]), top_k=2).item(), 1.0)
+
+
+def test_z_loss_by_hand():
+    logits = torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]])
+    expected = (math.log(2.0) ** 2 + math.log(4.0) ** 2) / 2
+    assert math.isclose(z_loss(logits).item(), expected, rel_tol=1e-6)
+
+
+def test_layer_aux_loss_is_seq_aux_plus_z_loss():
+    moe = moe_config(
+        num_experts=8,
+        top_k=2,
+        router={
+            "score_function": "sigmoid",
+            "load_balancing": "seq_aux_loss",
+            "aux_loss_coeff": 0.1,
+            "z_loss_coeff": 0.01,
+        },
+    )
+    layer = make_layer(32, moe)
+    layer(torch.randn(3, 5, 32))
+    stats = layer.stats
+    expected = 0.1 * seq_aux_loss(
+        stats.router_probs.view(3, 5, 8), stats.topk_indices.view(3, 5, 2), top_k=2
+    ) + 0.01 * z_loss(stats.router_logits)
+    assert stats.aux_loss.item() > 0
+    assert torch.allclose(stats.aux_loss, expected)
+
+
+# ------------------------------------------------------------------------------------------------ gradients
+
+
+def test_gradients_reach_router_through_weights_and_aux_loss_never_the_bias():
+    moe = moe_config(
+        num_experts=8,
+        top_k=2,
+        router={
+            "score_function": "sigmoid",
+            "expert_bias": True,
+            "load_balancing": "seq_aux_loss",
+            "aux_loss_coeff": 1.0,
+        },
+    )
+    layer = make_layer(32, moe)
+    x = torch.randn(2, 6, 32)
+    out = layer(x)
+    (grad_out,) = torch.autograd.grad(out.sum(), [layer.router.weight], retain_graph=True)
+    assert grad_out.abs().sum() > 0
+    (grad_aux,) = torch.autograd.grad(layer.stats.aux_loss, [layer.router.weight])
+    assert grad_aux.abs().sum() > 0
+    assert not layer.router.expert_bias.requires_grad
+    layer(x).sum().backward()
+    assert layer.router.expert_bias.grad is None
+    assert "router.expert_bias" in layer.state_dict()
+
+
+# ------------------------------------------------------------------------------------------ grouped experts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_equals_loop(dtype: torch.dtype):
+    assert grouped_mm_supported(dtype, torch.device("cpu"), hidden_size=64, ffn_hidden_size=32)
+    experts = GroupedExperts(num_experts=4, hidden_size=64, ffn_hidden_size=32).to(dtype)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape) * 0.2)
+    counts = torch.tensor([5, 0, 17, 3])  # an empty expert included
+    rows = torch.randn(25, 64, dtype=dtype)
+    results = []
+    for grouped in (True, False):
+        experts.use_grouped_mm = grouped
+        experts.zero_grad()
+        x = rows.clone().requires_grad_()
+        out = experts(x, counts)
+        out.sum().backward()  # a stride-0 incoming gradient must not reach _grouped_mm's backward
+        results.append((out.float(), x.grad.float(), experts.gate_up_proj.grad.float(), experts.down_proj.grad.float()))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, b in zip(*results, strict=True):
+        assert torch.allclose(a, b, rtol=tol, atol=tol * a.abs().max().item())
+
+
+def test_grouped_mm_refuses_unaligned_shapes():
+    assert not grouped_mm_supported(torch.bfloat16, torch.device("cpu"), hidden_size=60, ffn_hidden_size=32)
+    assert not grouped_mm_supported(torch.float32, torch.device("cpu"), hidden_size=64, ffn_hidden_size=30)
+    assert not grouped_mm_supported(torch.float64, torch.device("cpu"), hidden_size=64, ffn_hidden_size=32)
+    # Unaligned experts still run (through the loop) and agree with a per-token reference.
+    moe = moe_config(num_experts=4, top_k=2, ffn_hidden_size=30)
+    layer = make_layer(60, moe, std=0.2)
+    x = torch.randn(1, 7, 60)
+    assert torch.allclose(layer(x), reference_moe(layer, x), atol=1e-5)
+
+
+def reference_moe(layer: MoELayer, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Token by token: sum over kept assignments of weight * SwiGLU_e(x)."""
+    stats = layer.stats
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.zeros_like(flat)
+    experts = layer.experts
+    for t in range(flat.shape[0]):
+        for slot in range(stats.topk_indices.shape[1]):
+            if keep is not None and not keep[t, slot]:
+                continue
+            e = stats.topk_indices[t, slot]
+            gate, up = (experts.gate_up_proj[e] @ flat[t]).chunk(2)
+            out[t] += stats.topk_weights[t, slot] * (experts.down_proj[e] @ (torch.nn.functional.silu(gate) * up))
+    return out.view_as(x)
+
+
+# ------------------------------------------------------------------------------------------------- capacity
+
+
+def test_expert_capacity():
+    assert expert_capacity(num_tokens=10, top_k=2, num_experts=4, capacity_factor=1.0) == 5
+    assert expert_capacity(num_tokens=10, top_k=2, num_experts=4, capacity_factor=1.1) == 6
+    assert expert_capacity(num_tokens=3, top_k=1, num_experts=4, capacity_factor=1.0) == 1
+
+
+def test_drop_policies_by_hand():
+    # 4 tokens, 3 experts, K=1, capacity 2. Expert 0 is wanted by tokens 0, 1, 3 with weights 0.5, 0.9, 0.7.
+    indices = torch.tensor([[0], [0], [1], [0]])
+    weights = torch.tensor([[0.5], [0.9], [1.0], [0.7]])
+    probs = capacity_keep_mask(indices, weights, num_experts=3, capacity=2, policy="probs")
+    assert probs.view(-1).tolist() == [False, True, True, True]
+    position = capacity_keep_mask(indices, weights, num_experts=3, capacity=2, policy="position")
+    assert position.view(-1).tolist() == [True, True, True, False]
+    # K=2: a token's two assignments compete in different experts independently.
+    indices = torch.tensor([[0, 1], [1, 0], [1, 2]])
+    weights = torch.tensor([[0.6, 0.4], [0.8, 0.2], [0.5, 0.5]])
+    probs = capacity_keep_mask(indices, weights, num_experts=3, capacity=1, policy="probs")
+    assert probs.tolist() == [[True, False], [True, False], [False, True]]
+    position = capacity_keep_mask(indices, weights, num_experts=3, capacity=1, policy="position")
+    assert position.tolist() == [[True, True], [False, False], [False, True]]
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+@pytest.mark.parametrize("pad", [False, True])
+def test_capacity_layer_drops_and_reports(policy: str, pad: bool):
+    moe = moe_config(num_experts=4, top_k=2, capacity_factor=0.5, drop_policy=policy, pad_to_capacity=pad)
+    layer = make_layer(32, moe, std=0.3)
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(7))
+    out = layer(x)
+    stats = layer.stats
+    assert stats.capacity == 4  # ceil(16 * 2 / 4 * 0.5)
+    keep = capacity_keep_mask(stats.topk_indices, stats.topk_weights, num_experts=4, capacity=4, policy=policy)
+    kept_per_expert = torch.bincount(stats.topk_indices[keep], minlength=4)
+    assert kept_per_expert.max() <= 4
+    assert math.isclose(stats.dropped_fraction, 1 - keep.sum().item() / 32)
+    assert stats.dropped_fraction >= 0.5  # at most 16 of the 32 assignments fit
+    assert torch.allclose(out, reference_moe(layer, x, keep), atol=1e-5)
+    assert stats.tokens_per_expert.sum().item() == 32  # loads are counted before drops
+
+
+def test_dropless_by_default():
+    layer = make_layer(32, moe_config(num_experts=4, top_k=2), std=0.3)
+    x = torch.randn(2, 8, 32)
+    out = layer(x)
+    assert layer.stats.dropped_fraction == 0.0 and layer.stats.capacity is None
+    assert torch.allclose(out, reference_moe(layer, x), atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------- bias update
+
+
+def test_update_expert_bias_by_hand():
+    bias = torch.tensor([0.0, 0.5, -0.2, 0.1])
+    loads = torch.tensor([10, 2, 4, 4])  # mean 5: expert 0 overloaded, the others underloaded
+    update_expert_bias(bias, loads, rate=0.01)
+    assert torch.allclose(bias, torch.tensor([-0.01, 0.51, -0.19, 0.11]))
+    update_expert_bias(bias, torch.tensor([3, 3, 3, 3]), rate=0.01)  # balanced: unchanged
+    assert torch.allclose(bias, torch.tensor([-0.01, 0.51, -0.19, 0.11]))
+
+
+def test_bias_update_moves_selection_towards_balance():
+    moe = moe_config(num_experts=8, top_k=2, router={"score_function": "sigmoid", "expert_bias": True})
+    layer = make_layer(32, moe, std=0.3)
+    x = torch.randn(4, 32, 32, generator=torch.Generator().manual_seed(8))
+    layer(x)
+    first = layer.stats.tokens_per_expert.float()
+    for _ in range(200):
+        layer(x)
+        update_expert_bias(layer.router.expert_bias, layer.stats.tokens_per_expert, rate=0.01)
+    layer(x)
+    last = layer.stats.tokens_per_expert.float()
+    assert last.max() / last.mean() < first.max() / first.mean()
+
+
+# ----------------------------------------------------------------------------------------------- meta device
+
+
+def test_meta_construction_and_checkpoint_names():
+    moe = moe_config(
+        num_experts=16,
+        top_k=4,
+        ffn_hidden_size=48,
+        shared_expert_ffn_hidden_size=96,
+        router={"score_function": "sigmoid", "expert_bias": True},
+    )
+    with torch.device("meta"):
+        layer = MoELayer(hidden_size=128, moe=moe)
+    assert all(t.is_meta for t in layer.state_dict().values())
+    shapes = {name: tuple(t.shape) for name, t in layer.state_dict().items()}
+    assert shapes == {
+        "router.weight": (16, 128),
+        "router.expert_bias": (16,),
+        "experts.gate_up_proj": (16, 96, 128),
+        "experts.down_proj": (16, 128, 48),
+        "shared_experts.gate_proj.weight": (96, 128),
+        "shared_experts.up_proj.weight": (96, 128),
+        "shared_experts.down_proj.weight": (128, 96),
+    }
+    assert layer.router.expert_bias.dtype == torch.float32
+    layer.to_empty(device="cpu")
+    assert not any(t.is_meta for t in layer.state_dict().values())
+    plain = MoELayer(hidden_size=128, moe=moe_config())
+    assert set(plain.state_dict()) == {"router.weight", "experts.gate_up_proj", "experts.down_proj"}
