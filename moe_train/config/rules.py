@@ -235,8 +235,6 @@ def _train(r: Recipe) -> list[Problem]:
     t, out = r.train, []
     if t.exit_at_step is not None and t.exit_at_step > t.steps:
         out.append(_p("train.exit_at_step", f"{t.exit_at_step} is after the last step {t.steps}"))
-    if t.warmup_steps > t.steps:
-        out.append(_p("train.warmup_steps", f"{t.warmup_steps} exceeds steps {t.steps}"))
     if t.min_lr > t.lr:
         out.append(_p("train.min_lr", f"{t.min_lr} exceeds lr {t.lr}"))
     if t.eval_interval is not None and r.data.valid_fraction == 0 and r.data.source != "mock":

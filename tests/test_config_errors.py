@@ -1,0 +1,215 @@
+"""Every class of bad recipe input: one line per problem with file:line:column and field path, exit 2."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+from cli_helpers import assert_bad_input, run_cli
+
+
+def write(tmp_path: Path, text: str, name: str = "recipe.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def test_empty_and_comment_only_files(tmp_path):
+    assert_bad_input(run_cli("validate", write(tmp_path, "")), "the file is empty")
+    assert_bad_input(run_cli("validate", write(tmp_path, "# nothing\n\n")), "the file is empty")
+
+
+def test_yaml_syntax_error_has_position(tmp_path):
+    path = write(tmp_path, "name: x\nmodel: [1, 2\ntrain: {}\n")
+    assert_bad_input(run_cli("validate", path), f"{path}:", "YAML error")
+
+
+def test_tabs_are_explained(tmp_path):
+    path = write(tmp_path, "name: x\nmodel:\n\tfamily: qwen3\n")
+    result = run_cli("validate", path)
+    assert_bad_input(result, f"{path}:3:1", "tabs are not allowed")
+
+
+def test_duplicate_keys_are_rejected_with_both_lines(tmp_path):
+    path = write(
+        tmp_path,
+        """\
+        extends: qwen3-tiny
+        train:
+          lr: 1.0e-3
+          lr: 2.0e-3
+        """,
+    )
+    assert_bad_input(run_cli("validate", path), f"{path}:4:3: train.lr: duplicate key (first set at line 3)")
+
+
+def test_wrong_types_unknown_fields_and_sections_all_at_once(tmp_path):
+    path = write(
+        tmp_path,
+        """\
+        extends: qwen3-tiny
+        modle: {}
+        model:
+          hidden_size: big
+          num_layer: 4
+        train:
+          precision: fp16
+        """,
+    )
+    result = run_cli("validate", path)
+    assert_bad_input(
+        result,
+        f"{path}:2:1: modle: unknown field in the top level; did you mean 'model'?",
+        f"{path}:4:3: model.hidden_size: Input should be a valid integer",
+        f"{path}:5:3: model.num_layer: unknown field in model; did you mean 'num_layers'?",
+        f"{path}:7:3: train.precision: Input should be 'fp32', 'bf16' or 'fp8'",
+    )
+    assert len(result.stderr.strip().splitlines()) == 4
+
+
+def test_missing_required_field(tmp_path):
+    path = write(tmp_path, "name: x\nmodel:\n  family: qwen3\ntrain: {seq_length: 8, global_batch_size: 8}\n")
+    assert_bad_input(run_cli("validate", path), "model.num_layers: required field is missing", "train.steps")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("- 1\n- 2\n", "a recipe is a mapping of sections (name, model, train, ...), not a list"),
+        ("just text\n", "not a str value"),
+        ("extends: qwen3-tiny\nmodel: [1, 2]\n", "model: expected a mapping of fields"),
+        ("name: a\n---\nname: b\n", "expected a single document"),
+        ("name: !!python/object:os.system x\n", "unsupported YAML tag"),
+    ],
+)
+def test_wrong_shapes(tmp_path, text, expected):
+    assert_bad_input(run_cli("validate", write(tmp_path, text)), expected)
+
+
+def test_extends_missing_parent_and_cycle(tmp_path):
+    typo = write(tmp_path, "extends: qwen3-tinny\n")
+    assert_bad_input(run_cli("validate", typo), "extends: no recipe", "did you mean 'qwen3-tiny'")
+    write(tmp_path, "extends: b.yaml\n", "a.yaml")
+    write(tmp_path, "extends: a.yaml\n", "b.yaml")
+    assert_bad_input(run_cli("validate", str(tmp_path / "a.yaml")), "extends: cycle")
+
+
+def test_unreadable_inputs(tmp_path):
+    assert_bad_input(run_cli("validate", str(tmp_path / "missing.yaml")), "missing.yaml: no such file")
+    assert_bad_input(run_cli("validate", str(tmp_path)), "is a directory")
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"name: \xff\xfe\n")
+    assert_bad_input(run_cli("validate", str(binary)), "not UTF-8")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert_bad_input(run_cli("validate", str(blocker / "recipe.yaml")), "recipe.yaml")
+    assert_bad_input(run_cli("validate", "no-such-builtin"), "no recipe file or built-in")
+
+
+def test_bad_overrides():
+    assert_bad_input(run_cli("validate", "qwen3-tiny", "--set", "train.lr"), "expected dotted.path=value")
+    assert_bad_input(run_cli("validate", "qwen3-tiny", "--set", "train.lr=[1"), "the value is not valid YAML")
+    assert_bad_input(
+        run_cli("validate", "qwen3-tiny", "--set", "train.lr=abc"),
+        "--set train.lr=abc: train.lr: Input should be a valid number",
+    )
+
+
+# --------------------------------------------------------------------------------------------- cross-field
+
+
+RULES = [
+    ("qwen3-tiny", ["launch.gpus_per_node=3", "parallel.tp=2"], "launch.gpus_per_node: world size 3"),
+    ("qwen3-tiny", ["launch.gpus_per_node=4", "parallel.dp=2"], "parallel.dp: pp*dp*cp*tp = 2 but the world size is 4"),
+    ("qwen3-moe-tiny", ["launch.gpus_per_node=2", "parallel.ep=4"], "parallel.ep: the expert mesh must fold"),
+    ("qwen3-moe-tiny", ["launch.gpus_per_node=3", "parallel.ep=3"], "parallel.ep: 3 must divide model.moe.num_experts"),
+    ("qwen3-tiny", ["launch.gpus_per_node=3", "parallel.tp=3"], "parallel.tp: 3 must divide model.num_attention_heads"),
+    ("qwen3-tiny", ["model.num_query_groups=2", "launch.gpus_per_node=4", "parallel.tp=4"], "model.num_query_groups 2"),
+    ("qwen3-tiny", ["parallel.ep=2", "launch.gpus_per_node=2"], "parallel.ep: expert parallelism needs a MoE model"),
+    ("deepseek-v3-tiny", ["model.moe.router.num_groups=3"], "model.moe.router.num_groups: 3 must divide num_experts"),
+    ("deepseek-v3-tiny", ["model.moe.router.group_top_k=5"], "group_top_k: 5 exceeds num_groups 4"),
+    ("deepseek-v3-tiny", ["model.moe.router.group_top_k=null"], "set num_groups and group_top_k together"),
+    ("qwen3-moe-tiny", ["model.moe.top_k=9"], "model.moe.top_k: 9 exceeds num_experts 8"),
+    ("deepseek-v3-tiny", ["model.moe.top_k=12", "model.moe.router.group_top_k=2"], "exceeds the 8 experts"),
+    ("qwen3-tiny", ["train.global_batch_size=11"], "train.global_batch_size: 11 must be divisible"),
+    ("qwen3-tiny", ["parallel.sequence_parallel=true"], "parallel.sequence_parallel: needs tp > 1"),
+    (
+        "qwen3-tiny",
+        ["parallel.sequence_parallel=true", "parallel.tp=4", "launch.gpus_per_node=4", "train.seq_length=126"],
+        "train.seq_length: 126 must be divisible by tp*cp = 4",
+    ),
+    ("qwen3-tiny", ["model.q_lora_rank=64"], "model.q_lora_rank: only for family deepseek_v3"),
+    ("deepseek-v3-tiny", ["model.kv_lora_rank=null"], "model.kv_lora_rank: required for family deepseek_v3"),
+    ("qwen3-tiny", ["model.moe={num_experts: 8, top_k: 2, ffn_hidden_size: 8}"], "model.moe: family qwen3 is dense"),
+    ("qwen3-moe-tiny", ["model.moe=null"], "model.moe: required for family qwen3_moe"),
+    (
+        "qwen3-tiny",
+        ["parallel.recompute={granularity: selective, modules: [mla_up_proj, moe_act]}"],
+        "mla_up_proj needs multi-head latent attention",
+    ),
+    ("qwen3-tiny", ["parallel.pp=3", "launch.gpus_per_node=3"], "parallel.pp_layout: num_layers 8 does not split"),
+    (
+        "qwen3-tiny",
+        ["parallel.pp=2", "launch.gpus_per_node=2", "parallel.pp_layout=Et*3|t*4L"],
+        "parallel.pp_layout: places 7 decoder layers",
+    ),
+    ("qwen3-tiny", ["parallel.pp=2", "launch.gpus_per_node=2", "parallel.pp_layout=Et*4|x"], "unexpected 'x'"),
+    ("deepseek-v3-tiny", ["parallel.pp=2", "launch.gpus_per_node=2", "parallel.pp_layout=Et*4|t*4L"], "MTP modules"),
+    ("qwen3-tiny", ["parallel.vpp=2", "parallel.pp=2", "launch.gpus_per_node=2"], "parallel.pp_schedule: vpp 2"),
+    ("qwen3-tiny", ["train.precision=fp8"], "train.precision: fp8 needs launch.device: cuda"),
+    ("qwen3-tiny", ["launch.gpu=h900"], "launch.gpu: unknown 'h900'; allowed: a100-80gb, h100"),
+    ("qwen3-tiny", ["launch.device=cuda"], "launch.gpu: name the GPU"),
+    ("qwen3-tiny", ["launch.device=cuda", "launch.gpu=gb200", "launch.gpus_per_node=8", "parallel.dp=8"], "4 GPUs"),
+    ("qwen3-tiny", ["launch.env={1BAD: x}"], "launch.env: '1BAD' is not a valid environment variable name"),
+    ("qwen3-tiny", ['launch.slurm.partition="a\\nb"'], "launch.slurm.partition: must be one line"),
+    ("qwen3-tiny", ['launch.slurm.extra_sbatch=["--mem=0\\n#SBATCH -x"]'], "launch.slurm.extra_sbatch.0"),
+    ("qwen3-tiny", ["train.exit_at_step=500"], "train.exit_at_step: 500 is after the last step 200"),
+    ("qwen3-tiny", ["data.valid_fraction=0"], "train.eval_interval: evaluation needs held-out data"),
+    ("qwen3-tiny", ["model.vocab_size=200"], "model.vocab_size: 200 cannot hold the byte tokenizer"),
+    ("qwen3-tiny", ["train.seq_length=1024"], "train.seq_length: 1024 exceeds model.max_position_embeddings 512"),
+    ("qwen3-tiny", ["name=my/run"], "name: 'my/run' must be letters"),
+    ("qwen3-tiny", ["data.source=indexed"], "data.paths: source indexed needs at least one"),
+    ("qwen3-tiny", ["data.paths=[/nonexistent/corpus]"], "data.paths: only for source indexed"),
+    (
+        "qwen3-tiny",
+        ["data.source=indexed", "data.paths=[/nonexistent/corpus]", "data.weights=[1, 2]"],
+        "data.paths.0: /nonexistent/corpus.bin does not exist",
+    ),
+    ("qwen3-tiny", ["checkpoint.resume=/nonexistent/ckpt"], "checkpoint.resume: auto, required, never or an existing"),
+    ("qwen3-tiny", ["data.tokenizer=/nonexistent/tokenizer.json"], "data.tokenizer: 'byte' or a tokenizer.json"),
+]
+
+
+@pytest.mark.parametrize(("recipe", "sets", "expected"), RULES, ids=[r[2][:40] for r in RULES])
+def test_cross_field_rule(recipe, sets, expected):
+    args = ["validate", recipe]
+    for item in sets:
+        args += ["--set", item]
+    result = run_cli(*args)
+    assert_bad_input(result, expected)
+    for line in result.stderr.splitlines():  # each problem starts at a file position or at the override
+        assert re.match(r"error: ([a-z0-9-]+ \(built-in\):\d+:\d+|--set [^:]+): ", line), line
+
+
+def test_rule_position_points_into_the_file(tmp_path):
+    path = write(
+        tmp_path,
+        """\
+        extends: qwen3-moe-tiny
+        model:
+          moe:
+            top_k: 9
+        """,
+    )
+    assert_bad_input(run_cli("validate", path), f"{path}:4:5: model.moe.top_k: 9 exceeds num_experts 8")
+
+
+def test_corrupt_index_header_is_reported(tmp_path):
+    (tmp_path / "corpus.bin").write_bytes(b"\0" * 16)
+    (tmp_path / "corpus.idx").write_bytes(b"NOTANIDX" + b"\0" * 40)
+    result = run_cli(
+        "validate", "qwen3-tiny", "--set", "data.source=indexed", "--set", f"data.paths=[{tmp_path}/corpus]"
+    )
+    assert_bad_input(result, "data.paths.0:", "corpus.idx")
