@@ -8,6 +8,7 @@ MFU on CPU therefore answers "how close to this machine's own matmul speed", whi
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -16,8 +17,11 @@ _MATMUL_SIZE = 512
 _MEASURE_SECONDS = 1.0
 
 
+@functools.cache
 def measured_matmul_flops(dtype: torch.dtype = torch.float32, *, seconds: float = _MEASURE_SECONDS) -> float:
-    """Best observed FLOP/s of an n x n matmul on the CPU, timed in short bursts for `seconds`."""
+    """Best observed FLOP/s of an n x n matmul on the CPU, timed in short bursts for `seconds`.
+
+    Cached per process: a process that trains several times (tests, sweeps in-process) measures once."""
     n = _MATMUL_SIZE
     a = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(dtype)
     b = torch.randn(n, n, generator=torch.Generator().manual_seed(1)).to(dtype)
