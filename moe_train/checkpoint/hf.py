@@ -1,0 +1,380 @@
+"""Hugging Face checkpoints in and out: config.json + safetensors <-> (ModelConfig, our state_dict).
+
+Our module names are transformers' without the `model.` prefix, so most keys map by prefix alone. The
+differences, all handled here:
+- MoE: `mlp.gate.weight` is our `mlp.router.weight`, `mlp.gate.e_score_correction_bias` our
+  `mlp.router.expert_bias`; files hold per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight` (what
+  save_pretrained writes) or transformers' fused `mlp.experts.{gate_up_proj,down_proj}`; ours are fused
+  (gate rows first).
+- Padded vocabulary: our embedding and head have `padded_vocab_size()` rows; files have `vocab_size`.
+- DeepSeek-V3 MTP: file layer `num_layers + k` is our `mtp.{k}` (enorm, hnorm, eh_proj, shared_head.norm ->
+  norm, the rest -> block); its copies of the shared embedding and head are skipped on import, not written.
+- Tied embeddings: files have no lm_head.weight; our state_dict has both names (one tensor).
+Files are read without transformers installed; export writes each file to a temporary name, then renames.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from moe_train.config.schema import ModelConfig, MoEConfig, RopeConfig, RouterConfig, YarnScaling
+
+FAMILIES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
+LAYER = re.compile(r"^model\.layers\.(?P<index>\d+)\.(?P<rest>.*)$")
+MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+           "shared_head.norm.weight": "norm.weight"}
+MTP_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+class HFConversionError(ValueError):
+    """A checkpoint or config that cannot be converted; the message is one line naming the file or field."""
+
+
+# ------------------------------------------------------------------------------------------------- import
+
+
+def import_hf(hf_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a transformers checkpoint folder into (model_cfg, state_dict) for `build_model(model_cfg)`."""
+    hf_dir = Path(hf_dir)
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise HFConversionError(f"{config_path}: not found (a Hugging Face checkpoint folder has config.json)")
+    hf_config = json.loads(config_path.read_text())
+    tensors = _read_safetensors(hf_dir)
+    num_layers = int(hf_config["num_hidden_layers"])
+    mtp_layers = 0
+    while f"model.layers.{num_layers + mtp_layers}.eh_proj.weight" in tensors:
+        mtp_layers += 1
+    model_cfg = config_from_hf(hf_config, mtp_layers=mtp_layers)
+    return model_cfg, state_dict_from_hf(model_cfg, tensors)
+
+
+def _read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (hf_dir / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise HFConversionError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        tensors.update(load_file(hf_dir / name))
+    return tensors
+
+
+def config_from_hf(hf: dict[str, Any], *, mtp_layers: int = 0) -> ModelConfig:
+    """Our model section for a transformers config.json dict (qwen3, qwen3_moe, deepseek_v3)."""
+    family = hf.get("model_type")
+    if family not in FAMILIES:
+        raise HFConversionError(f"config.json: model_type {family!r} is not one of {', '.join(FAMILIES)}")
+    if hf.get("attention_bias"):
+        raise HFConversionError("config.json: attention_bias true is not supported (no attention biases)")
+    fields: dict[str, Any] = dict(
+        family=family,
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_attention_heads=hf["num_attention_heads"],
+        num_query_groups=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        ffn_hidden_size=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        init_std=hf.get("initializer_range", 0.02),
+        rope=_rope_from_hf(hf),
+    )
+    if family == "deepseek_v3":
+        if hf.get("rope_interleave", True) is False:
+            raise HFConversionError("config.json: rope_interleave false is not supported (DeepSeek-V3 interleaves)")
+        groups = hf.get("n_group") or 1
+        fields.update(
+            qk_norm=False,
+            q_lora_rank=hf.get("q_lora_rank"),
+            kv_lora_rank=hf["kv_lora_rank"],
+            qk_nope_head_dim=hf["qk_nope_head_dim"],
+            qk_rope_head_dim=hf["qk_rope_head_dim"],
+            v_head_dim=hf["v_head_dim"],
+            first_k_dense=hf.get("first_k_dense_replace", 0),
+            mtp_layers=mtp_layers,
+            moe=MoEConfig(
+                num_experts=hf["n_routed_experts"],
+                top_k=hf["num_experts_per_tok"],
+                ffn_hidden_size=hf["moe_intermediate_size"],
+                shared_expert_ffn_hidden_size=hf["moe_intermediate_size"] * hf.get("n_shared_experts", 0),
+                router=RouterConfig(
+                    score_function="sigmoid",
+                    normalize_topk=bool(hf.get("norm_topk_prob", True)),
+                    num_groups=groups if groups > 1 else None,
+                    group_top_k=hf.get("topk_group") if groups > 1 else None,
+                    topk_scaling_factor=hf.get("routed_scaling_factor", 1.0),
+                    expert_bias=True,
+                    load_balancing="seq_aux_loss",
+                    aux_loss_coeff=1e-4,
+                ),
+            ),
+        )
+    else:
+        fields.update(head_dim=hf.get("head_dim"), qk_norm=True)
+    if family == "qwen3_moe":
+        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+            raise HFConversionError("config.json: decoder_sparse_step/mlp_only_layers (dense layers) not supported")
+        fields["moe"] = MoEConfig(
+            num_experts=hf.get("num_experts") or hf["num_local_experts"],
+            top_k=hf["num_experts_per_tok"],
+            ffn_hidden_size=hf["moe_intermediate_size"],
+            router=RouterConfig(
+                score_function="softmax",
+                normalize_topk=bool(hf.get("norm_topk_prob", False)),
+                load_balancing="aux_loss",
+                aux_loss_coeff=hf.get("router_aux_loss_coef", 1e-3),
+            ),
+        )
+    return ModelConfig(**fields)
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return RopeConfig(theta=theta)
+    if kind != "yarn":
+        raise HFConversionError(f"config.json: rope type {kind!r} is not supported (default or yarn)")
+    yarn = YarnScaling(
+        factor=params["factor"],
+        original_max_position_embeddings=params.get("original_max_position_embeddings")
+        or hf["max_position_embeddings"],
+        beta_fast=params.get("beta_fast") or 32.0,
+        beta_slow=params.get("beta_slow") or 1.0,
+        mscale=params.get("mscale") or 0.0,
+        mscale_all_dim=params.get("mscale_all_dim") or 0.0,
+    )
+    if params.get("attention_factor") is not None or params.get("truncate", True) is not True:
+        raise HFConversionError("config.json: yarn attention_factor/truncate overrides are not supported")
+    return RopeConfig(theta=theta, scaling=yarn)
+
+
+def state_dict_from_hf(model_cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename, fuse experts and pad the vocabulary: HF tensors -> a strict state_dict of build_model(model_cfg)."""
+    tensors = _fuse_experts(tensors)
+    state: dict[str, torch.Tensor] = {}
+    for hf_name, tensor in tensors.items():
+        name = _our_name(hf_name, model_cfg.num_layers)
+        if name is not None:
+            state[name] = tensor
+    padded = model_cfg.padded_vocab_size()
+    state["embed_tokens.weight"] = _pad_rows(state["embed_tokens.weight"], padded)
+    if model_cfg.tie_embeddings:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    else:
+        state["lm_head.weight"] = _pad_rows(state["lm_head.weight"], padded)
+    return state
+
+
+def _fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert gate/up/down weights -> fused gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name, tensor in tensors.items():
+        match = PER_EXPERT.match(name)
+        if match is None:
+            out[name] = tensor
+        else:
+            experts.setdefault(match["prefix"], {}).setdefault(match["proj"], {})[int(match["expert"])] = tensor
+    for prefix, projs in experts.items():
+        count = len(projs["down"])
+        if any(sorted(projs[p]) != list(range(count)) for p in ("gate", "up", "down")):
+            raise HFConversionError(f"{prefix}: per-expert gate/up/down weights are incomplete")
+        gate_up = [torch.cat((projs["gate"][e], projs["up"][e])) for e in range(count)]
+        out[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
+        out[f"{prefix}.down_proj"] = torch.stack([projs["down"][e] for e in range(count)])
+    return out
+
+
+def _our_name(hf_name: str, num_layers: int) -> str | None:
+    """Our key for a (fused) HF key; None for MTP copies of the shared embedding and head."""
+    if not hf_name.startswith("model.layers."):
+        return hf_name.removeprefix("model.")
+    match = LAYER.match(hf_name)
+    index, rest = int(match["index"]), _moe_to_ours(match["rest"])
+    if index < num_layers:
+        return f"layers.{index}.{rest}"
+    if rest in MTP_SHARED_COPIES:
+        return None
+    depth = index - num_layers
+    return f"mtp.{depth}.{MTP_OWN[rest]}" if rest in MTP_OWN else f"mtp.{depth}.block.{rest}"
+
+
+def _moe_to_ours(rest: str) -> str:
+    return rest.replace("mlp.gate.e_score_correction_bias", "mlp.router.expert_bias").replace(
+        "mlp.gate.weight", "mlp.router.weight"
+    )
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """Zero rows appended up to the padded vocabulary (never read: logits stop at vocab_size)."""
+    return torch.cat((tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])))
+
+
+# ------------------------------------------------------------------------------------------------- export
+
+
+def export_hf(model_cfg: ModelConfig, state_dict: dict[str, torch.Tensor], out_dir: str | os.PathLike) -> None:
+    """Write config.json + model.safetensors that transformers.AutoModelForCausalLM.from_pretrained loads."""
+    out_dir = Path(out_dir)
+    hf_config = config_to_hf(model_cfg, dtype=state_dict["embed_tokens.weight"].dtype)
+    tensors = state_dict_to_hf(model_cfg, state_dict)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_atomically(out_dir / "model.safetensors", lambda path: save_file(tensors, path, metadata={"format": "pt"}))
+    _write_atomically(out_dir / "config.json", lambda path: Path(path).write_text(json.dumps(hf_config, indent=2)))
+
+
+def _write_atomically(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def config_to_hf(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """A transformers config.json dict for our model section; raises HFConversionError where HF cannot express it."""
+    hf: dict[str, Any] = {
+        "architectures": [FAMILIES[cfg.family]],
+        "model_type": cfg.family,
+        "num_hidden_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "intermediate_size": cfg.ffn_hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "rms_norm_eps": cfg.norm_eps,
+        "initializer_range": cfg.init_std,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rope_parameters": _rope_to_hf(cfg.rope),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    moe = cfg.moe
+    if cfg.family in ("qwen3", "qwen3_moe"):
+        if not cfg.qk_norm:
+            raise HFConversionError("model.qk_norm: Qwen3 always normalises q and k; export needs qk_norm true")
+        hf["head_dim"] = cfg.attention_head_dim
+    if cfg.family == "qwen3_moe":
+        router = moe.router
+        if (
+            router.score_function != "softmax" or router.num_groups not in (None, 1) or router.expert_bias
+            or router.topk_scaling_factor != 1.0 or moe.shared_expert_ffn_hidden_size or cfg.first_k_dense
+        ):
+            raise HFConversionError(
+                "model.moe: Qwen3-MoE has softmax routing without groups, bias, scaling, shared or dense-first layers"
+            )
+        hf.update(
+            num_experts=moe.num_experts,
+            num_experts_per_tok=moe.top_k,
+            moe_intermediate_size=moe.ffn_hidden_size,
+            norm_topk_prob=router.normalize_topk,
+            router_aux_loss_coef=router.aux_loss_coeff,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    if cfg.family == "deepseek_v3":
+        router = moe.router
+        shared, ffn = moe.shared_expert_ffn_hidden_size, moe.ffn_hidden_size
+        if router.score_function != "sigmoid" or shared % ffn:
+            raise HFConversionError(
+                "model.moe: DeepSeek-V3 needs sigmoid routing and a shared expert FFN that is a multiple of the "
+                "expert FFN"
+            )
+        hf.update(
+            q_lora_rank=cfg.q_lora_rank,
+            kv_lora_rank=cfg.kv_lora_rank,
+            qk_nope_head_dim=cfg.qk_nope_head_dim,
+            qk_rope_head_dim=cfg.qk_rope_head_dim,
+            v_head_dim=cfg.v_head_dim,
+            first_k_dense_replace=cfg.first_k_dense,
+            num_nextn_predict_layers=cfg.mtp_layers,
+            n_routed_experts=moe.num_experts,
+            num_experts_per_tok=moe.top_k,
+            moe_intermediate_size=ffn,
+            n_shared_experts=shared // ffn,
+            n_group=router.num_groups or 1,
+            topk_group=router.group_top_k or router.num_groups or 1,
+            routed_scaling_factor=router.topk_scaling_factor,
+            norm_topk_prob=router.normalize_topk,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+            rope_interleave=True,
+        )
+    return hf
+
+
+def _rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
+    if rope.scaling is None:
+        return {"rope_type": "default", "rope_theta": rope.theta}
+    yarn = rope.scaling
+    return {
+        "rope_type": "yarn",
+        "rope_theta": rope.theta,
+        "factor": yarn.factor,
+        "original_max_position_embeddings": yarn.original_max_position_embeddings,
+        "beta_fast": yarn.beta_fast,
+        "beta_slow": yarn.beta_slow,
+        "mscale": yarn.mscale,
+        "mscale_all_dim": yarn.mscale_all_dim,
+    }
+
+
+def state_dict_to_hf(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our state_dict -> HF tensors: renamed, experts split per expert, vocabulary padding stripped."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        if name == "lm_head.weight" and cfg.tie_embeddings:
+            continue
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            tensor = tensor[: cfg.vocab_size]
+        hf_name = _hf_name(name, cfg.num_layers)
+        if hf_name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = hf_name.removesuffix(".gate_up_proj")
+            for e, fused in enumerate(tensor):
+                gate, up = fused.chunk(2)
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate
+                out[f"{prefix}.{e}.up_proj.weight"] = up
+        elif hf_name.endswith(".mlp.experts.down_proj"):
+            prefix = hf_name.removesuffix(".down_proj")
+            for e, down in enumerate(tensor):
+                out[f"{prefix}.{e}.down_proj.weight"] = down
+        else:
+            out[hf_name] = tensor
+    # Own copies: safetensors refuses tensors that share storage (the chunks of a fused expert weight).
+    return {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in out.items()}
+
+
+def _hf_name(name: str, num_layers: int) -> str:
+    if name == "lm_head.weight":
+        return name
+    name = name.replace("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias").replace(
+        "mlp.router.weight", "mlp.gate.weight"
+    )
+    if name.startswith("mtp."):
+        _, depth, rest = name.split(".", 2)
+        layer = f"model.layers.{num_layers + int(depth)}"
+        if rest.startswith("block."):
+            return f"{layer}.{rest.removeprefix('block.')}"
+        return f"{layer}.{'shared_head.norm.weight' if rest == 'norm.weight' else rest}"
+    return f"model.{name}"

@@ -1,0 +1,241 @@
+"""Our models against transformers 5.24 (Qwen3, Qwen3-MoE, DeepSeek-V3), through import_hf and export_hf.
+
+Each case builds a small random transformers model, saves it with save_pretrained, imports it into
+build_model(model_cfg) with strict keys, and compares fp32 logits (1e-4); then exports our weights and loads
+them back with AutoModelForCausalLM.from_pretrained. Weights are drawn large enough that logits are O(1), so
+1e-4 is a tight test, and routing margins are checked so a near-tie cannot flip an expert on rounding.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the HF comparison needs transformers (extra 'test')")
+
+from moe_train.checkpoint.hf import HFConversionError, export_hf, import_hf  # noqa: E402
+from moe_train.config.schema import ModelConfig  # noqa: E402
+from moe_train.models import build_model  # noqa: E402
+
+TOL = 1e-4
+
+
+def qwen3(**kw):
+    base = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    return transformers.Qwen3Config(**{**base, **kw})
+
+
+def qwen3_moe(**kw):
+    base = dict(vocab_size=200, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                norm_topk_prob=True, router_aux_loss_coef=0.01, max_position_embeddings=256)
+    return transformers.Qwen3MoeConfig(**{**base, **kw})
+
+
+def deepseek_v3(**kw):
+    base = dict(vocab_size=200, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                n_shared_experts=1, n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=24,
+                kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, routed_scaling_factor=2.5,
+                max_position_embeddings=256)
+    return transformers.DeepseekV3Config(**{**base, **kw})
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32.0, "beta_slow": 1.0}
+
+CASES = {
+    "qwen3-gqa2-untied": lambda: qwen3(),
+    "qwen3-mha-tied-yarn": lambda: qwen3(num_key_value_heads=4, tie_word_embeddings=True, rope_parameters=YARN),
+    "qwen3-mqa-headdim8": lambda: qwen3(num_attention_heads=8, num_key_value_heads=1, head_dim=8),
+    "qwen3moe-e8k2-untied": lambda: qwen3_moe(),
+    "qwen3moe-e6k3-tied-nonorm": lambda: qwen3_moe(num_experts=6, num_experts_per_tok=3, norm_topk_prob=False,
+                                                   num_key_value_heads=4, tie_word_embeddings=True),
+    "dsv3-groups4-yarn": lambda: deepseek_v3(rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    "dsv3-qlora-null-groups1": lambda: deepseek_v3(q_lora_rank=None, n_group=1, topk_group=1, n_shared_experts=2,
+                                                   first_k_dense_replace=0, v_head_dim=12),
+    "dsv3-groups2-mscale": lambda: deepseek_v3(n_group=2, topk_group=1, num_experts_per_tok=3,
+                                               routed_scaling_factor=1.0,
+                                               rope_parameters={**YARN, "mscale": 0.707, "mscale_all_dim": 1.0}),
+}
+
+
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """O(1) activations: matrices N(0, 1/sqrt(fan_in)), embeddings N(0, 1), norms 1 +- 0.2, expert bias +-0.05."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.2 * noise)
+            elif "embed_tokens" in name:
+                param.copy_(noise)
+            else:
+                param.copy_(noise / param.shape[-1] ** 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.05 * torch.randn(buffer.shape, generator=generator))
+
+
+def hf_model(case: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(CASES[case](), attn_implementation="sdpa")
+    randomize_(model, seed)
+    return model.eval()
+
+
+def tokens(batch: int = 2, seq: int = 24, vocab: int = 200, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_routing_margins(model, min_gap: float = 1e-4) -> None:
+    """The k-th and (k+1)-th choice scores differ by more than rounding can move them, in every MoE layer."""
+    cfg = model.cfg.moe
+    for index, stats in model.moe_stats().items():
+        if cfg.router.num_groups:
+            continue  # group masking decides first; its scores are checked through the logits comparison
+        choice = stats.router_probs.detach()
+        bias = model.layers[str(index)].mlp.router.expert_bias
+        if bias is not None:
+            choice = choice + bias
+        top = choice.topk(cfg.top_k + 1, dim=-1).values if cfg.top_k < cfg.num_experts else None
+        if top is not None:
+            gap = (top[:, -2] - top[:, -1]).min().item()
+            assert gap > min_gap, f"layer {index}: routing near-tie (gap {gap:.2e}); pick another seed"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_import_export_matches_transformers(case, tmp_path):
+    reference = hf_model(case)
+    ids = tokens()
+    with torch.no_grad():
+        expected = reference(ids).logits
+    reference.save_pretrained(tmp_path / "hf")
+
+    model_cfg, state = import_hf(tmp_path / "hf")
+    model = build_model(model_cfg)
+    model.load_state_dict(state, strict=True)
+    model.eval()
+    with torch.no_grad():
+        ours = model(ids)
+    assert ours.shape == expected.shape
+    assert (ours - expected).abs().max().item() < TOL
+    if model_cfg.moe is not None:
+        assert_routing_margins(model)
+
+    export_hf(model_cfg, model.state_dict(), tmp_path / "export")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", attn_implementation="sdpa")
+    assert type(reloaded) is type(reference)
+    with torch.no_grad():
+        again = reloaded.eval()(ids).logits
+    assert (again - expected).abs().max().item() < TOL
+
+
+def test_import_reads_padding_tied_buffers_and_families(tmp_path):
+    """What import_hf fills in: padded vocab rows, tied head, the expert bias buffer, MoE router fields."""
+    reference = hf_model("dsv3-groups4-yarn")
+    reference.save_pretrained(tmp_path)
+    model_cfg, state = import_hf(tmp_path)
+    assert model_cfg.family == "deepseek_v3" and model_cfg.mtp_layers == 0  # HF's model has no MTP weights
+    assert model_cfg.first_k_dense == 1 and model_cfg.moe.router.num_groups == 4
+    assert model_cfg.rope.scaling.factor == 4.0 and model_cfg.rope.scaling.mscale_all_dim == 1.0
+    assert state["embed_tokens.weight"].shape == (model_cfg.padded_vocab_size(), 64)
+    assert state["embed_tokens.weight"][200:].abs().sum() == 0
+    bias = reference.model.layers[1].mlp.gate.e_score_correction_bias
+    assert torch.equal(state["layers.1.mlp.router.expert_bias"], bias)
+
+    tied = hf_model("qwen3-mha-tied-yarn")
+    tied.save_pretrained(tmp_path / "tied")
+    tied_cfg, tied_state = import_hf(tmp_path / "tied")
+    assert tied_cfg.tie_embeddings and tied_state["lm_head.weight"] is tied_state["embed_tokens.weight"]
+    model = build_model(tied_cfg)
+    model.load_state_dict(tied_state, strict=True)
+    assert model.lm_head.weight is model.embed_tokens.weight
+
+
+def test_sharded_checkpoint_and_fused_expert_keys(tmp_path):
+    """A sharded save (index.json) and a file with transformers' fused expert tensors import the same."""
+    reference = hf_model("qwen3moe-e8k2-untied")
+    reference.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    cfg, sharded = import_hf(tmp_path / "sharded")
+
+    from safetensors.torch import save_file
+
+    fused = {name: t.contiguous() for name, t in reference.state_dict().items()}
+    (tmp_path / "fused").mkdir()
+    save_file(fused, tmp_path / "fused" / "model.safetensors")
+    (tmp_path / "fused" / "config.json").write_text((tmp_path / "sharded" / "config.json").read_text())
+    cfg2, from_fused = import_hf(tmp_path / "fused")
+    assert cfg2 == cfg and sorted(from_fused) == sorted(sharded)
+    for name in sharded:
+        assert torch.equal(from_fused[name], sharded[name]), name
+
+
+def test_qwen3_moe_aux_loss_equals_transformers(tmp_path):
+    reference = hf_model("qwen3moe-e8k2-untied")
+    ids = tokens(batch=3, seq=20)
+    with torch.no_grad():
+        expected = reference(ids, output_router_logits=True).aux_loss
+    reference.save_pretrained(tmp_path)
+    model_cfg, state = import_hf(tmp_path)
+    model = build_model(model_cfg)
+    model.load_state_dict(state)
+    model(ids)
+    coeff = model_cfg.moe.router.aux_loss_coeff
+    assert coeff == 0.01
+    aux = model.aux_loss()
+    assert aux.requires_grad
+    assert abs(aux.item() / coeff - expected.item()) < 1e-5
+    assert expected.item() > 2.0  # top-2: 2 at perfect balance, so a non-trivial value was compared
+
+
+def test_mtp_round_trip_through_deepseek_files(tmp_path):
+    """Our MTP module is written as DeepSeek's layer num_layers (transformers loads the file and ignores it)
+    and comes back from import_hf bit for bit, including the expert bias."""
+    reference = hf_model("dsv3-groups4-yarn")
+    reference.save_pretrained(tmp_path / "hf")
+    model_cfg, state = import_hf(tmp_path / "hf")
+    with_mtp = model_cfg.model_copy(update={"mtp_layers": 1})
+    model = build_model(with_mtp, seed=3)
+    model.load_state_dict({**model.state_dict(), **state}, strict=True)
+    model.mtp["0"].block.mlp.router.expert_bias.uniform_(-0.1, 0.1)
+    export_hf(with_mtp, model.state_dict(), tmp_path / "export")
+
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    back_cfg, back = import_hf(tmp_path / "export")
+    assert back_cfg == with_mtp
+    ours = model.state_dict()
+    assert sorted(back) == sorted(ours)
+    for name in ours:
+        assert torch.equal(back[name], ours[name]), name
+
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", attn_implementation="sdpa")
+    ids = tokens()
+    with torch.no_grad():
+        assert (reloaded.eval()(ids).logits - reference(ids).logits).abs().max().item() < TOL
+
+
+def test_export_refuses_what_transformers_cannot_express(tmp_path):
+    cfg = ModelConfig(family="qwen3", num_layers=1, hidden_size=32, num_attention_heads=2, ffn_hidden_size=64,
+                      vocab_size=50, qk_norm=False)
+    model = build_model(cfg)
+    with pytest.raises(HFConversionError, match="qk_norm"):
+        export_hf(cfg, model.state_dict(), tmp_path)
+    assert not (tmp_path / "config.json").exists()
+
+
+def test_import_names_missing_files(tmp_path):
+    with pytest.raises(HFConversionError, match="config.json"):
+        import_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    with pytest.raises(HFConversionError, match="model.safetensors"):
+        import_hf(tmp_path)
