@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from moe_train.config import HARDWARE, Recipe
+from moe_train.config import HARDWARE, Recipe, unsupported
 from moe_train.plan.params import count_parameters
 
 from .common import RecipeArgument, SetOption, load_or_exit
@@ -54,6 +54,11 @@ def summary_table(recipe: Recipe) -> Table:
     )
     table.add_row("training", f"{t.steps:,} steps, {t.precision}, lr {t.lr:g} ({t.lr_schedule})")
     table.add_row("run dir", recipe.resolved_run_dir())
+    missing = unsupported(recipe)
+    table.add_row(
+        "engine",
+        "can train this" if not missing else "[yellow]valid, but run/submit refuse it: " + "; ".join(missing),
+    )
     return table
 
 
