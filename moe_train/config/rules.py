@@ -56,7 +56,8 @@ def _model(r: Recipe) -> list[Problem]:
     set_fields = m.model_fields_set
     if m.family != "deepseek_v3":
         for field in DEEPSEEK_ONLY_FIELDS:
-            if field in set_fields and getattr(m, field) not in (None, 0):
+            # A resolved recipe (dump_recipe) sets every field: its defaults must not count as set.
+            if field in set_fields and getattr(m, field) not in (None, 0, type(m).model_fields[field].default):
                 out.append(_p(f"model.{field}", f"only for family deepseek_v3 (this recipe is {m.family})"))
         if m.num_attention_heads % m.kv_heads:
             out.append(
