@@ -87,15 +87,15 @@ class Transformer(nn.Module):
         sin: torch.Tensor,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        # A depth-k target must lie in the same document as the position predicting it.
+        # The depth-k target at position i is token i+k+1: it counts only inside position i's document.
         docs = document_ids(position_ids).expand_as(labels)
-        shifted_docs = docs
+        target_docs = shift_left(docs, fill=-1)
         losses = []
         for module in self.mtp.values():
             input_ids = shift_left(input_ids, fill=0)
             labels = shift_left(labels, fill=IGNORE_INDEX)
-            shifted_docs = shift_left(shifted_docs, fill=-1)
-            targets = labels.masked_fill(shifted_docs != docs, IGNORE_INDEX)
+            target_docs = shift_left(target_docs, fill=-1)
+            targets = labels.masked_fill(target_docs != docs, IGNORE_INDEX)
             hidden = module(hidden, self.embed_tokens(input_ids), cos, sin, mask)
             losses.append(cross_entropy(self.logits(hidden), targets))
         return self.cfg.mtp_loss_weight * torch.stack(losses).mean()
