@@ -6,7 +6,11 @@ import typer
 
 from .data import data_app
 from .recipes import recipes_app
+from .render import render
+from .runs import runs
 from .schema import schema
+from .submit import submit
+from .sweep import sweep
 from .validate import validate
 
 app = typer.Typer(
@@ -20,6 +24,10 @@ app = typer.Typer(
 
 app.command()(validate)
 app.command()(schema)
+app.command()(render)
+app.command()(submit)
+app.command()(sweep)
+app.command()(runs)
 app.add_typer(recipes_app, name="recipes")
 app.add_typer(data_app, name="data")
 

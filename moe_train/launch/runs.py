@@ -1,0 +1,123 @@
+"""`moe-train runs`: what the run folders under a root hold, and which of their jobs SLURM still knows.
+
+Status comes from the files the run writes (COMPLETE, metrics.jsonl) and the job ids that `submit` and `sweep`
+recorded in submissions.jsonl, looked up with one `squeue` call for all runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from .rundir import COMPLETE_FILE, METRICS_FILE, RECIPE_FILE, SUBMISSIONS_FILE
+
+SKIP_DIRS = {"checkpoints", "logs"}
+TAIL_BYTES = 65536
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    run_dir: Path
+    status: str
+    job_id: str | None
+    step: int | None
+    loss: float | None
+
+
+def find_runs(root: Path) -> list[Path]:
+    """Folders under `root` (itself included) that hold a recipe.yaml, sweep points included, sorted."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.startswith("."))
+        if RECIPE_FILE in files:
+            found.append(Path(folder))
+    return found
+
+
+def last_train_metrics(path: Path) -> tuple[int | None, float | None]:
+    """Step and loss of the last `kind: train` line, reading only the end of a possibly long file."""
+    if not path.is_file():
+        return None, None
+    with path.open("rb") as handle:
+        handle.seek(0, os.SEEK_END)
+        size = handle.tell()
+        handle.seek(max(0, size - TAIL_BYTES))
+        lines = handle.read().decode(errors="replace").splitlines()
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a partial first line of the tail, or a line being written
+        if isinstance(record, dict) and record.get("kind") == "train":
+            return record.get("step"), record.get("loss")
+    return None, None
+
+
+def last_submission(run_dir: Path) -> dict | None:
+    path = run_dir / SUBMISSIONS_FILE
+    if not path.is_file():
+        return None
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    try:
+        return json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        return None
+
+
+def queue_states() -> dict[str, str]:
+    """Job id -> state of every job SLURM has queued or running (array tasks one per line); {} without SLURM."""
+    if shutil.which("squeue") is None:
+        return {}
+    try:
+        out = subprocess.run(["squeue", "-h", "-r", "-o", "%i %T"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    states = {}
+    for line in out.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            states[parts[0]] = parts[1]
+    return states
+
+
+def run_status(run_dir: Path, queue: dict[str, str]) -> RunStatus:
+    """complete | running | queued | <state> (other live SLURM states) | stopped | submitted | new."""
+    step, loss = last_train_metrics(run_dir / METRICS_FILE)
+    submission = last_submission(run_dir)
+    job_id = submission.get("job_id") if submission else None
+    kind = submission.get("kind") if submission else None
+    state = queue.get(job_id) if job_id else None
+    if (run_dir / COMPLETE_FILE).exists():
+        status = "complete"
+    elif state is not None:
+        status = {"RUNNING": "running", "PENDING": "queued", "REQUEUED": "queued"}.get(state, state.lower())
+        if kind == "preflight":
+            status = f"preflight {status}"
+    elif step is not None:
+        status = "stopped"
+    elif job_id is not None:
+        status = "preflight done" if kind == "preflight" else "submitted"
+    else:
+        status = "new"
+    return RunStatus(run_dir, status, job_id, step, loss)
+
+
+def collect(root: Path) -> list[RunStatus]:
+    runs = find_runs(root)
+    queue = queue_states() if runs else {}
+    return [run_status(run, queue) for run in runs]
+
+
+def format_runs(statuses: list[RunStatus], root: Path) -> str:
+    """Aligned text, one run per line, folders relative to `root`."""
+    rows = [("run", "status", "job", "step", "loss")]
+    for s in statuses:
+        name = str(s.run_dir.relative_to(root)) if s.run_dir != root else "."
+        rows.append((name, s.status, s.job_id or "-", "-" if s.step is None else str(s.step),
+                     f"{s.loss:.4f}" if isinstance(s.loss, (int, float)) else "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows)

@@ -1,0 +1,94 @@
+"""Submit a run to SLURM: run folder, batch script, sbatch, and a record of the job id for `moe-train runs`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from moe_train.config import Recipe, unsupported
+
+from .render import render_sbatch
+from .rundir import (
+    LOGS_DIR,
+    PREFLIGHT_SCRIPT_FILE,
+    SCRIPT_FILE,
+    SUBMISSIONS_FILE,
+    check_reusable,
+    prepare_run_dir,
+    run_dir_path,
+    write_atomic,
+)
+from .shell import LaunchError
+
+
+class SubmitError(RuntimeError):
+    """sbatch refused or failed (a runtime failure, exit code 1); the message is one line."""
+
+
+@dataclass(frozen=True)
+class Submission:
+    run_dir: Path
+    script: Path
+    script_text: str
+    job_id: str | None
+    log: Path | None
+
+
+def submittable_problems(recipe: Recipe, *, preflight: bool) -> list[str]:
+    """A training job must be trainable now; a preflight only checks the allocation, so any layout passes."""
+    return [] if preflight else unsupported(recipe)
+
+
+def sbatch(script: Path, *, extra_args: tuple[str, ...] = ()) -> str:
+    """Run `sbatch --parsable` on a script; returns the job id. Raises SubmitError with sbatch's message."""
+    if shutil.which("sbatch") is None:
+        raise SubmitError("sbatch not found on PATH (submit from a SLURM login node, or use --dry-run)")
+    try:
+        out = subprocess.run(["sbatch", "--parsable", *extra_args, str(script)], capture_output=True, text=True,
+                             timeout=120)
+    except subprocess.TimeoutExpired:
+        raise SubmitError("sbatch did not answer within 120 s") from None
+    if out.returncode != 0:
+        reason = " ".join(out.stderr.split()) or f"exit code {out.returncode}"
+        raise SubmitError(f"sbatch {script}: {reason}")
+    job_id = out.stdout.strip().split(";")[0]
+    if not job_id:
+        raise SubmitError(f"sbatch {script}: no job id in its output {out.stdout!r}")
+    return job_id
+
+
+def record_submission(run_dir: Path, job_id: str, kind: str, script: Path) -> None:
+    """Append a line to {run_dir}/submissions.jsonl (rewritten atomically): what `runs` looks up in squeue."""
+    path = run_dir / SUBMISSIONS_FILE
+    previous = path.read_text() if path.exists() else ""
+    line = json.dumps({"job_id": job_id, "kind": kind, "script": str(script),
+                       "time": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+    write_atomic(path, previous + line + "\n")
+
+
+def submit(recipe: Recipe, *, preflight: bool = False, dry_run: bool = False) -> Submission:
+    """Write the run folder and its batch script and sbatch it; `dry_run` renders only and writes nothing.
+
+    Raises LaunchError (invalid input, exit 2) or SubmitError (sbatch failed, exit 1).
+    """
+    problems = submittable_problems(recipe, preflight=preflight)
+    if problems:
+        raise LaunchError(problems)
+    name = PREFLIGHT_SCRIPT_FILE if preflight else SCRIPT_FILE
+    if dry_run:
+        run_dir = run_dir_path(recipe)
+        check_reusable(recipe, run_dir)
+        return Submission(run_dir, run_dir / name, render_sbatch(recipe, run_dir, preflight=preflight), None, None)
+    run_dir = prepare_run_dir(recipe)
+    text = render_sbatch(recipe, run_dir, preflight=preflight)
+    script = run_dir / name
+    write_atomic(script, text)
+    script.chmod(0o755)
+    job_id = sbatch(script)
+    record_submission(run_dir, job_id, "preflight" if preflight else "train", script)
+    log = run_dir / LOGS_DIR / f"{'preflight' if preflight else 'slurm'}-{job_id}.out"
+    return Submission(run_dir, script, text, job_id, log)
