@@ -54,7 +54,7 @@ def prepare(
     except DataError as error:
         fail([str(error)])
     except OSError as error:  # e.g. an output folder that cannot be written
-        fail([f"{error.filename}: {error.strerror}"])
+        fail([f"{error.filename or output}: {error.strerror or error}"])
     skipped = f", {summary.empty_documents} empty skipped" if summary.empty_documents else ""
     print(
         f"{output}.bin/.idx: {summary.documents} documents{skipped}, {summary.tokens} tokens "

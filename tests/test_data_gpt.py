@@ -269,3 +269,9 @@ def test_tokenizer_eod_from_config_or_missing(tmp_path):
     assert JsonTokenizer(path).eod == 1
     with pytest.raises(DataError, match="nope.json: tokenizer file not found"):
         JsonTokenizer(str(tmp_path / "nope.json"))
+
+
+def test_builtin_cache_that_cannot_be_written(tmp_path):
+    (tmp_path / "file").write_text("in the way")
+    with pytest.raises(DataError, match="cannot build the builtin corpus here .*; set MOE_TRAIN_CACHE"):
+        builtin_prefix(str(tmp_path / "file" / "cache"), max_bytes=10_000)

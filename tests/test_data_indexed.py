@@ -168,3 +168,13 @@ def test_header_reader_imports_neither_numpy_nor_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
+
+
+def test_negative_token_ids_are_refused(tmp_path):
+    prefix = str(tmp_path / "signed")
+    builder = MegatronBuilder(prefix + ".bin", dtype=np.int32)
+    builder.add_item(torch.tensor([3, -5, 7]))
+    builder.end_document()
+    builder.finalize(prefix + ".idx")
+    with pytest.raises(DataError, match=r"signed\.bin: negative token id -5"):
+        IndexedDataset(prefix).check_token_range(257)

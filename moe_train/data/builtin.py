@@ -18,6 +18,7 @@ import tempfile
 
 import numpy as np
 
+from moe_train.data.errors import DataError
 from moe_train.data.indexed import IndexedDatasetWriter
 from moe_train.data.tokenizer import ByteTokenizer
 
@@ -61,11 +62,15 @@ def builtin_prefix(cache_dir: str | None = None, max_bytes: int = MAX_BYTES) -> 
     if os.path.isdir(folder):
         return prefix
     parent = os.path.dirname(folder)
-    os.makedirs(parent, exist_ok=True)
-    with open(folder + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.isdir(folder):
-            _build(files, folder, parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        with open(folder + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not os.path.isdir(folder):
+                _build(files, folder, parent)
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise DataError(f"{parent}: cannot build the builtin corpus here ({reason}); set MOE_TRAIN_CACHE") from None
     return prefix
 
 

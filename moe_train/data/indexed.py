@@ -115,11 +115,12 @@ class IndexedDataset:
         # A dtype that cannot hold an out-of-range id needs no scan (e.g. uint16 tokens, vocab >= 65536).
         if info.min >= 0 and info.max < vocab_size:
             return
-        high, low = int(self.tokens.max()), int(self.tokens.min())
+        high = int(self.tokens.max())
         if high >= vocab_size:
             raise DataError(
                 f"{bin_path(self.prefix)}: token id {high} is beyond the vocabulary (model.vocab_size {vocab_size})"
             )
+        low = int(self.tokens.min()) if info.min < 0 else 0
         if low < 0:
             raise DataError(f"{bin_path(self.prefix)}: negative token id {low}")
 
