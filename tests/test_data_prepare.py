@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -126,3 +128,21 @@ def test_bad_inputs_and_tokenizer(tmp_path, inputs):
     )
     (tmp_path / "latin1.txt").write_bytes(b"ok\ncaf\xe9\n")
     assert_bad_input(run_cli("data", "prepare", str(tmp_path / "latin1.txt"), "-o", out), "latin1.txt:2: not UTF-8")
+
+
+def test_prepare_as_a_process_without_torch(tmp_path, inputs):
+    """The real console entry point: exit codes, the summary on stdout, and no torch import (login-node side)."""
+    jsonl, _ = inputs
+    code = (
+        "import sys\nfrom moe_train.cli.main import main\nsys.argv = ['moe-train', *sys.argv[1:]]\n"
+        "try:\n    main()\nfinally:\n    print('torch' in sys.modules, file=sys.stderr)"
+    )
+
+    def moe_train(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+
+    ok = moe_train("data", "prepare", jsonl, "-o", str(tmp_path / "p"))
+    assert ok.returncode == 0 and "4 documents" in ok.stdout and ok.stderr.strip() == "False", ok.stderr
+    bad = moe_train("data", "prepare", str(tmp_path / "x.txt"), "-o", str(tmp_path / "p"))
+    assert bad.returncode == 2, bad.stderr
+    assert bad.stderr.splitlines() == [f"error: {tmp_path / 'x.txt'}: input file not found", "False"]
