@@ -168,6 +168,7 @@ def _render(recipe: Recipe, *, title: str, directives: list[str], preflight: boo
         setup=list(launch.setup),
         gpus_per_node=launch.gpus_per_node,
         srun_args=_srun_args(recipe, run_dirs),
+        run_dirs=[str(d) for d in run_dirs],
         preflight=preflight,
         notice=notice,
         signal_seconds=slurm.signal_seconds,
@@ -205,7 +206,7 @@ def render_array(recipe: Recipe, run_dirs: Sequence[Path], sweep_dir: Path, *, m
         title=f"moe-train sweep of {len(run_dirs)} point(s) of recipe {recipe.name}",
         directives=sbatch_directives(recipe, log, preflight=preflight, array=array),
         preflight=preflight,
-        run_dirs=list(run_dirs),
+        run_dirs=run_dirs,
         array=True,
         sweep_dir=str(sweep_dir),
     )

@@ -20,13 +20,13 @@ from pathlib import Path
 from moe_train.config import Recipe, RecipeError, load_recipe, parse_override
 
 from .render import check_renderable, render_array
-from .rundir import check_reusable, prepare_run_dir, run_dir_path, write_atomic
+from .rundir import LOGS_DIR, check_reusable, prepare_run_dir, run_dir_path, write_atomic
 from .shell import LaunchError
 from .submit import record_submission, sbatch, submittable_problems
 
 SWEEP_FILE = "sweep.json"
 MAX_NAME = 96
-UNSAFE = re.compile(r"[^A-Za-z0-9.+=-]+")
+UNSAFE = re.compile(r"[^A-Za-z0-9._+=-]+")
 UNSWEEPABLE = {"run_dir", "name", "extends", "provenance"}
 
 
@@ -164,7 +164,9 @@ def expand(recipe_ref: str, sets: Sequence[str], axes: Sequence[Axis], *, prefli
 
 def write_sweep(recipe_ref: str, sets: Sequence[str], axes: Sequence[Axis], sweep_dir: Path,
                 points: Sequence[Point]) -> None:
-    """Create each valid point's run folder and record the whole sweep in {sweep_dir}/sweep.json."""
+    """Create each valid point's run folder, the sweep's logs/ (SLURM does not create --output folders), and
+    record the whole sweep in {sweep_dir}/sweep.json."""
+    (sweep_dir / LOGS_DIR).mkdir(parents=True, exist_ok=True)
     for point in points:
         if point.valid:
             prepare_run_dir(point.recipe)
