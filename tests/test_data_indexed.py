@@ -178,3 +178,32 @@ def test_negative_token_ids_are_refused(tmp_path):
     builder.finalize(prefix + ".idx")
     with pytest.raises(DataError, match=r"signed\.bin: negative token id -5"):
         IndexedDataset(prefix).check_token_range(257)
+
+
+def test_sampling_megatron_data_keeps_multi_sequence_documents_whole(tmp_path):
+    """Megatron data with sentence-split documents: a document's sequences stay together, in the same split."""
+    prefix = str(tmp_path / "split_docs")
+    builder = MegatronBuilder(prefix + ".bin", dtype=np.uint16)
+    for d in range(40):
+        doc = np.append(1000 * d + 1 + np.arange(150), 256)  # tokens name their document and position
+        for part in np.array_split(doc, 3):
+            builder.add_item(torch.from_numpy(part.astype(np.int64)))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    raw = recipe_with_data(source="indexed", paths=[prefix], valid_fraction=0.1).model_dump()
+    raw["model"]["vocab_size"] = 60000
+    sets = build_datasets(Recipe.model_validate(raw))
+
+    def documents_of(source) -> set[int]:
+        seen = set()
+        for i in range(len(source)):
+            sample = source.sample(i)
+            words = sample[sample != 256]
+            steps = np.diff(sample)
+            # within a document tokens count up by one; a jump happens only right after an EOD
+            assert all(s == 1 or a == 256 or b == 256 for s, a, b in zip(steps, sample[:-1], sample[1:], strict=True))
+            seen |= set((words // 1000).tolist())
+        return seen
+
+    train, valid = documents_of(sets.train), documents_of(sets.valid)
+    assert not train & valid and len(valid) >= 3 and len(train) >= 34
