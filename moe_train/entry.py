@@ -142,12 +142,7 @@ def _table(recipe: Recipe, shape: MeshShape, backend: str, rows: list) -> str:
 
 
 def train(recipe: Recipe) -> int:
-    """Hand over to the trainer; refuse features it cannot train yet rather than ignore them."""
-    problems = unsupported(recipe)
-    if problems:
-        for line in problems:
-            print(f"error: {line}", file=sys.stderr, flush=True)
-        return 2
+    """Hand over to the trainer (the caller has refused features it cannot train yet)."""
     try:
         from moe_train.train import run_from_recipe
     except ImportError:
@@ -167,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load_recipe(args.recipe)
     except RecipeError as error:
         for line in error.problems:
+            print(f"error: {line}", file=sys.stderr, flush=True)
+        return 2
+    refused = [] if args.preflight else unsupported(recipe)
+    if refused:  # invalid input first (exit 2): the trainer would otherwise accept and ignore these
+        for line in refused:
             print(f"error: {line}", file=sys.stderr, flush=True)
         return 2
     problems = launcher_problems(recipe, env)
