@@ -295,7 +295,7 @@ def _data_files(r: Recipe) -> list[Problem]:
     from moe_train.data.index_header import read_index_header
 
     d, out = r.data, _data_shape(r)
-    if d.tokenizer != "byte" and r.data.source != "mock" and not Path(d.tokenizer).is_file():
+    if d.tokenizer != "byte" and not Path(d.tokenizer).is_file():
         out.append(_p("data.tokenizer", f"'byte' or a tokenizer.json file; {d.tokenizer} does not exist"))
     if d.source != "indexed":
         return out
