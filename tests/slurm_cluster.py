@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,7 @@ class SlurmCluster:
     root: Path
     conf: Path
     env: dict[str, str]
+    run_dir: Path | None = None
     procs: list[subprocess.Popen] = field(default_factory=list)
 
     def run(self, *args: str, check: bool = True, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
@@ -93,6 +95,8 @@ class SlurmCluster:
                 proc.kill()
                 proc.wait(timeout=5)
         self.procs.clear()
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
 def _skip_reason() -> str | None:
@@ -111,15 +115,15 @@ def _binary(name: str) -> str:
 def start_cluster(root: Path) -> SlurmCluster:
     """Write slurm.conf under `root`, start munged, slurmctld and slurmd, and wait for the node to be idle."""
     host = socket.gethostname().split(".")[0]
-    run = root / "run"
+    # munged wants every folder above its socket world-executable; pytest's tmp folders are 0700.
+    run = Path(tempfile.mkdtemp(prefix="moetrain-slurm-run-"))
     state = root / "state"
     spool = root / "spool"
     key_dir = root / "key"
-    for d in (run, state, spool, key_dir):
+    for d in (state, spool, key_dir):
         d.mkdir(parents=True, exist_ok=True)
     run.chmod(0o755)
     key_dir.chmod(0o700)
-    root.chmod(0o755)
     key = key_dir / "munge.key"
     socket_path = run / "munge.socket.2"
     subprocess.run([_binary("mungekey"), "--create", f"--keyfile={key}", "--force"], check=True,
@@ -164,7 +168,7 @@ def start_cluster(root: Path) -> SlurmCluster:
         )
     )
     env = dict(os.environ, SLURM_CONF=str(conf))
-    cluster = SlurmCluster(root=root, conf=conf, env=env)
+    cluster = SlurmCluster(root=root, conf=conf, env=env, run_dir=run)
     logs = root / "daemons.out"
     out = logs.open("ab")
     try:
