@@ -78,8 +78,13 @@ class GroupedExperts(nn.Module):
         return _ContiguousGrad.apply(out)
 
     def _loop(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        # unbind once: indexing the stacked weight per expert would make each expert's backward allocate (and
+        # zero) a gradient the size of all experts.
         outputs = []
-        for expert, chunk in enumerate(torch.split(rows, tokens_per_expert.tolist())):
-            gate, up = F.linear(chunk, self.gate_up_proj[expert]).chunk(2, dim=-1)
-            outputs.append(F.linear(F.silu(gate) * up, self.down_proj[expert]))
+        chunks = torch.split(rows, tokens_per_expert.tolist())
+        for chunk, gate_up_proj, down_proj in zip(
+            chunks, self.gate_up_proj.unbind(0), self.down_proj.unbind(0), strict=True
+        ):
+            gate, up = F.linear(chunk, gate_up_proj).chunk(2, dim=-1)
+            outputs.append(F.linear(F.silu(gate) * up, down_proj))
         return torch.cat(outputs)
