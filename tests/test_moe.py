@@ -467,3 +467,19 @@ def test_meta_construction_and_checkpoint_names():
     assert not any(t.is_meta for t in layer.state_dict().values())
     plain = MoELayer(hidden_size=128, moe=moe_config())
     assert set(plain.state_dict()) == {"router.weight", "experts.gate_up_proj", "experts.down_proj"}
+
+
+def test_bf16_layer_grouped_equals_loop_and_tracks_fp32():
+    moe = moe_config(num_experts=8, top_k=2, ffn_hidden_size=32, shared_expert_ffn_hidden_size=32)
+    reference = make_layer(64, moe, std=0.2)
+    x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(9))
+    expected = reference(x)
+    layer = make_layer(64, moe, std=0.2).to(torch.bfloat16)
+    outputs = {}
+    for grouped in (True, False):
+        layer.experts.use_grouped_mm = grouped
+        outputs[grouped] = layer(x.to(torch.bfloat16))
+        assert outputs[grouped].dtype == torch.bfloat16
+        assert layer.stats.router_probs.dtype == torch.float32  # router math stays fp32
+    assert torch.allclose(outputs[True].float(), outputs[False].float(), atol=2e-2 * expected.abs().max().item())
+    assert (outputs[True].float() - expected).abs().max() < 3e-2 * expected.abs().max()
