@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from moe_train.models.moe.router import count_per_expert
+
 
 def global_aux_loss(
     probs: torch.Tensor, tokens_per_expert: torch.Tensor, num_tokens: int | torch.Tensor
@@ -31,7 +33,7 @@ def switch_aux_loss(probs: torch.Tensor, topk_indices: torch.Tensor, num_experts
 
     Given the concatenation of all layers' probs and indices it equals transformers' loss for the whole model.
     """
-    counts = torch.bincount(topk_indices.reshape(-1), minlength=num_experts)
+    counts = count_per_expert(topk_indices, num_experts)
     return global_aux_loss(probs, counts, probs.shape[0])
 
 

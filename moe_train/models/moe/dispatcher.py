@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_train.models.moe.router import count_per_expert
+
 
 @dataclass
 class DispatchPlan:
@@ -45,7 +47,7 @@ class LocalDispatcher:
         experts = topk_indices.reshape(-1)
         if keep is not None:
             experts = experts.masked_fill(~keep.reshape(-1), self.num_experts)  # dropped slots sort last
-        counts = torch.bincount(experts, minlength=self.num_experts + 1)[: self.num_experts]
+        counts = count_per_expert(experts, self.num_experts + 1)[: self.num_experts]
         order = torch.argsort(experts, stable=True)
         kept = int(counts.sum()) if keep is not None else tokens * top_k
         order = order[:kept]

@@ -18,7 +18,7 @@ from moe_train.models.moe.aux_loss import seq_aux_loss, z_loss
 from moe_train.models.moe.capacity import capacity_keep_mask, expert_capacity
 from moe_train.models.moe.dispatcher import LocalDispatcher
 from moe_train.models.moe.experts import GroupedExperts
-from moe_train.models.moe.router import Router
+from moe_train.models.moe.router import Router, count_per_expert
 
 
 @dataclass
@@ -92,7 +92,7 @@ class MoELayer(nn.Module):
             router_probs=routing.scores,
             topk_indices=routing.topk_indices,
             topk_weights=routing.topk_weights,
-            tokens_per_expert=torch.bincount(routing.topk_indices.reshape(-1), minlength=self.moe.num_experts).detach(),
+            tokens_per_expert=count_per_expert(routing.topk_indices, self.moe.num_experts),
             dropped_fraction=0.0 if keep is None else 1.0 - int(keep.sum()) / keep.numel(),
             aux_loss=self._aux_loss(routing.logits, routing.scores, routing.topk_indices, batch, seq),
             capacity=capacity,

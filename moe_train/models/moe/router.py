@@ -83,6 +83,13 @@ class Router(nn.Module):
         return grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(tokens, -1)
 
 
+def count_per_expert(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int64 count of each expert id in `indices` (a scatter-add: unlike bincount, no device-host sync)."""
+    flat = indices.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=indices.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
+
+
 def _check_routing(moe: MoEConfig, num_groups: int, group_top_k: int) -> None:
     """Refuse routing settings that would silently pick -inf experts (the recipe rules report them earlier)."""
     experts, k = moe.num_experts, moe.top_k
