@@ -79,10 +79,10 @@ class MoELayer(nn.Module):
                 capacity=capacity,
                 policy=self.moe.drop_policy,
             )
-        rows, tokens_per_row_group, plan = self.dispatcher.dispatch(
+        rows, rows_per_expert, plan = self.dispatcher.dispatch(
             x, routing.topk_indices, keep=keep, pad_to=capacity if self.moe.pad_to_capacity else None
         )
-        out = self.experts(rows, tokens_per_row_group)
+        out = self.experts(rows, rows_per_expert)
         out = self.dispatcher.combine(out, routing.topk_weights, plan).to(hidden.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
