@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -59,6 +60,9 @@ def render(
             write_atomic(run_dir / ("preflight.sbatch" if preflight else SCRIPT_FILE), text)
     except LaunchError as error:
         fail(error.problems)
+    if target is Target.torchrun and loaded.launch.nodes > 1 and rdzv_host == "localhost":
+        print(f"note: run the command on each of the {loaded.launch.nodes} nodes, with --rdzv-host set to the first "
+              "node's address", file=sys.stderr)
     if output is None:
         print(text, end="")
     else:

@@ -142,14 +142,14 @@ def _table(recipe: Recipe, shape: MeshShape, backend: str, rows: list) -> str:
 
 
 def train(recipe: Recipe) -> int:
-    """Hand over to the trainer (the caller has refused features it cannot train yet)."""
+    """Hand over to the trainer (the caller has refused features it cannot train yet); it maps its own errors
+    to exit codes and one-line messages."""
     try:
-        from moe_train.train import run_from_recipe
+        from moe_train.train import train_and_report
     except ImportError:
-        print("error: training is not supported yet (moe_train.train.run_from_recipe is missing)", file=sys.stderr)
+        print("error: training is not supported yet (moe_train.train has no train_and_report)", file=sys.stderr)
         return 2
-    result = run_from_recipe(recipe)
-    return result if isinstance(result, int) else 0
+    return train_and_report(recipe)
 
 
 def main(argv: list[str] | None = None) -> int:
