@@ -17,6 +17,7 @@ from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture)
 from moe_train.config import load_recipe
 from moe_train.launch.render import render_sbatch
 from moe_train.launch.rundir import prepare_run_dir, write_atomic
+from moe_train.launch.submit import record_submission
 
 REPO = Path(__file__).resolve().parents[1]
 ROW = re.compile(r"^\s+(\d+)\s+(\S+)\s+(\d+)\s+(pp \d+ dp \d+ cp \d+ tp \d+ \| edp \d+ ep \d+ etp \d+)$", re.M)
@@ -141,8 +142,11 @@ def test_preemption_notice_requeues_once_then_completes(slurm_cluster, tmp_path)
     write_atomic(script, render_sbatch(recipe, run_dir))
     env = dict(slurm_cluster.env, PATH=f"{bin_dir}:{slurm_cluster.env['PATH']}")
     job_id = slurm_cluster.run("sbatch", "--parsable", str(script), env=env, cwd=tmp_path).stdout.strip()
+    record_submission(run_dir, job_id, "train", script)
     log = run_dir / "logs" / f"slurm-{job_id}.out"
     wait_for_file(log, "waiting for the notice")
+    runs = cli(slurm_cluster, tmp_path, "runs", str(tmp_path))
+    assert re.search(rf"^r\s+running\s+{job_id}\s", runs.stdout, re.M), runs.stdout
     # What SLURM does --signal seconds before the time limit: USR1 to the batch shell only.
     slurm_cluster.run("scancel", "--signal=USR1", "--batch", job_id)
     assert slurm_cluster.wait_done(job_id, timeout=120) == "COMPLETED", log.read_text()
@@ -154,3 +158,5 @@ def test_preemption_notice_requeues_once_then_completes(slurm_cluster, tmp_path)
     assert text.count("requeueing") == 1
     assert (run_dir / "COMPLETE").exists() and not (run_dir / "PREEMPT").exists()
     assert slurm_cluster.job_field(job_id, "Restarts") == "1"
+    runs = cli(slurm_cluster, tmp_path, "runs", str(tmp_path))
+    assert re.search(rf"^r\s+complete\s+{job_id}", runs.stdout, re.M), runs.stdout
