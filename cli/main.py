@@ -7,6 +7,7 @@ import typer
 from .data import data_app
 from .recipes import recipes_app
 from .render import render
+from .run import run
 from .runs import runs
 from .schema import schema
 from .submit import submit
@@ -28,6 +29,7 @@ app.command()(render)
 app.command()(submit)
 app.command()(sweep)
 app.command()(runs)
+app.command()(run)
 app.add_typer(recipes_app, name="recipes")
 app.add_typer(data_app, name="data")
 

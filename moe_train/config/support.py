@@ -33,7 +33,6 @@ NOT_SUPPORTED_YET: tuple[Unsupported, ...] = (
         "activation recomputation",
     ),
     Unsupported("train.precision", lambda r: r.train.precision == "fp8", "fp8 training"),
-    Unsupported("train", lambda r: True, "training (the trainer is not built yet)"),
 )
 
 

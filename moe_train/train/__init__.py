@@ -3,11 +3,13 @@
 `run_from_recipe` is the one entry: `moe-train run` calls it in-process at world size 1, and entry.py calls it
 on every rank under torchrun/srun. It raises RecipeError, DataError or CheckpointError for bad input (exit 2)
 and TrainingError for a runtime failure (exit 1); `input_errors()` lists the former for callers to map.
+`train_and_report` wraps it for command lines: one `error:` line per problem, the summary, an exit code.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -57,3 +59,30 @@ def run_from_recipe(recipe: Recipe) -> Summary:
         if created:
             dist.destroy_process_group()
 
+
+
+def train_and_report(recipe: Recipe) -> int:
+    """Run `recipe`, print the summary (rank 0) or the error (one line, no traceback); return the exit code.
+
+    0: trained (complete, exit_at_step or a clean stop on preemption); 2: bad input; 1: runtime failure,
+    naming the rank and the reason.
+    """
+    from moe_train.train.errors import TrainingError
+
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        summary = run_from_recipe(recipe)
+    except input_errors() as error:
+        for line in getattr(error, "problems", None) or str(error).splitlines()[:1]:
+            print(f"error: {line}", file=sys.stderr, flush=True)
+        return 2
+    except TrainingError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 1
+    except Exception as error:  # a failed collective, out of memory...: one line naming the rank
+        reason = str(error).splitlines()[0] if str(error) else ""
+        print(f"error: rank {rank}: {type(error).__name__}: {reason}", file=sys.stderr, flush=True)
+        return 1
+    if rank == 0:
+        print(summary.describe(total_steps=recipe.train.steps), flush=True)
+    return 0

@@ -10,7 +10,8 @@ of `seq_length`:
   attention, so measured and predicted figures agree;
 - SwiGLU MLPs (3 matrices): dense layers, and on MoE layers the router, the `top_k` active routed experts
   and the shared expert;
-- the output head over the padded vocabulary (embedding lookups are gathers, not FLOPs);
+- the output head over the real vocabulary (the model never computes logits of the padding rows; embedding
+  lookups are gathers, not FLOPs);
 - each MTP module: its projection of [hidden; embedding] (2h -> h), one more decoder layer of the model's
   last kind, and the shared output head.
 Norms, activations, softmax and rotary embeddings are elementwise and left out (a few percent at most).
@@ -57,7 +58,7 @@ def _ffn(cfg: ModelConfig, layer: int) -> float:
 
 def forward_flops_per_token(cfg: ModelConfig, *, seq_length: int) -> float:
     """Forward FLOPs for one token (see the module docstring for what is counted)."""
-    head = 2.0 * cfg.hidden_size * cfg.padded_vocab_size()
+    head = 2.0 * cfg.hidden_size * cfg.vocab_size
     layers = sum(_attention(cfg, seq_length) + _ffn(cfg, i) for i in range(cfg.num_layers))
     mtp_layer = 2.0 * 2 * cfg.hidden_size * cfg.hidden_size + _attention(cfg, seq_length)
     mtp_layer += _ffn(cfg, cfg.num_layers - 1) + head

@@ -35,6 +35,7 @@ from moe_train.checkpoint.save import save_checkpoint
 from moe_train.checkpoint.state import Progress, load_model_weights, load_training_state
 from moe_train.config.schema import Recipe
 from moe_train.data import build_datasets, global_batch, position_ids
+from moe_train.launch.rundir import COMPLETE_FILE, PREEMPT_FILE
 from moe_train.models import build_model
 from moe_train.models.decoder import DecoderBlock
 from moe_train.models.moe import MoELayer, update_expert_bias
@@ -45,9 +46,6 @@ from moe_train.train.optimizer import build_optimizer, set_lr
 from moe_train.train.peak import peak_flops
 from moe_train.train.schedule import lr_at
 
-PREEMPT_FILE = "PREEMPT"
-COMPLETE_FILE = "COMPLETE"
-
 
 @dataclass(frozen=True, kw_only=True)
 class Summary:
@@ -57,12 +55,25 @@ class Summary:
     step: int
     steps_run: int
     tokens: int
+    first_loss: float | None
     final_loss: float | None
     tokens_per_s: float
     mfu: float
     wall_s: float
     run_dir: Path
     checkpoint: Path | None
+
+    def describe(self, *, total_steps: int) -> str:
+        """The few lines printed when a run ends."""
+        loss = "no step trained"
+        if self.final_loss is not None:
+            loss = f"loss {self.first_loss:.4f} -> {self.final_loss:.4f}"
+        lines = [
+            f"{self.status} at step {self.step}/{total_steps}: {self.steps_run} steps in {self.wall_s:.1f} s, {loss}",
+            f"tokens {self.tokens:,} in total, {self.tokens_per_s:,.0f} tokens/s, MFU {self.mfu:.1%}",
+            f"run dir {self.run_dir}" + (f", checkpoint {self.checkpoint}" if self.checkpoint else ""),
+        ]
+        return "\n".join(lines)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -307,7 +318,7 @@ class Trainer:
         start_time = time.perf_counter()
         first_step = self.progress.step
         timed_tokens, timed_seconds = 0, 0.0
-        final_loss, checkpoint, status = None, None, None
+        first_loss, final_loss, checkpoint, status = None, None, None, None
         saved_step = self.progress.step if self.started_from is not None else None
         while self.progress.step < last:
             reason = self._stop_requested()
@@ -362,6 +373,7 @@ class Trainer:
                     logger.message(f"step {step} skipped: {what}")
             else:
                 final_loss = result.loss
+                first_loss = result.loss if first_loss is None else first_loss
             if self.datasets.valid is not None and train.eval_interval and step % train.eval_interval == 0:
                 loss = self.evaluate()
                 if logger is not None:
@@ -382,6 +394,7 @@ class Trainer:
             step=self.progress.step,
             steps_run=self.progress.step - first_step,
             tokens=self.progress.step * self.tokens_per_step,
+            first_loss=first_loss,
             final_loss=final_loss,
             tokens_per_s=tokens_per_s,
             mfu=self.flops_per_token * tokens_per_s / self.dp_size / self.peak,

@@ -9,6 +9,7 @@ bar with the step, loss, tokens/s, MFU and the worst expert balance; otherwise (
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -95,12 +96,37 @@ def _summary_text(record: dict[str, Any]) -> str:
     return text
 
 
+def _step_of(line: str) -> int | None:
+    """The step of one metrics line; None for a line cut short by a killed writer."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    """Forget what an earlier attempt logged past the step this run restarts from (atomically).
+
+    A run killed after its last checkpoint logged steps that the resumed run trains again; keeping both would
+    give two lines per step. After this, metrics.jsonl reads as one history of the run as it happened.
+    """
+    if not path.exists():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
+    if len(kept) != len(lines):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)
+
+
 class MetricsLogger:
     """Appends records to metrics.jsonl and shows them on the console (and TensorBoard when asked)."""
 
     def __init__(self, log_dir: Path, *, total_steps: int, start_step: int, tensorboard: bool) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.path = log_dir / "metrics.jsonl"
+        _drop_records_after(self.path, start_step)
         self._file = self.path.open("a", encoding="utf-8")
         self._total = total_steps
         self._tb = None

@@ -1,0 +1,92 @@
+"""`moe-train run`: train a recipe on this machine, in-process at world size 1, through torchrun otherwise."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from moe_train.checkpoint.layout import CheckpointError
+from moe_train.checkpoint.resume import start_point
+from moe_train.config import Recipe, unsupported
+from moe_train.launch.render import torchrun_argv
+from moe_train.launch.rundir import prepare_run_dir, read_run_recipe
+from moe_train.launch.shell import LaunchError
+
+from .common import SetOption, fail, load_or_exit
+
+DEFAULT_RECIPE = "qwen3-moe-tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch_torchrun(recipe: Recipe, run_dir: Path) -> int:
+    """Start every rank with torchrun (this interpreter's), on a free local port; returns its exit code."""
+    argv = torchrun_argv(recipe, run_dir, host="127.0.0.1", port=_free_port(), rdzv_id=f"run-{os.getpid()}")
+    argv = [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
+    env = {**os.environ, **recipe.launch.env}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.run(argv, env=env, check=False).returncode
+
+
+def run(
+    recipe: Annotated[
+        str,
+        typer.Argument(help="A recipe file or built-in name; default: the tiny Qwen3-MoE on the builtin corpus."),
+    ] = DEFAULT_RECIPE,
+    set: SetOption = None,
+    nproc: Annotated[
+        int | None,
+        typer.Option(
+            "--nproc",
+            min=1,
+            help="Ranks on this machine (sets launch.nodes=1, launch.gpus_per_node=N); above 1, torchrun starts "
+            "them. Default: the recipe's launch section.",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Train RECIPE here: writes the run folder, metrics.jsonl and checkpoints, resuming from its latest checkpoint.
+
+    Examples:
+
+        moe-train run                                   # qwen3-moe-tiny, under 3 minutes on a laptop CPU
+
+        moe-train run qwen3-tiny --set train.steps=50 --set run_dir=runs/try
+
+        moe-train run qwen3-moe-tiny --nproc 2          # two data-parallel ranks (gloo on CPU)
+    """
+    overrides = list(set or [])
+    if nproc is not None:
+        overrides += ["launch.nodes=1", f"launch.gpus_per_node={nproc}"]
+    resolved = load_or_exit(recipe, overrides)
+    problems = unsupported(resolved)
+    if problems:
+        fail(problems)
+    try:
+        run_dir = prepare_run_dir(resolved)
+        # What the ranks will read: the resolved recipe in the run folder (absolute run_dir, provenance).
+        resolved = read_run_recipe(run_dir)
+        start_point(
+            ckpt_dir=Path(resolved.checkpoint_dir()),
+            resume=resolved.checkpoint.resume,
+            init_from=resolved.checkpoint.init_from,
+        )
+    except LaunchError as error:
+        fail(error.problems)
+    except CheckpointError as error:
+        fail([str(error)])
+    if resolved.world_size > 1:
+        raise typer.Exit(_launch_torchrun(resolved, run_dir))
+    from moe_train.train import train_and_report
+
+    raise typer.Exit(train_and_report(resolved))

@@ -1,0 +1,100 @@
+"""The trainer's parts on their own: LR schedules, optimizer groups, the FLOPs formula, expert balance."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from moe_train.config import TrainConfig, load_recipe
+from moe_train.models import build_model
+from moe_train.train.flops import forward_flops_per_token, training_flops_per_token
+from moe_train.train.metrics import expert_balance
+from moe_train.train.optimizer import build_optimizer
+from moe_train.train.schedule import lr_at
+
+
+def config(**fields) -> TrainConfig:
+    base = {"seq_length": 8, "global_batch_size": 1, "steps": 100, "lr": 1.0, "min_lr": 0.1, "warmup_steps": 10}
+    return TrainConfig(**{**base, **fields})
+
+
+def test_warmup_is_linear_and_reaches_lr() -> None:
+    train = config()
+    assert [lr_at(s, train=train) for s in (1, 5, 10)] == pytest.approx([0.1, 0.5, 1.0])
+
+
+def test_cosine_falls_from_lr_to_min_lr_monotonically() -> None:
+    train = config(lr_schedule="cosine")
+    values = [lr_at(s, train=train) for s in range(10, 101)]
+    assert values[0] == pytest.approx(1.0) and values[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(values, values[1:], strict=False))
+    assert lr_at(55, train=train) == pytest.approx(0.55)  # halfway: the midpoint of lr and min_lr
+    assert lr_at(150, train=train) == pytest.approx(0.1)  # beyond the horizon: stays at min_lr
+
+
+def test_wsd_holds_then_decays_linearly_over_its_fraction() -> None:
+    train = config(lr_schedule="wsd", wsd_decay_fraction=0.2)  # 90 steps after warmup, the last 18 decay
+    assert lr_at(82, train=train) == pytest.approx(1.0)
+    assert lr_at(91, train=train) == pytest.approx(1.0 - 0.9 * 9 / 18)
+    assert lr_at(100, train=train) == pytest.approx(0.1)
+
+
+def test_constant_after_warmup() -> None:
+    train = config(lr_schedule="constant")
+    assert {lr_at(s, train=train) for s in (10, 50, 100)} == {1.0}
+
+
+def test_no_weight_decay_on_norms_and_one_dimensional_parameters() -> None:
+    recipe = load_recipe("qwen3-moe-tiny", ["model.num_layers=1"])
+    model = build_model(recipe.model)
+    optimizer = build_optimizer(model, train=recipe.train)
+    decayed, undecayed = optimizer.param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decayed["weight_decay"] == recipe.train.weight_decay and undecayed["weight_decay"] == 0.0
+    assert all(p.ndim >= 2 for p in decayed["params"])
+    assert {names[id(p)] for p in undecayed["params"]} == {n for n, p in model.named_parameters() if p.ndim == 1}
+    assert any("norm" in names[id(p)] for p in undecayed["params"])
+    assert len(decayed["params"]) + len(undecayed["params"]) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny"])
+def test_flops_formula_matches_torch_flop_counter(name: str) -> None:
+    """The formula against FlopCounterMode on the real model (math attention, per-expert matmuls, MTP on)."""
+    seq = 64
+    recipe = load_recipe(name, ["model.num_layers=3", f"train.seq_length={seq}"])
+    model = build_model(recipe.model)
+    for module in model.modules():
+        if hasattr(module, "use_grouped_mm"):  # count experts as plain matmuls (the counter's registry)
+            module.use_grouped_mm = False
+    tokens = torch.randint(0, recipe.model.vocab_size, (2, seq))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(tokens, labels=tokens)
+    measured = counter.get_total_flops() / tokens.numel()
+    predicted = forward_flops_per_token(recipe.model, seq_length=seq)
+    if name == "deepseek-v3-tiny":
+        # MLA pads V (16) to the q/k head dim (24) for the fused kernel: executed, but not model, FLOPs.
+        assert predicted <= measured <= 1.03 * predicted
+    else:
+        assert measured == predicted
+    assert training_flops_per_token(recipe.model, seq_length=seq) == 3 * predicted
+
+
+def test_moe_flops_count_active_experts_only() -> None:
+    recipe = load_recipe("qwen3-moe-tiny")
+    more_experts = recipe.model.model_copy(update={"moe": recipe.model.moe.model_copy(update={"num_experts": 64})})
+    base = forward_flops_per_token(recipe.model, seq_length=128)
+    # 56 more experts, top-k unchanged: only the router grows (2 * hidden FLOPs per expert per layer).
+    assert forward_flops_per_token(more_experts, seq_length=128) - base == 2 * 128 * 56 * recipe.model.num_layers
+
+
+def test_expert_balance_figures() -> None:
+    even = expert_balance(torch.tensor([4, 4, 4, 4]), 0.0)
+    assert even == {"load_max_over_mean": 1.0, "load_cv": 0.0, "dropped_fraction": 0.0}
+    skewed = expert_balance(torch.tensor([8, 0, 0, 0]), 0.25)
+    assert skewed["load_max_over_mean"] == 4.0
+    assert skewed["load_cv"] == pytest.approx(math.sqrt(3))
+    assert skewed["dropped_fraction"] == 0.25
