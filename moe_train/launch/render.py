@@ -12,8 +12,6 @@ import importlib.resources
 from collections.abc import Sequence
 from pathlib import Path
 
-import jinja2
-
 import moe_train
 from moe_train.config import Recipe
 
@@ -27,7 +25,10 @@ ENTRY_MODULE = "moe_train.entry"
 
 
 @functools.lru_cache(maxsize=1)
-def _environment() -> jinja2.Environment:
+def _environment():
+    """The jinja2 environment, imported on first render: every other command skips jinja2's import time."""
+    import jinja2
+
     def load(name: str) -> str:
         return importlib.resources.files("moe_train.slurm").joinpath(name).read_text()
 
