@@ -198,12 +198,11 @@ def test_requeue_disabled_and_no_signal(tmp_path):
     assert "--signal" not in text and "trap " not in text
 
 
-@pytest.mark.parametrize("value", ["plain", "a b", 'q"uote', "back\\slash", "it's", "$(x) `y` ;z ${X}"])
-def test_sbatch_value_reads_back_verbatim(value):
-    """Emulates sbatch's #SBATCH tokenizer (double quotes group, backslash escapes; checked against the real
-    sbatch in test_slurm.py)."""
-    quoted, out, escape, in_quotes = sbatch_value(value), [], False, False
-    for char in quoted:
+def sbatch_read(text: str) -> str:
+    """Emulates sbatch's #SBATCH tokenizer on one option value (double quotes group, backslash escapes;
+    the real sbatch is checked in test_slurm.py)."""
+    out, escape, in_quotes = [], False, False
+    for char in text:
         if escape:
             out.append(char)
             escape = False
@@ -212,9 +211,15 @@ def test_sbatch_value_reads_back_verbatim(value):
         elif char == '"':
             in_quotes = not in_quotes
         else:
-            assert in_quotes or not char.isspace()
+            assert in_quotes or not char.isspace(), f"unquoted space in {text!r}"
             out.append(char)
-    assert "".join(out) == value
+    assert not in_quotes and not escape
+    return "".join(out)
+
+
+@pytest.mark.parametrize("value", ["plain", "a b", 'q"uote', "back\\slash", "it's", "$(x) `y` ;z ${X}"])
+def test_sbatch_value_reads_back_verbatim(value):
+    assert sbatch_read(sbatch_value(value)) == value
 
 
 @pytest.mark.parametrize(
@@ -325,10 +330,11 @@ def test_hostile_values_reach_the_job_verbatim_and_never_run(tmp_path):
     srun_args = read_args(record / "srun.args")
     assert f"--container-image={HOSTILE}" in srun_args and f"--container-mounts={run_dir}" in srun_args
     # #SBATCH lines: each value reads back verbatim through sbatch's quoting rules.
-    for line in script.splitlines():
-        if line.startswith("#SBATCH --partition="):
-            assert line == f"#SBATCH --partition={sbatch_value(HOSTILE)}"
-    assert f"#SBATCH --output={sbatch_value(str(run_dir).replace('%', '%%') + '/logs/slurm-%j.out')}" in script
+    directives = dict(line[len("#SBATCH --"):].split("=", 1) for line in script.splitlines()
+                      if line.startswith("#SBATCH --") and "=" in line)
+    for field in ("partition", "account", "job-name", "qos", "constraint", "time"):
+        assert sbatch_read(directives[field]) == HOSTILE, field
+    assert sbatch_read(directives["output"]) == str(run_dir).replace("%", "%%") + "/logs/slurm-%j.out"
     # Array scripts carry the same values, one run folder per task.
     array = render_array(recipe, [run_dir, tmp_path / "other dir"], tmp_path / HOSTILE_PATH)
     result = run_script(array, tmp_path, bin_dir, record, SLURM_ARRAY_TASK_ID="0", SLURM_ARRAY_JOB_ID="77")
