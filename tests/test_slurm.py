@@ -160,3 +160,18 @@ def test_preemption_notice_requeues_once_then_completes(slurm_cluster, tmp_path)
     assert slurm_cluster.job_field(job_id, "Restarts") == "1"
     runs = cli(slurm_cluster, tmp_path, "runs", str(tmp_path))
     assert re.search(rf"^r\s+complete\s+{job_id}", runs.stdout, re.M), runs.stdout
+
+
+@pytest.mark.parametrize("name", ['back\\slash "q" $(x) `y`', "tab\there; z", "it's 'single'", "a#b c #d", "x=1 %j"])
+def test_sbatch_reads_rendered_job_names_verbatim(slurm_cluster, tmp_path, name):  # noqa: F811
+    recipe = load_recipe("qwen3-tiny", [f"run_dir={tmp_path / 'r'}"])
+    recipe = recipe.model_copy(update={"launch": recipe.launch.model_copy(update={
+        "slurm": recipe.launch.slurm.model_copy(update={"job_name": name})})})
+    run_dir = prepare_run_dir(recipe)
+    script = run_dir / "job.sbatch"
+    write_atomic(script, render_sbatch(recipe, run_dir))
+    job_id = slurm_cluster.run("sbatch", "--parsable", "--hold", str(script), cwd=tmp_path).stdout.strip()
+    try:
+        assert slurm_cluster.run("squeue", "-h", "-j", job_id, "-o", "%j").stdout.rstrip("\n") == name
+    finally:
+        slurm_cluster.run("scancel", job_id)
