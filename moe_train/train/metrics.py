@@ -84,10 +84,8 @@ def _worst_balance(record: dict[str, Any]) -> float | None:
 
 
 def _summary_text(record: dict[str, Any]) -> str:
-    text = (
-        f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  {record['tokens_per_s']:,.0f} tok/s  "
-        f"MFU {record['mfu']:.1%}"
-    )
+    loss = "non-finite" if record["loss"] is None else f"{record['loss']:.4f}"
+    text = f"loss {loss}  lr {record['lr']:.2e}  {record['tokens_per_s']:,.0f} tok/s  MFU {record['mfu']:.1%}"
     worst = _worst_balance(record)
     if worst is not None:
         text += f"  load max/mean {worst:.2f}"
@@ -157,7 +155,8 @@ class MetricsLogger:
         step = record["step"]
         if self._tb is not None:
             for key in ("loss", "lm_loss", "aux_loss", "grad_norm", "lr", "tokens_per_s", "mfu"):
-                self._tb.add_scalar(f"train/{key}", record[key], step)
+                if record[key] is not None:  # a skipped step's non-finite figures
+                    self._tb.add_scalar(f"train/{key}", record[key], step)
             for layer, stats in (record.get("moe") or {}).items():
                 self._tb.add_scalar(f"moe/{layer}/load_max_over_mean", stats["load_max_over_mean"], step)
         if self._progress is not None:

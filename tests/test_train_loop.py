@@ -1,0 +1,120 @@
+"""The training loop: metrics.jsonl as INTERFACES.md defines it, non-finite steps, the expert-bias update."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_train.checkpoint.layout import latest_checkpoint
+from moe_train.config import load_recipe
+from moe_train.train.errors import TrainingError
+from moe_train.train.loop import Trainer
+
+SHRINK = ["train.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=2", "train.warmup_steps=1",
+          "train.precision=fp32", "logging.interval=1", "checkpoint.interval=null"]
+TRAIN_KEYS = {"kind", "step", "loss", "lm_loss", "aux_loss", "grad_norm", "lr", "tokens", "tokens_per_s",
+              "tflops_per_device", "mfu", "memory_bytes", "skipped"}
+BALANCE_KEYS = {"load_max_over_mean", "load_cv", "dropped_fraction"}
+
+
+def trainer(name: str, run_dir: Path, *extra: str) -> Trainer:
+    return Trainer(load_recipe(name, ["model.num_layers=2", *SHRINK, f"run_dir={run_dir}", *extra]))
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def poison(t: Trainer, steps: set[int]) -> None:
+    """Make the model's logits NaN during the given steps: a real non-finite loss and gradients."""
+
+    def hook(module, args, output):
+        return output * float("nan") if t.progress.step + 1 in steps else output
+
+    t.model.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny"])
+def test_metrics_jsonl_schema(name: str, tmp_path: Path) -> None:
+    t = trainer(name, tmp_path, "train.steps=4", "train.eval_interval=2", "train.eval_steps=1")
+    summary = t.train()
+    lines = records(tmp_path)
+    train = [r for r in lines if r["kind"] == "train"]
+    evals = [r for r in lines if r["kind"] == "eval"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert [(r["step"], set(r)) for r in evals] == [(2, {"kind", "step", "loss"}), (4, {"kind", "step", "loss"})]
+    moe = name == "qwen3-moe-tiny"
+    for r in train:
+        assert set(r) == TRAIN_KEYS | ({"moe"} if moe else set())
+        assert r["loss"] == pytest.approx(r["lm_loss"] + r["aux_loss"], rel=1e-12)
+        assert r["tokens"] == r["step"] * 4 * 32
+        assert r["skipped"] == 0 and r["grad_norm"] > 0 and r["memory_bytes"] > 0
+        assert r["tokens_per_s"] > 0 and r["mfu"] > 0 and r["tflops_per_device"] > 0
+        if moe:
+            assert r["aux_loss"] > 0
+            assert set(r["moe"]) == {"0", "1"}
+            for stats in r["moe"].values():
+                assert set(stats) == BALANCE_KEYS and stats["load_max_over_mean"] >= 1.0
+        else:
+            assert r["aux_loss"] == 0.0
+    assert train[0]["lr"] == pytest.approx(t.recipe.train.lr)  # warmup_steps=1: the peak at step 1
+    assert summary.final_loss == train[-1]["loss"] and summary.first_loss == train[0]["loss"]
+    assert (tmp_path / "COMPLETE").exists()
+
+
+def test_deepseek_mtp_loss_and_expert_bias_update(tmp_path: Path) -> None:
+    t = trainer("deepseek-v3-tiny", tmp_path, "train.steps=2")
+    biases = {i: layer.router.expert_bias.clone() for i, layer in t.moe_layers.items()}
+    assert biases, "deepseek-v3-tiny has MoE layers with an expert bias"
+    t.train()
+    for r in (r for r in records(tmp_path) if r["kind"] == "train"):
+        assert r["mtp_loss"] > 0
+        assert r["loss"] == pytest.approx(r["lm_loss"] + r["aux_loss"] + r["mtp_loss"], rel=1e-12)
+        assert set(r["moe"]) == {"1", "2"}  # layer 0 is dense (first_k_dense), 2 is the MTP block
+    rate = t.recipe.model.moe.router.bias_update_rate
+    for index, before in biases.items():
+        moved = t.moe_layers[index].router.expert_bias - before
+        assert moved.abs().max() > 0  # imbalanced routing moved the bias, by at most rate per step
+        assert moved.abs().max() <= 2 * rate + 1e-9
+
+
+def test_nonfinite_step_is_skipped_and_leaves_the_model_untouched(tmp_path: Path) -> None:
+    t = trainer("qwen3-moe-tiny", tmp_path, "train.steps=2")
+    poison(t, {1})
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    result = t.train_step(1)
+    assert not result.finite
+    for key, value in t.model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert not t.optimizer.state  # Adam's moments never saw the poisoned gradients
+    assert all(p.grad is None for p in t.model.parameters())
+
+
+def test_skip_counts_and_continues(tmp_path: Path) -> None:
+    t = trainer("qwen3-tiny", tmp_path, "train.steps=4", "train.max_skipped_steps=2")
+    poison(t, {2, 3})
+    summary = t.train()
+    lines = {r["step"]: r for r in records(tmp_path) if r["kind"] == "train"}
+    assert summary.status == "complete" and summary.step == 4
+    assert [lines[s]["skipped"] for s in (1, 2, 3, 4)] == [0, 1, 2, 2]
+    assert lines[2]["loss"] is None and lines[2]["grad_norm"] is None
+    assert lines[4]["loss"] < lines[1]["loss"]  # steps 1 and 4 trained
+
+
+def test_too_many_skips_stop_without_checkpointing(tmp_path: Path) -> None:
+    t = trainer("qwen3-tiny", tmp_path, "train.steps=4", "train.max_skipped_steps=1", "checkpoint.interval=1")
+    poison(t, {2, 3})
+    with pytest.raises(TrainingError, match=r"rank 0: .*step 3: 2 steps skipped, over train.max_skipped_steps"):
+        t.train()
+    assert latest_checkpoint(tmp_path / "checkpoints").name == "step-0000002"  # clean: step 2 applied no update
+
+
+def test_on_nonfinite_stop(tmp_path: Path) -> None:
+    t = trainer("qwen3-tiny", tmp_path, "train.steps=4", "train.on_nonfinite=stop", "checkpoint.interval=1")
+    poison(t, {2})
+    with pytest.raises(TrainingError, match=r"rank 0: non-finite loss nan .* at step 2 \(train.on_nonfinite: stop\)"):
+        t.train()
+    assert latest_checkpoint(tmp_path / "checkpoints").name == "step-0000001"
