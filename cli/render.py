@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from moe_train.launch.render import DEFAULT_RDZV_PORT, render_sbatch, render_torchrun
-from moe_train.launch.rundir import SCRIPT_FILE, prepare_run_dir, write_atomic
+from moe_train.launch.rundir import PREFLIGHT_SCRIPT_FILE, SCRIPT_FILE, prepare_run_dir, write_atomic
 from moe_train.launch.shell import LaunchError
 
 from .common import RecipeArgument, SetOption, fail, load_or_exit
@@ -57,7 +57,7 @@ def render(
             text = render_torchrun(loaded, run_dir, host=rdzv_host, port=rdzv_port, preflight=preflight)
         else:
             text = render_sbatch(loaded, run_dir, preflight=preflight)
-            write_atomic(run_dir / ("preflight.sbatch" if preflight else SCRIPT_FILE), text)
+            write_atomic(run_dir / (PREFLIGHT_SCRIPT_FILE if preflight else SCRIPT_FILE), text)
     except LaunchError as error:
         fail(error.problems)
     if target is Target.torchrun and loaded.launch.nodes > 1 and rdzv_host == "localhost":

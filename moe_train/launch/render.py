@@ -15,7 +15,7 @@ from pathlib import Path
 import moe_train
 from moe_train.config import Recipe
 
-from .rundir import LOGS_DIR, RECIPE_FILE
+from .rundir import COMPLETE_FILE, LOGS_DIR, PREEMPT_FILE, RECIPE_FILE
 from .shell import LaunchError, env_name_problems, one_line, sbatch_value, sh, sh_join, slurm_filename
 
 TEMPLATE = "job.sbatch.j2"
@@ -175,6 +175,10 @@ def _render(recipe: Recipe, *, title: str, directives: list[str], preflight: boo
         signal_seconds=slurm.signal_seconds,
         requeue=slurm.requeue,
         max_restarts=slurm.max_restarts,
+        logs_dir=LOGS_DIR,
+        recipe_file=RECIPE_FILE,
+        notice_file=PREEMPT_FILE,
+        complete_file=COMPLETE_FILE,
         **extra,
     )
 
