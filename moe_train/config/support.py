@@ -26,7 +26,6 @@ NOT_SUPPORTED_YET: tuple[Unsupported, ...] = (
     Unsupported("parallel.cp", lambda r: r.parallel.cp > 1, "context parallelism (cp > 1)"),
     Unsupported("parallel.ep", lambda r: r.parallel.ep > 1, "expert parallelism (ep > 1)"),
     Unsupported("parallel.etp", lambda r: r.parallel.etp > 1, "expert tensor parallelism (etp > 1)"),
-    Unsupported("parallel.dp", lambda r: r.dp > 1, "data parallelism over several ranks (dp > 1)"),
     Unsupported(
         "parallel.recompute.granularity",
         lambda r: r.parallel.recompute.granularity != "none",

@@ -1,0 +1,100 @@
+"""`moe-train run` end to end: in-process, through torchrun (2 gloo ranks), stopped by SIGTERM or the notice file."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cli_helpers import assert_bad_input, run_cli
+
+from moe_train.checkpoint.layout import latest_checkpoint
+
+SHRINK = ["model.num_layers=2", "train.seq_length=32", "train.global_batch_size=8", "train.micro_batch_size=2",
+          "train.warmup_steps=1", "train.precision=fp32", "logging.interval=1", "train.eval_interval=null"]
+
+
+def sets(*values: str) -> list[str]:
+    return [arg for value in values for arg in ("--set", value)]
+
+
+def train_lines(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+    return [r for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+def test_run_trains_and_summarises(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = run_cli("run", "qwen3-moe-tiny", *sets(*SHRINK, "train.steps=3", f"run_dir={run_dir}"))
+    assert result.code == 0, result.stderr
+    assert "complete at step 3/3: 3 steps" in result.stdout
+    assert f"run dir {run_dir}" in result.stdout and "tokens/s, MFU" in result.stdout
+    assert (run_dir / "recipe.yaml").exists() and (run_dir / "COMPLETE").exists()
+    assert latest_checkpoint(run_dir / "checkpoints").name == "step-0000003"
+    assert [r["step"] for r in train_lines(run_dir)] == [1, 2, 3]
+
+    again = run_cli("run", "qwen3-moe-tiny", *sets(*SHRINK, "train.steps=3", f"run_dir={run_dir}"))
+    assert again.code == 0 and "complete at step 3/3: 0 steps" in again.stdout  # resumed, nothing left to do
+
+
+def test_run_resume_required_without_checkpoint_exits_2(tmp_path: Path) -> None:
+    result = run_cli("run", "qwen3-tiny", *sets(*SHRINK, "train.steps=2", f"run_dir={tmp_path}",
+                                                  "checkpoint.resume=required"))
+    assert_bad_input(result, "checkpoint.resume: required, but", "holds no complete checkpoint")
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_run_refuses_unsupported_features(tmp_path: Path) -> None:
+    result = run_cli("run", "qwen3-tiny", *sets("parallel.tp=2", "launch.gpus_per_node=2", f"run_dir={tmp_path}"))
+    assert_bad_input(result, "parallel.tp: tensor parallelism (tp > 1) is not supported yet")
+
+
+def test_run_two_data_parallel_ranks_match_one(tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    common = [sys.executable, "-m", "moe_train.cli.main", "run", "qwen3-moe-tiny", *sets(*SHRINK, "train.steps=3")]
+    for run_dir, extra in ((one, []), (two, ["--nproc", "2"])):
+        done = subprocess.run([*common, *extra, *sets(f"run_dir={run_dir}")], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert "complete at step 3/3" in done.stdout
+    for a, b in zip(train_lines(one), train_lines(two), strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * a["grad_norm"]
+        assert a["moe"] == b["moe"]  # expert counts all-reduced over ranks: the global batch's balance
+
+
+def _stop_midway(tmp_path: Path, stop) -> tuple[subprocess.CompletedProcess, Path]:
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "moe_train.cli.main", "run", "qwen3-tiny",
+            *sets(*SHRINK, "train.steps=1000", "train.warmup_steps=10", f"run_dir={run_dir}")]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while len(train_lines(run_dir)) < 2 and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        stop(process, run_dir)
+        out, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    return subprocess.CompletedProcess(argv, process.returncode, out, err), run_dir
+
+
+def _check_clean_stop(done: subprocess.CompletedProcess, run_dir: Path, reason: str) -> None:
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert reason in done.stdout and "preempted at step" in done.stdout
+    step = train_lines(run_dir)[-1]["step"]
+    assert 2 <= step < 1000
+    assert latest_checkpoint(run_dir / "checkpoints").name == f"step-{step:07d}"
+    assert not (run_dir / "COMPLETE").exists()
+
+
+def test_sigterm_checkpoints_and_exits_0(tmp_path: Path) -> None:
+    done, run_dir = _stop_midway(tmp_path, lambda process, run_dir: process.send_signal(signal.SIGTERM))
+    _check_clean_stop(done, run_dir, "SIGTERM")
+
+
+def test_preemption_notice_checkpoints_and_exits_0(tmp_path: Path) -> None:
+    done, run_dir = _stop_midway(tmp_path, lambda process, run_dir: (run_dir / "PREEMPT").write_text("soon\n"))
+    _check_clean_stop(done, run_dir, f"preemption notice {run_dir / 'PREEMPT'}")
