@@ -58,6 +58,17 @@ def test_relative_extends_chain(tmp_path):
     assert (recipe.name, recipe.train.steps, recipe.model.family) == ("leaf", 50, "qwen3")
 
 
+def test_slurm_times_stay_strings(tmp_path):
+    path = tmp_path / "timed.yaml"
+    path.write_text("extends: qwen3-tiny\nlaunch:\n  slurm: {time: 4:00:00}\ntrain: {lr: 1e-3}\n")
+    recipe = load_recipe(path)
+    assert (recipe.launch.slurm.time, recipe.train.lr) == ("4:00:00", 1e-3)
+    assert load_recipe("qwen3-tiny", ["launch.slurm.time=48:00:00"]).launch.slurm.time == "48:00:00"
+    assert load_recipe("qwen3-tiny", ["launch.slurm.time=60"]).launch.slurm.time == "60"
+    (tmp_path / "again.yaml").write_text(dump_recipe(recipe))
+    assert load_recipe(tmp_path / "again.yaml") == recipe
+
+
 def test_resolved_recipe_is_frozen_and_round_trips(tmp_path):
     recipe = load_recipe("deepseek-v3", ["parallel.ep=16"])
     with pytest.raises(ValidationError):

@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from .schema import Recipe
-from .yaml_source import Origin, Path_, SourceError, read_yaml_mapping
+from .yaml_source import Origin, Path_, SourceError, load_value, read_yaml_mapping
 
 
 class RecipeError(Exception):
@@ -127,7 +127,7 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
     if not all(part.isidentifier() for part in parts):
         raise ValueError(f"--set {text}: '{key}' is not a dotted field path")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_value(raw) if raw.strip() else ""
     except yaml.YAMLError:
         raise ValueError(f"--set {text}: the value is not valid YAML") from None
     return parts, value

@@ -196,6 +196,9 @@ class LoggingConfig(Section):
 
 
 class SlurmConfig(Section):
+    # `time: 60` (minutes) is as valid to SLURM as `time: "01:00:00"`.
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, coerce_numbers_to_str=True)
+
     partition: str | None = None
     account: str | None = None
     time: str | None = Field(None, description="Wall-clock limit, e.g. '04:00:00'.")

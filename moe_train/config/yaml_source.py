@@ -7,6 +7,7 @@ ourselves, reject duplicate keys, record the position of every key, and only the
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,34 @@ class SourceError(Exception):
     def __init__(self, problems: list[str]):
         super().__init__("\n".join(problems))
         self.problems = problems
+
+
+class RecipeLoader(yaml.SafeLoader):
+    """The safe loader without YAML 1.1's base-60 numbers, so `time: 4:00:00` stays the string SLURM expects."""
+
+
+RecipeLoader.yaml_implicit_resolvers = {
+    first: [(tag, regex) for tag, regex in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int",
+    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"),
+)
+RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)"
+        r"|\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
+
+
+def load_value(text: str) -> Any:
+    """One YAML value, read as recipe files are (for --set overrides)."""
+    return yaml.load(text, Loader=RecipeLoader)
 
 
 def _origin(display: str, mark: yaml.Mark | None) -> Origin:
@@ -87,7 +116,7 @@ def read_yaml_mapping(path: Path, display: str) -> tuple[dict[str, Any], dict[Pa
     if not text.strip() or all(line.lstrip().startswith("#") or not line.strip() for line in text.splitlines()):
         raise SourceError([f"{display}: the file is empty; a recipe is a mapping with at least name, model, train"])
 
-    loader = yaml.SafeLoader(text)
+    loader = RecipeLoader(text)
     try:
         node = loader.get_single_node()
         positions: dict[Path_, Origin] = {}
