@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from .convert import convert_app
 from .data import data_app
 from .recipes import recipes_app
 from .render import render
@@ -32,6 +33,7 @@ app.command()(runs)
 app.command()(run)
 app.add_typer(recipes_app, name="recipes")
 app.add_typer(data_app, name="data")
+app.add_typer(convert_app, name="convert")
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ from moe_train.checkpoint.layout import CheckpointError
 from moe_train.checkpoint.resume import start_point
 from moe_train.config import Recipe, unsupported
 from moe_train.launch.render import torchrun_argv
-from moe_train.launch.rundir import prepare_run_dir, read_run_recipe
+from moe_train.launch.rundir import PREEMPT_FILE, prepare_run_dir, read_run_recipe
 from moe_train.launch.shell import LaunchError
 
 from .common import SetOption, fail, load_or_exit
@@ -85,6 +85,8 @@ def run(
         fail(error.problems)
     except CheckpointError as error:
         fail([str(error)])
+    # A notice left by an earlier stop would halt this run at its first step (the SLURM job removes it too).
+    (run_dir / PREEMPT_FILE).unlink(missing_ok=True)
     if resolved.world_size > 1:
         raise typer.Exit(_launch_torchrun(resolved, run_dir))
     from moe_train.train import train_and_report

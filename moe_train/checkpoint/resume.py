@@ -25,7 +25,7 @@ class StartPoint:
     init_from: Path | None = None
 
 
-def _checkpoint_at(path: Path, field: str) -> Path:
+def checkpoint_at(path: Path, field: str) -> Path:
     """A complete checkpoint folder, or the one a checkpoints folder's `latest` names."""
     if is_complete(path):
         return path
@@ -44,7 +44,7 @@ def start_point(*, ckpt_dir: Path, resume: str, init_from: str | None) -> StartP
         if resume == "required":
             raise CheckpointError(f"checkpoint.resume: required, but {ckpt_dir} holds no complete checkpoint")
     elif resume != "never":
-        return StartPoint(resume_from=_checkpoint_at(Path(resume), "checkpoint.resume"))
+        return StartPoint(resume_from=checkpoint_at(Path(resume), "checkpoint.resume"))
     if init_from is not None:
-        return StartPoint(init_from=_checkpoint_at(Path(init_from), "checkpoint.init_from"))
+        return StartPoint(init_from=checkpoint_at(Path(init_from), "checkpoint.init_from"))
     return StartPoint()
