@@ -2,7 +2,8 @@
 
 Same tokens, weights and routing for every column; the columns of a row are timed interleaved (round-robin
 repetitions, median) so that load from other processes hits them alike. The last column is transformers'
-Qwen3MoeSparseMoeBlock with the same weights, for reference.
+Qwen3MoeSparseMoeBlock with the same weights, for reference. One thread by default: on a shared machine,
+several threads per process make small matmuls wait on descheduled threads and the figures turn to noise.
 
     PYTHONPATH=. python bench/bench_moe.py [--hidden 512 --ffn 256 --top-k 4 --tokens 2048 --dtype fp32]
 """
@@ -73,7 +74,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.threads:
