@@ -23,6 +23,15 @@ from moe_train.models.moe.experts import GroupedExperts, grouped_mm_supported
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These tensors are tiny: extra threads only spin-wait when other processes share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def moe_config(**fields) -> MoEConfig:
     router = fields.pop("router", {})
     base = {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 32}
