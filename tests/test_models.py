@@ -218,3 +218,56 @@ def test_global_aux_loss_is_per_layer_switch_loss():
         counts = F.one_hot(stats.topk_indices, 8).sum((0, 1)).float()
         expected += 0.1 * 8 * (counts / probs.shape[0] * probs.mean(0)).sum().item()
     assert abs(model.aux_loss().item() - expected) < 1e-6
+
+
+# ---------------------------------------------------------------------------------------- sharded parameters
+
+
+def _sharded_init_rank(rank: int, world: int, port: int, errors) -> None:
+    """One gloo rank: FSDP2-shard a meta model, materialise it, and compare shards with the plain build."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from moe_train.models.init import materialize
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        mesh = init_device_mesh("cpu", (world,))
+        plain = build_model(DEEPSEEK, seed=9)
+        sharded = build_model(DEEPSEEK, device="meta")
+        for block in sharded.layers.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        materialize(sharded, device="cpu", seed=9, init_std=DEEPSEEK.init_std)
+        expected = dict(plain.named_parameters())
+        for name, param in sharded.named_parameters():
+            if not torch.equal(param.full_tensor(), expected[name]):
+                raise AssertionError(f"rank {rank}: {name} differs from the single-process init")
+        dist.destroy_process_group()
+    except BaseException as error:  # reported to the parent, which fails the test
+        errors.put(f"{type(error).__name__}: {error}")
+
+
+def test_sharded_parameters_start_from_the_single_process_weights():
+    import multiprocessing
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    errors = context.Queue()
+    ranks = [context.Process(target=_sharded_init_rank, args=(rank, 2, port, errors)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=120)
+    for process in ranks:
+        if process.is_alive():
+            process.kill()
+            pytest.fail("a rank hung (timeout 120 s)")
+    problems = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
+    assert not problems, problems
+    assert [p.exitcode for p in ranks] == [0, 0]

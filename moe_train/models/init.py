@@ -5,6 +5,10 @@ between processes), on the CPU in fp32, whatever the target device, dtype or bui
 into pipeline stages, sharded by FSDP or built on another device starts from the same weights as the
 single-process model: a parallel layout can be tested for equality with the plain run.
 Rules: RMSNorm weights 1; biases and buffers (the router's expert bias) 0; every other tensor N(0, init_std).
+
+A DTensor parameter (TP, FSDP2, or experts sharded over an expert mesh) is filled with its local slice of the
+full tensor that the single-process model would draw: every rank draws the full tensor and keeps its shard
+(no communication). A layout that keeps plain local tensors must slice `normal_by_name` of the global shape.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import hashlib
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moe_train.models.norm import RMSNorm
 
@@ -38,7 +43,10 @@ def init_weights(model: nn.Module, *, seed: int, init_std: float) -> None:
         elif name.endswith(".bias"):
             param.zero_()
         else:
-            param.copy_(normal_by_name(param.shape, seed=seed, name=name, std=init_std))
+            full = normal_by_name(param.shape, seed=seed, name=name, std=init_std)
+            if isinstance(param, DTensor):
+                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.copy_(full)
     for _, buffer in model.named_buffers():
         buffer.zero_()
 
