@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from moe_train.checkpoint.layout import latest_checkpoint
-from moe_train.config import load_recipe
+from moe_train.config import RecipeError, load_recipe
 from moe_train.train.errors import TrainingError
 from moe_train.train.loop import Trainer
 
@@ -118,3 +119,15 @@ def test_on_nonfinite_stop(tmp_path: Path) -> None:
     with pytest.raises(TrainingError, match=r"rank 0: non-finite loss nan .* at step 2 \(train.on_nonfinite: stop\)"):
         t.train()
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step-0000001"
+
+
+def test_tensorboard_events_or_a_clear_error(tmp_path: Path) -> None:
+    """Events when the tensorboard package is there; otherwise an input error naming the field, before training."""
+    extra = ("train.steps=1", "logging.tensorboard=true")
+    if importlib.util.find_spec("tensorboard") is None:
+        with pytest.raises(RecipeError, match="logging.tensorboard: TensorBoard events need the tensorboard package"):
+            trainer("qwen3-tiny", tmp_path, *extra)
+        assert not (tmp_path / "metrics.jsonl").exists()
+    else:
+        trainer("qwen3-tiny", tmp_path, *extra).train()
+        assert list(tmp_path.glob("events.out.tfevents.*"))

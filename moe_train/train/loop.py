@@ -19,6 +19,7 @@ no checkpoint is ever written after a non-finite update because none is ever app
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import resource
 import signal
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from moe_train.checkpoint.resume import start_point
 from moe_train.checkpoint.save import save_checkpoint
 from moe_train.checkpoint.state import Progress, load_model_weights, load_training_state
+from moe_train.config import RecipeError
 from moe_train.config.schema import Recipe
 from moe_train.data import build_datasets, global_batch, position_ids
 from moe_train.launch.rundir import COMPLETE_FILE, PREEMPT_FILE
@@ -105,6 +107,9 @@ class Trainer:
     def __init__(self, recipe: Recipe) -> None:
         self.recipe = recipe
         train = recipe.train
+        if recipe.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise RecipeError(["logging.tensorboard: TensorBoard events need the tensorboard package "
+                               "(pip install tensorboard)"])
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.dp_size = dist.get_world_size() if self.distributed else 1

@@ -19,21 +19,21 @@ _MEASURE_SECONDS = 1.0
 
 @functools.cache
 def measured_matmul_flops(dtype: torch.dtype = torch.float32, *, seconds: float = _MEASURE_SECONDS) -> float:
-    """Best observed FLOP/s of an n x n matmul on the CPU, timed in short bursts for `seconds`.
+    """Best observed FLOP/s of an n x n matmul on the CPU, sampled for `seconds`.
 
     Cached per process: a process that trains several times (tests, sweeps in-process) measures once."""
     n = _MATMUL_SIZE
     a = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(dtype)
     b = torch.randn(n, n, generator=torch.Generator().manual_seed(1)).to(dtype)
     torch.mm(a, b)  # warm the kernels and allocator
+    # Many one-matmul samples (about a millisecond each), keeping the fastest: on cores shared with other
+    # processes some samples still run undisturbed, where a long average would measure the contention.
     best = 0.0
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         start = time.perf_counter()
-        for _ in range(4):
-            torch.mm(a, b)
-        elapsed = time.perf_counter() - start
-        best = max(best, 4 * 2.0 * n**3 / elapsed)
+        torch.mm(a, b)
+        best = max(best, 2.0 * n**3 / (time.perf_counter() - start))
     return best
 
 
