@@ -16,6 +16,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers", reason="the HF comparison needs transformers (extra 'test')")
 
@@ -239,3 +240,60 @@ def test_import_names_missing_files(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     with pytest.raises(HFConversionError, match="model.safetensors"):
         import_hf(tmp_path)
+
+
+def test_sharded_export_loads_and_replaces_an_earlier_export(tmp_path):
+    reference = hf_model("qwen3moe-e8k2-untied")
+    reference.save_pretrained(tmp_path / "hf")
+    model_cfg, state = import_hf(tmp_path / "hf")
+    out = tmp_path / "export"
+    export_hf(model_cfg, state, out)  # one file first
+    export_hf(model_cfg, state, out, max_shard_bytes=200_000)
+    shards = sorted(p.name for p in out.glob("model-*-of-*.safetensors"))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(shards) > 2 and not (out / "model.safetensors").exists()
+    assert sorted(set(index["weight_map"].values())) == shards
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa")
+    ids = tokens()
+    with torch.no_grad():
+        assert (reloaded.eval()(ids).logits - reference(ids).logits).abs().max().item() < TOL
+    _, back = import_hf(out)
+    assert all(torch.equal(back[name], state[name]) for name in state)
+
+    export_hf(model_cfg, state, out)  # back to one file: the shards and index go
+    assert sorted(p.name for p in out.glob("model*")) == ["model.safetensors"]
+
+
+def test_fp8_block_scaled_weights_are_dequantized(tmp_path):
+    """DeepSeek-V3's release format: float8_e4m3fn weights with one fp32 `weight_scale_inv` per block."""
+    from safetensors.torch import load_file, save_file
+
+    reference = hf_model("dsv3-groups4-yarn")
+    reference.save_pretrained(tmp_path)
+    block = 16
+    tensors = load_file(tmp_path / "model.safetensors")
+    quantized = {}
+    for name, weight in tensors.items():
+        if name.endswith("proj.weight") and weight.dim() == 2:
+            rows, cols = weight.shape
+            padded = F.pad(weight, (0, -cols % block, 0, -rows % block))
+            blocks = padded.unflatten(0, (-1, block)).unflatten(2, (-1, block))
+            scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+            expanded = scale.repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+            quantized[name] = (weight / expanded).to(torch.float8_e4m3fn)
+            quantized[name + "_scale_inv"] = scale
+        else:
+            quantized[name] = weight
+    save_file(quantized, tmp_path / "model.safetensors")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [block, block]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+    model_cfg, state = import_hf(tmp_path)
+    original = tensors["model.layers.0.self_attn.q_b_proj.weight"]
+    restored = state["layers.0.self_attn.q_b_proj.weight"]
+    assert restored.dtype == torch.bfloat16
+    error = (restored.float() - original).abs().max().item()
+    assert 0 < error < 0.07 * original.abs().max().item()  # e4m3 keeps 3 mantissa bits per block scale
+    model = build_model(model_cfg)
+    model.load_state_dict(state, strict=True)

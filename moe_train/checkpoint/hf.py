@@ -49,7 +49,7 @@ def import_hf(hf_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.T
     if not config_path.is_file():
         raise HFConversionError(f"{config_path}: not found (a Hugging Face checkpoint folder has config.json)")
     hf_config = json.loads(config_path.read_text())
-    tensors = _read_safetensors(hf_dir)
+    tensors = _dequantize_fp8(_read_safetensors(hf_dir), hf_config)
     num_layers = int(hf_config["num_hidden_layers"])
     mtp_layers = 0
     while f"model.layers.{num_layers + mtp_layers}.eh_proj.weight" in tensors:
@@ -70,6 +70,23 @@ def _read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
     for name in files:
         tensors.update(load_file(hf_dir / name))
     return tensors
+
+
+def _dequantize_fp8(tensors: dict[str, torch.Tensor], hf_config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's released weights are FP8 with one scale per 128x128 block (`<name>_scale_inv`, to multiply
+    by): return them as bf16, so the model starts from the released values."""
+    scales = [name for name in tensors if name.endswith(".weight_scale_inv")]
+    if not scales:
+        return tensors
+    block = (hf_config.get("quantization_config") or {}).get("weight_block_size", [128, 128])
+    out = {name: tensor for name, tensor in tensors.items() if not name.endswith(".weight_scale_inv")}
+    for scale_name in scales:
+        name = scale_name.removesuffix("_scale_inv")
+        weight, scale = out[name], tensors[scale_name].float()
+        rows, cols = weight.shape
+        scale = scale.repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
+        out[name] = (weight.float() * scale).to(torch.bfloat16)
+    return out
 
 
 def config_from_hf(hf: dict[str, Any], *, mtp_layers: int = 0) -> ModelConfig:
@@ -229,13 +246,43 @@ def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------- export
 
 
-def export_hf(model_cfg: ModelConfig, state_dict: dict[str, torch.Tensor], out_dir: str | os.PathLike) -> None:
-    """Write config.json + model.safetensors that transformers.AutoModelForCausalLM.from_pretrained loads."""
+def export_hf(
+    model_cfg: ModelConfig,
+    state_dict: dict[str, torch.Tensor],
+    out_dir: str | os.PathLike,
+    *,
+    max_shard_bytes: int = 5 * 2**30,
+) -> None:
+    """Write config.json + safetensors that transformers.AutoModelForCausalLM.from_pretrained loads.
+
+    One `model.safetensors` when everything fits in max_shard_bytes, else `model-0000i-of-0000n.safetensors`
+    shards and `model.safetensors.index.json`, as save_pretrained names them. Tensors are copied one shard at a
+    time (peak memory: one shard), each file goes to a temporary name and is renamed; weight files of an earlier
+    export that this one does not write are removed, so the folder never mixes two exports' files.
+    """
     out_dir = Path(out_dir)
     hf_config = config_to_hf(model_cfg, dtype=state_dict["embed_tokens.weight"].dtype)
     tensors = state_dict_to_hf(model_cfg, state_dict)
+    shards = _plan_shards(tensors, max_shard_bytes)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomically(out_dir / "model.safetensors", lambda path: save_file(tensors, path, metadata={"format": "pt"}))
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
+    ]
+    for file_name, shard in zip(names, shards, strict=True):
+        # Own copies: safetensors refuses tensors that share storage (the chunks of a fused expert weight).
+        data = {name: tensors[name].detach().to("cpu", copy=True).contiguous() for name in shard}
+        _write_atomically(out_dir / file_name, lambda path, data=data: save_file(data, path, metadata={"format": "pt"}))
+    index_path = out_dir / "model.safetensors.index.json"
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(_nbytes(t) for t in tensors.values())},
+            "weight_map": {name: file_name for file_name, shard in zip(names, shards, strict=True) for name in shard},
+        }
+        _write_atomically(index_path, lambda path: Path(path).write_text(json.dumps(index, indent=2)))
+    written = set(names) | ({index_path.name} if len(shards) > 1 else set())
+    for stale in [*out_dir.glob("model-*-of-*.safetensors"), out_dir / "model.safetensors", index_path]:
+        if stale.exists() and stale.name not in written:
+            stale.unlink()
     _write_atomically(out_dir / "config.json", lambda path: Path(path).write_text(json.dumps(hf_config, indent=2)))
 
 
@@ -248,6 +295,23 @@ def _write_atomically(path: Path, write) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _plan_shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
+    """Consecutive groups of names, each under max_shard_bytes (a larger tensor gets a shard of its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in tensors.items():
+        if shards[-1] and size + _nbytes(tensor) > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += _nbytes(tensor)
+    return shards
 
 
 def config_to_hf(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
@@ -341,7 +405,7 @@ def _rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
 
 
 def state_dict_to_hf(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our state_dict -> HF tensors: renamed, experts split per expert, vocabulary padding stripped."""
+    """Our state_dict -> HF tensors (views of ours): renamed, experts split per expert, padding stripped."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state_dict.items():
         if name == "lm_head.weight" and cfg.tie_embeddings:
@@ -361,8 +425,7 @@ def state_dict_to_hf(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> d
                 out[f"{prefix}.{e}.down_proj.weight"] = down
         else:
             out[hf_name] = tensor
-    # Own copies: safetensors refuses tensors that share storage (the chunks of a fused expert weight).
-    return {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in out.items()}
+    return out
 
 
 def _hf_name(name: str, num_layers: int) -> str:
