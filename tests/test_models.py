@@ -108,6 +108,14 @@ def test_position_restarts_equal_separate_documents(cfg):
     assert (together - separate).abs().max().item() < 1e-5
     assert (plain[:, 7:] - separate[:, 7:]).abs().max().item() > 1e-3  # without restarts documents see each other
 
+    # Rows restart independently: a packed row next to a row that is one document.
+    other = ids(1, sum(lengths), seed=9)
+    with torch.no_grad():
+        both = model(torch.cat((packed, other)), torch.cat((positions, torch.arange(sum(lengths)).unsqueeze(0))))
+        alone = model(other)
+    assert (both[:1] - separate).abs().max().item() < 1e-5
+    assert (both[1:] - alone).abs().max().item() < 1e-5
+
 
 def test_document_mask_only_when_a_restart_exists():
     assert document_mask(torch.arange(6).unsqueeze(0)) is None
