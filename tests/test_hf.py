@@ -240,6 +240,14 @@ def test_import_names_missing_files(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     with pytest.raises(HFConversionError, match="model.safetensors"):
         import_hf(tmp_path)
+    hf_model("qwen3-gqa2-untied").save_pretrained(tmp_path)
+    for field, value in [("model_type", "llama"), ("use_sliding_window", True), ("hidden_act", "gelu"),
+                         ("rope_parameters", {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})]:
+        config = json.loads((tmp_path / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
+        with pytest.raises(HFConversionError, match="config.json"):
+            import_hf(tmp_path)
+        (tmp_path / "config.json").write_text(json.dumps(config))
 
 
 def test_sharded_export_loads_and_replaces_an_earlier_export(tmp_path):

@@ -96,6 +96,10 @@ def config_from_hf(hf: dict[str, Any], *, mtp_layers: int = 0) -> ModelConfig:
         raise HFConversionError(f"config.json: model_type {family!r} is not one of {', '.join(FAMILIES)}")
     if hf.get("attention_bias"):
         raise HFConversionError("config.json: attention_bias true is not supported (no attention biases)")
+    if hf.get("use_sliding_window"):
+        raise HFConversionError("config.json: use_sliding_window true is not supported (full causal attention)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise HFConversionError(f"config.json: hidden_act {hf['hidden_act']!r} is not supported (silu)")
     fields: dict[str, Any] = dict(
         family=family,
         num_layers=hf["num_hidden_layers"],
