@@ -248,6 +248,17 @@ def test_import_names_missing_files(tmp_path):
         with pytest.raises(HFConversionError, match="config.json"):
             import_hf(tmp_path)
         (tmp_path / "config.json").write_text(json.dumps(config))
+    config = json.loads((tmp_path / "config.json").read_text())
+    for changes, message in [({"num_hidden_layers": 3}, "missing: layers.2"), ({"head_dim": 8}, "wrong shape"),
+                             ({"num_hidden_layers": 1}, "unexpected: layers.1"),
+                             ({"num_attention_heads": 0}, "num_attention_heads"), ({"vocab_size": None}, "vocab")]:
+        (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
+        with pytest.raises(HFConversionError, match=message):
+            import_hf(tmp_path)
+    del config["hidden_size"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HFConversionError, match="missing field 'hidden_size'"):
+        import_hf(tmp_path)
 
 
 def test_sharded_export_loads_and_replaces_an_earlier_export(tmp_path):

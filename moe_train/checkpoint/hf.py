@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
 from moe_train.config.schema import ModelConfig, MoEConfig, RopeConfig, RouterConfig, YarnScaling
+from moe_train.models import build_model
 
 FAMILIES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
@@ -50,12 +52,34 @@ def import_hf(hf_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.T
         raise HFConversionError(f"{config_path}: not found (a Hugging Face checkpoint folder has config.json)")
     hf_config = json.loads(config_path.read_text())
     tensors = _dequantize_fp8(_read_safetensors(hf_dir), hf_config)
-    num_layers = int(hf_config["num_hidden_layers"])
-    mtp_layers = 0
-    while f"model.layers.{num_layers + mtp_layers}.eh_proj.weight" in tensors:
-        mtp_layers += 1
-    model_cfg = config_from_hf(hf_config, mtp_layers=mtp_layers)
-    return model_cfg, state_dict_from_hf(model_cfg, tensors)
+    try:
+        num_layers = int(hf_config["num_hidden_layers"])
+        mtp_layers = 0
+        while f"model.layers.{num_layers + mtp_layers}.eh_proj.weight" in tensors:
+            mtp_layers += 1
+        model_cfg = config_from_hf(hf_config, mtp_layers=mtp_layers)
+    except KeyError as missing:
+        raise HFConversionError(f"{config_path}: missing field {missing.args[0]!r}") from None
+    except ValidationError as error:
+        problem = error.errors()[0]
+        raise HFConversionError(f"{config_path}: {'.'.join(map(str, problem['loc']))}: {problem['msg']}") from None
+    try:
+        state = state_dict_from_hf(model_cfg, tensors)
+    except KeyError as missing:
+        raise HFConversionError(f"{hf_dir}: tensor {missing.args[0]!r} not found") from None
+    _check_matches(hf_dir, model_cfg, state)
+    return model_cfg, state
+
+
+def _check_matches(hf_dir: Path, model_cfg: ModelConfig, state: dict[str, torch.Tensor]) -> None:
+    """The strict-load guarantee, checked here so that a mismatch is one line naming the folder."""
+    expected = build_model(model_cfg, device="meta").state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    wrong = [name for name in expected if name in state and state[name].shape != expected[name].shape]
+    for what, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
+        if names:
+            shown = ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+            raise HFConversionError(f"{hf_dir}: weights do not match config.json: {what}: {shown}")
 
 
 def _read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
@@ -190,7 +214,7 @@ def state_dict_from_hf(model_cfg: ModelConfig, tensors: dict[str, torch.Tensor])
     tensors = _fuse_experts(tensors)
     state: dict[str, torch.Tensor] = {}
     for hf_name, tensor in tensors.items():
-        name = _our_name(hf_name, model_cfg.num_layers)
+        name = _our_name(hf_name, model_cfg.num_layers, model_cfg.mtp_layers)
         if name is not None:
             state[name] = tensor
     padded = model_cfg.padded_vocab_size()
@@ -222,13 +246,13 @@ def _fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _our_name(hf_name: str, num_layers: int) -> str | None:
+def _our_name(hf_name: str, num_layers: int, mtp_layers: int) -> str | None:
     """Our key for a (fused) HF key; None for MTP copies of the shared embedding and head."""
     if not hf_name.startswith("model.layers."):
         return hf_name.removeprefix("model.")
     match = LAYER.match(hf_name)
     index, rest = int(match["index"]), _moe_to_ours(match["rest"])
-    if index < num_layers:
+    if not num_layers <= index < num_layers + mtp_layers:
         return f"layers.{index}.{rest}"
     if rest in MTP_SHARED_COPIES:
         return None
