@@ -237,6 +237,9 @@ def test_export_refuses_what_transformers_cannot_express(tmp_path):
 def test_import_names_missing_files(tmp_path):
     with pytest.raises(HFConversionError, match="config.json"):
         import_hf(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3",}')
+    with pytest.raises(HFConversionError, match="config.json:1:.*not valid JSON"):
+        import_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     with pytest.raises(HFConversionError, match="model.safetensors"):
         import_hf(tmp_path)

@@ -50,7 +50,10 @@ def import_hf(hf_dir: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.T
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise HFConversionError(f"{config_path}: not found (a Hugging Face checkpoint folder has config.json)")
-    hf_config = json.loads(config_path.read_text())
+    try:
+        hf_config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise HFConversionError(f"{config_path}:{error.lineno}:{error.colno}: not valid JSON ({error.msg})") from None
     tensors = _dequantize_fp8(_read_safetensors(hf_dir), hf_config)
     try:
         num_layers = int(hf_config["num_hidden_layers"])
