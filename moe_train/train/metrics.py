@@ -132,19 +132,19 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(log_dir))
-        self._progress = None
+        self._live = None
         if sys.stdout.isatty():
+            # Two lines, so a narrow terminal squeezes neither: the bar, then the latest figures.
+            from rich.console import Group
+            from rich.live import Live
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            from rich.text import Text
 
-            self._progress = Progress(
-                TextColumn("step"),
-                MofNCompleteColumn(),
-                BarColumn(),
-                TimeRemainingColumn(),
-                TextColumn("{task.fields[status]}"),
-            )
-            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
-            self._progress.start()
+            self._progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeRemainingColumn())
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step)
+            self._status = Text("")
+            self._live = Live(Group(self._progress, self._status), refresh_per_second=4)
+            self._live.start()
 
     def _write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
@@ -159,8 +159,9 @@ class MetricsLogger:
                     self._tb.add_scalar(f"train/{key}", record[key], step)
             for layer, stats in (record.get("moe") or {}).items():
                 self._tb.add_scalar(f"moe/{layer}/load_max_over_mean", stats["load_max_over_mean"], step)
-        if self._progress is not None:
-            self._progress.update(self._task, completed=step, status=_summary_text(record))
+        if self._live is not None:
+            self._progress.update(self._task, completed=step)
+            self._status.plain = _summary_text(record)
         else:
             print(f"step {step}/{self._total}  {_summary_text(record)}", flush=True)
 
@@ -172,14 +173,14 @@ class MetricsLogger:
 
     def message(self, text: str) -> None:
         """A line for the human watching (checkpoint saved, resumed from...), above the live display."""
-        if self._progress is not None:
-            self._progress.console.print(text)
+        if self._live is not None:
+            self._live.console.print(text)
         else:
             print(text, flush=True)
 
     def close(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
+        if self._live is not None:
+            self._live.stop()
         if self._tb is not None:
             self._tb.close()
         self._file.close()
