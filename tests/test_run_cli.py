@@ -52,15 +52,19 @@ def test_run_refuses_unsupported_features(tmp_path: Path) -> None:
     assert_bad_input(result, "parallel.tp: tensor parallelism (tp > 1) is not supported yet")
 
 
-def test_run_two_data_parallel_ranks_match_one(tmp_path: Path) -> None:
+def test_run_two_data_parallel_ranks_match_one_across_a_resume(tmp_path: Path) -> None:
+    """2 gloo ranks through torchrun, stopped at step 2 and resumed (a 2-rank DCP save and load), match 1 rank."""
     one, two = tmp_path / "one", tmp_path / "two"
-    common = [sys.executable, "-m", "moe_train.cli.main", "run", "qwen3-moe-tiny", *sets(*SHRINK, "train.steps=3")]
-    for run_dir, extra in ((one, []), (two, ["--nproc", "2"])):
+    common = [sys.executable, "-m", "moe_train.cli.main", "run", "qwen3-moe-tiny", *sets(*SHRINK, "train.steps=4")]
+    runs = ((one, []), (two, ["--nproc", "2", *sets("train.exit_at_step=2")]), (two, ["--nproc", "2"]))
+    for run_dir, extra in runs:
         done = subprocess.run([*common, *extra, *sets(f"run_dir={run_dir}")], capture_output=True, text=True,
                               timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
-    assert "complete at step 3/3" in done.stdout
-    for a, b in zip(train_lines(one), train_lines(two), strict=True):
+    assert "complete at step 4/4: 2 steps" in done.stdout
+    single, parallel = train_lines(one), train_lines(two)
+    assert [r["step"] for r in parallel] == [1, 2, 3, 4]
+    for a, b in zip(single, parallel, strict=True):
         assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * a["grad_norm"]
         assert a["moe"] == b["moe"]  # expert counts all-reduced over ranks: the global batch's balance
 
