@@ -143,3 +143,14 @@ def test_bf16_autocast_keeps_fp32_master_weights(tmp_path: Path) -> None:
     # The same first step in fp32: close, but not equal (the forward really ran in bf16).
     fp32 = trainer("qwen3-moe-tiny", tmp_path / "fp32", "train.steps=3").train_step(1)
     assert fp32.loss != lines[0]["loss"] and abs(fp32.loss - lines[0]["loss"]) < 0.02 * fp32.loss
+
+
+def test_gradient_accumulation_matches_one_big_micro_batch(tmp_path: Path) -> None:
+    """4 micro-batches of 1 accumulate to the same step as 1 micro-batch of 4: CE is averaged over all tokens."""
+    steps = {}
+    for mbs in (1, 4):
+        t = trainer("qwen3-tiny", tmp_path / str(mbs), "train.steps=2", f"train.micro_batch_size={mbs}")
+        steps[mbs] = (t.train_step(1), t.train_step(2))
+    for small, big in zip(steps[1], steps[4], strict=True):
+        assert small.loss == pytest.approx(big.loss, rel=1e-6)
+        assert small.grad_norm == pytest.approx(big.grad_norm, rel=1e-4)
