@@ -231,34 +231,65 @@ def test_global_aux_loss_is_per_layer_switch_loss():
 # ---------------------------------------------------------------------------------------- sharded parameters
 
 
-def _sharded_init_rank(rank: int, world: int, port: int, errors) -> None:
-    """One gloo rank: FSDP2-shard a meta model, materialise it, and compare shards with the plain build."""
-    import torch.distributed as dist
+def _fsdp_init_rank(rank: int, world: int) -> None:
+    """FSDP2-shard a meta model, materialise it: every shard equals the plain build's."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from moe_train.models.init import materialize
 
+    mesh = init_device_mesh("cpu", (world,))
+    plain = build_model(DEEPSEEK, seed=9)
+    sharded = build_model(DEEPSEEK, device="meta")
+    for block in sharded.layers.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    materialize(sharded, device="cpu", seed=9, init_std=DEEPSEEK.init_std)
+    expected = dict(plain.named_parameters())
+    for name, param in sharded.named_parameters():
+        if not torch.equal(param.full_tensor(), expected[name]):
+            raise AssertionError(f"rank {rank}: {name} differs from the single-process init")
+
+
+def _tensor_parallel_rank(rank: int, world: int) -> None:
+    """Attention heads split over ranks (column-parallel q/k/v, row-parallel o): the same logits."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from moe_train.models.init import materialize
+
+    mesh = init_device_mesh("cpu", (world,))
+    for cfg in (QWEN3, DEEPSEEK.model_copy(update={"q_lora_rank": None})):
+        plain = build_model(cfg, seed=4)
+        model = build_model(cfg, device="meta")
+        colwise = ("q_proj", "k_proj", "v_proj", "kv_b_proj") if cfg.family == "qwen3" else ("q_proj", "kv_b_proj")
+        plan = {**{name: ColwiseParallel() for name in colwise}, "o_proj": RowwiseParallel()}
+        for block in model.layers.values():
+            parallelize_module(block.self_attn, mesh, plan)
+        materialize(model, device="cpu", seed=4, init_std=cfg.init_std)
+        tokens = ids(2, 10, seed=1)
+        positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]] * 2)
+        with torch.no_grad():
+            difference = (model(tokens, positions) - plain(tokens, positions)).abs().max().item()
+        if difference > 1e-5:
+            raise AssertionError(f"rank {rank}: {cfg.family} tensor-parallel logits differ by {difference}")
+
+
+def _run_rank(rank: int, world: int, port: int, target, errors) -> None:
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        mesh = init_device_mesh("cpu", (world,))
-        plain = build_model(DEEPSEEK, seed=9)
-        sharded = build_model(DEEPSEEK, device="meta")
-        for block in sharded.layers.values():
-            fully_shard(block, mesh=mesh)
-        fully_shard(sharded, mesh=mesh)
-        materialize(sharded, device="cpu", seed=9, init_std=DEEPSEEK.init_std)
-        expected = dict(plain.named_parameters())
-        for name, param in sharded.named_parameters():
-            if not torch.equal(param.full_tensor(), expected[name]):
-                raise AssertionError(f"rank {rank}: {name} differs from the single-process init")
+        target(rank, world)
+        dist.barrier()  # neither rank tears gloo down while the other still talks to it (SIGABRT at exit)
         dist.destroy_process_group()
     except BaseException as error:  # reported to the parent, which fails the test
         errors.put(f"{type(error).__name__}: {error}")
 
 
-def test_sharded_parameters_start_from_the_single_process_weights():
+@pytest.mark.parametrize("target", [_fsdp_init_rank, _tensor_parallel_rank], ids=["fsdp-init", "tp-heads"])
+def test_two_gloo_ranks_reproduce_the_single_process_model(target):
     import multiprocessing
     import socket
 
@@ -267,7 +298,7 @@ def test_sharded_parameters_start_from_the_single_process_weights():
         port = sock.getsockname()[1]
     context = multiprocessing.get_context("spawn")
     errors = context.Queue()
-    ranks = [context.Process(target=_sharded_init_rank, args=(rank, 2, port, errors)) for rank in range(2)]
+    ranks = [context.Process(target=_run_rank, args=(rank, 2, port, target, errors)) for rank in range(2)]
     for process in ranks:
         process.start()
     for process in ranks:

@@ -26,21 +26,21 @@ LATENT_NORM_EPS = 1e-6
 class MLA(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.heads = cfg.num_attention_heads
+        heads = cfg.num_attention_heads
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.q_lora_rank, self.kv_lora_rank = cfg.q_lora_rank, cfg.kv_lora_rank
         qk_dim = self.nope_dim + self.rope_dim
         hidden = cfg.hidden_size
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, self.heads * qk_dim, bias=False)
+            self.q_proj = nn.Linear(hidden, heads * qk_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.heads * qk_dim, bias=False)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, heads * qk_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.heads * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(self.heads * self.v_dim, hidden, bias=False)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=False)
 
         self.scale = qk_dim**-0.5
         yarn = cfg.rope.scaling
@@ -53,16 +53,18 @@ class MLA(nn.Module):
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_rot = q.view(b, s, self.heads, -1).transpose(1, 2).split([self.nope_dim, self.rope_dim], dim=-1)
+        # Head counts come from the projections' outputs (-1), so tensor parallelism can shard heads.
+        q = q.view(b, s, -1, self.nope_dim + self.rope_dim).transpose(1, 2)
+        q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
 
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, s, self.heads, -1).transpose(1, 2)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, s, -1, self.nope_dim + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
 
         q_rot = apply_rotary(q_rot, cos, sin, interleaved=True)
         k_rot = apply_rotary(k_rot.view(b, 1, s, self.rope_dim), cos, sin, interleaved=True)
         q = torch.cat((q_nope, q_rot), dim=-1)
-        k = torch.cat((k_nope, k_rot.expand(b, self.heads, s, self.rope_dim)), dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
 
         pad = q.shape[-1] - self.v_dim
         if pad > 0:
