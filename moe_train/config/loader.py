@@ -65,12 +65,12 @@ def _display(path: Path) -> str:
 # ---------------------------------------------------------------------------------------- extends and merge
 
 
-def _merge(base: dict, override: dict) -> dict:
+def deep_merge(base: dict, override: dict) -> dict:
     """Deep merge: mappings merge key by key, anything else (lists included) replaces."""
     merged = copy.deepcopy(base)
     for key, value in override.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
+            merged[key] = deep_merge(merged[key], value)
         else:
             merged[key] = copy.deepcopy(value)
     return merged
@@ -102,7 +102,7 @@ def _read_with_parents(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict[
             if prefix in child_positions and not isinstance(_get(data, prefix), dict):
                 del parent_positions[key_path]
                 break
-    return _merge(parent_data, data), {**parent_positions, **child_positions}
+    return deep_merge(parent_data, data), {**parent_positions, **child_positions}
 
 
 def _get(data: Any, path: Path_) -> Any:

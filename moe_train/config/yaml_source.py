@@ -61,7 +61,7 @@ RecipeLoader.add_implicit_resolver(
 
 
 def load_value(text: str) -> Any:
-    """One YAML value, read as recipe files are (for --set overrides)."""
+    """YAML text read as recipe files are (--set values, cluster profiles): safe, no base-60 numbers."""
     return yaml.load(text, Loader=RecipeLoader)
 
 

@@ -11,14 +11,15 @@ merged values themselves, so the ranks never look for a profile file (compute no
 
 from __future__ import annotations
 
-import copy
 import os
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from moe_train.config.loader import deep_merge
 from moe_train.config.schema import LaunchConfig
+from moe_train.config.yaml_source import load_value
 
 ENV_VAR = "MOE_TRAIN_CLUSTERS"
 USER_FOLDER = Path("~/.config/moe-train/clusters")
@@ -57,7 +58,7 @@ def find_profile(reference: str, base_dir: Path) -> Path:
 def load_profile(path: Path) -> dict[str, Any]:
     """Read a profile: a mapping whose keys are launch fields (anything but `cluster`)."""
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_value(path.read_text())
     except (OSError, yaml.YAMLError) as error:
         reason = str(error).replace("\n", " ")
         raise ClusterProfileError(f"cluster profile {path}: cannot be read: {reason}") from None
@@ -76,17 +77,6 @@ def load_profile(path: Path) -> dict[str, Any]:
     return data
 
 
-def _merge(base: dict, override: dict) -> dict:
-    """Mappings (env, slurm) merge key by key; any other value of the recipe, lists included, replaces."""
-    merged = copy.deepcopy(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = copy.deepcopy(value)
-    return merged
-
-
 def apply_cluster_profile(raw_launch: dict, base_dir: Path) -> dict:
     """The recipe's raw `launch` mapping with the defaults of its `cluster` profile filled in.
 
@@ -100,4 +90,5 @@ def apply_cluster_profile(raw_launch: dict, base_dir: Path) -> dict:
     if not isinstance(reference, str) or not reference.strip():
         raise ClusterProfileError("launch.cluster must be a profile name or a path to a YAML file")
     profile = load_profile(find_profile(reference.strip(), Path(base_dir)))
-    return _merge(profile, launch)
+    # Mappings (env, slurm) merge key by key; any other value of the recipe, lists included, replaces.
+    return deep_merge(profile, launch)
