@@ -275,12 +275,12 @@ def _tensor_parallel_rank(rank: int, world: int) -> None:
             raise AssertionError(f"rank {rank}: {cfg.family} tensor-parallel logits differ by {difference}")
 
 
-def _run_rank(rank: int, world: int, port: int, target, errors) -> None:
+def _run_rank(rank: int, world: int, store: str, target, errors) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         target(rank, world)
         dist.barrier()  # neither rank tears gloo down while the other still talks to it (SIGABRT at exit)
         dist.destroy_process_group()
@@ -289,16 +289,14 @@ def _run_rank(rank: int, world: int, port: int, target, errors) -> None:
 
 
 @pytest.mark.parametrize("target", [_fsdp_init_rank, _tensor_parallel_rank], ids=["fsdp-init", "tp-heads"])
-def test_two_gloo_ranks_reproduce_the_single_process_model(target):
+def test_two_gloo_ranks_reproduce_the_single_process_model(target, tmp_path):
     import multiprocessing
-    import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    # A file store rather than a TCP port: no race with other processes picking free ports.
+    store = str(tmp_path / "store")
     context = multiprocessing.get_context("spawn")
     errors = context.Queue()
-    ranks = [context.Process(target=_run_rank, args=(rank, 2, port, target, errors)) for rank in range(2)]
+    ranks = [context.Process(target=_run_rank, args=(rank, 2, store, target, errors)) for rank in range(2)]
     for process in ranks:
         process.start()
     for process in ranks:
@@ -309,4 +307,4 @@ def test_two_gloo_ranks_reproduce_the_single_process_model(target):
             pytest.fail("a rank hung (timeout 120 s)")
     problems = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
     assert not problems, problems
-    assert [p.exitcode for p in ranks] == [0, 0]
+    assert [p.exitcode for p in ranks] == [0, 0], "a rank crashed (exit codes above)"
