@@ -63,7 +63,7 @@ CASES = {
     "dsv3-qlora-null-groups1": lambda: deepseek_v3(q_lora_rank=None, n_group=1, topk_group=1, n_shared_experts=2,
                                                    first_k_dense_replace=0, v_head_dim=12),
     "dsv3-groups2-mscale": lambda: deepseek_v3(n_group=2, topk_group=1, num_experts_per_tok=3,
-                                               routed_scaling_factor=1.0,
+                                               routed_scaling_factor=1.0, v_head_dim=32,
                                                rope_parameters={**YARN, "mscale": 0.707, "mscale_all_dim": 1.0}),
 }
 
