@@ -120,6 +120,8 @@ class Trainer:
         self.run_dir = Path(recipe.resolved_run_dir())
         self.ckpt_dir = Path(recipe.checkpoint_dir())
         self.datasets = build_datasets(recipe)
+        if train.eval_interval is not None and self.datasets.valid is None:
+            raise RecipeError(["train.eval_interval: evaluation needs a validation split (data.valid_fraction > 0)"])
         self.model = build_model(recipe.model, device=self.device, seed=train.seed)
         self.model.train()
         self.optimizer = build_optimizer(self.model, train=train)
@@ -379,14 +381,14 @@ class Trainer:
             else:
                 final_loss = result.loss
                 first_loss = result.loss if first_loss is None else first_loss
-            if self.datasets.valid is not None and train.eval_interval and step % train.eval_interval == 0:
+            if train.eval_interval and step % train.eval_interval == 0:
                 loss = self.evaluate()
                 if logger is not None:
                     logger.eval(eval_record(step=step, loss=loss))
             interval = recipe.checkpoint.interval
             if interval and step % interval == 0 and step != last:
                 checkpoint, saved_step = self._save(logger), step
-        if saved_step != self.progress.step:
+        if self.progress.step > 0 and saved_step != self.progress.step:
             checkpoint = self._save(logger)
         if status is None:
             status = "complete" if self.progress.step >= train.steps else "exited"
