@@ -154,8 +154,12 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a (small, CPU-side) tensor over ranks in place; through the device, which NCCL requires."""
         if self.distributed:
-            dist.all_reduce(tensor)
+            on_device = tensor.to(self.device)
+            dist.all_reduce(on_device)
+            if on_device is not tensor:
+                tensor.copy_(on_device)
         return tensor
 
     def _micro_batches(self, source, batch_index: int) -> list[torch.Tensor]:
