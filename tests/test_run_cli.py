@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -102,3 +103,19 @@ def test_sigterm_checkpoints_and_exits_0(tmp_path: Path) -> None:
 def test_preemption_notice_checkpoints_and_exits_0(tmp_path: Path) -> None:
     done, run_dir = _stop_midway(tmp_path, lambda process, run_dir: (run_dir / "PREEMPT").write_text("soon\n"))
     _check_clean_stop(done, run_dir, f"preemption notice {run_dir / 'PREEMPT'}")
+
+
+def test_run_runtime_failure_exits_1_naming_the_rank(tmp_path: Path) -> None:
+    """A learning rate of 1e6 without clipping blows the gradients up within a few steps: on_nonfinite: stop."""
+    result = run_cli("run", "qwen3-tiny", *sets(*SHRINK, "train.steps=20", "train.warmup_steps=0", "train.lr=1e6",
+                                                  "train.min_lr=1e6", "train.grad_clip=null", "train.on_nonfinite=stop",
+                                                  "checkpoint.interval=1", f"run_dir={tmp_path}"))
+    assert result.code == 1, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stdout + result.stderr
+    [line] = result.stderr.strip().splitlines()
+    pattern = r"error: rank 0: non-finite loss \S+ or grad norm \S+ at step (\d+) \(train.on_nonfinite: stop\)"
+    assert re.fullmatch(pattern, line), line
+    failed = int(re.search(r"at step (\d+)", line).group(1))
+    assert failed < 20 and latest_checkpoint(tmp_path / "checkpoints").name == f"step-{failed - 1:07d}"
+    last = train_lines(tmp_path)[-1]
+    assert last["step"] == failed and last["skipped"] == 1
