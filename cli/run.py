@@ -70,6 +70,9 @@ def run(
         overrides += ["launch.nodes=1", f"launch.gpus_per_node={nproc}"]
     resolved = load_or_exit(recipe, overrides)
     problems = unsupported(resolved)
+    if resolved.launch.nodes > 1:
+        problems.append(f"launch.nodes: {resolved.launch.nodes} nodes; moe-train run trains on this machine only "
+                        "(use moe-train submit, or --nproc N)")
     if problems:
         fail(problems)
     try:

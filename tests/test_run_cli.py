@@ -119,3 +119,8 @@ def test_run_runtime_failure_exits_1_naming_the_rank(tmp_path: Path) -> None:
     assert failed < 20 and latest_checkpoint(tmp_path / "checkpoints").name == f"step-{failed - 1:07d}"
     last = train_lines(tmp_path)[-1]
     assert last["step"] == failed and last["skipped"] == 1
+
+
+def test_run_refuses_several_nodes(tmp_path: Path) -> None:
+    result = run_cli("run", "qwen3-tiny", *sets("launch.nodes=2", f"run_dir={tmp_path}"))
+    assert_bad_input(result, "launch.nodes: 2 nodes; moe-train run trains on this machine only")
