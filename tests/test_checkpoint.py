@@ -122,6 +122,10 @@ def test_model_only_checkpoint_loads_strictly(tmp_path: Path) -> None:
     dense = build_model(load_recipe("qwen3-tiny", ["model.num_layers=1"]).model)
     with pytest.raises(CheckpointError, match="does not match the model"):
         load_model_weights(tmp_path / "weights", dense)
+    wider = build_model(load_recipe("qwen3-moe-tiny", ["model.num_layers=1", "model.ffn_hidden_size=512",
+                                                       "model.moe.ffn_hidden_size=128"]).model)
+    with pytest.raises(CheckpointError, match=r"tensors differ in shape from the model, e.g. .* \(8, 256, 128\)"):
+        load_model_weights(tmp_path / "weights", wider)
 
 
 def test_trainer_resume_required_without_checkpoint_is_an_input_error(tmp_path: Path) -> None:

@@ -124,12 +124,20 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
     """Load the `model.*` part of any checkpoint (model-only or full) into `model`, strictly by name."""
     model_sd = model.state_dict()
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    missing = sorted(k for k in model_sd if f"model.{k}" not in saved)
-    unexpected = sorted(k[len("model.") :] for k in saved if k.startswith("model.") and k[6:] not in model_sd)
+    prefix = "model."
+    missing = sorted(k for k in model_sd if prefix + k not in saved)
+    unexpected = sorted(k[len(prefix) :] for k in saved if k.startswith(prefix) and k[len(prefix) :] not in model_sd)
     if missing or unexpected:
         raise CheckpointError(
             f"{path}: does not match the model: {len(missing)} tensors missing {missing[:3]}, "
             f"{len(unexpected)} unexpected {unexpected[:3]}"
         )
+    reshaped = [
+        f"{k} {tuple(saved[prefix + k].size)} vs {tuple(v.shape)}"
+        for k, v in model_sd.items()
+        if tuple(saved[prefix + k].size) != tuple(v.shape)
+    ]
+    if reshaped:
+        raise CheckpointError(f"{path}: {len(reshaped)} tensors differ in shape from the model, e.g. {reshaped[0]}")
     _dcp(dcp.load, {"model": model_sd}, path)
     model.load_state_dict(model_sd, strict=True)
