@@ -126,6 +126,9 @@ def test_model_only_checkpoint_loads_strictly(tmp_path: Path) -> None:
                                                        "model.moe.ffn_hidden_size=128"]).model)
     with pytest.raises(CheckpointError, match=r"tensors differ in shape from the model, e.g. .* \(8, 256, 128\)"):
         load_model_weights(tmp_path / "weights", wider)
+    _, model, optimizer = small_model_and_optimizer(seed=3)
+    with pytest.raises(CheckpointError, match="a model-only checkpoint cannot be resumed; use it as checkpoint.init"):
+        load_training_state(tmp_path / "weights", model=model, optimizer=optimizer)
 
 
 def test_trainer_resume_required_without_checkpoint_is_an_input_error(tmp_path: Path) -> None:

@@ -96,7 +96,10 @@ def save_training_state(
 def load_training_state(path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> Progress:
     """Restore what `save_training_state` wrote into a freshly built model and optimizer."""
     model_sd, optim_sd = get_state_dict(model, optimizer)  # also materialises empty optimizer state to fill
+    _check_model_matches(path, model_sd)
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if "progress.step" not in saved:
+        raise CheckpointError(f"{path}: a model-only checkpoint cannot be resumed; use it as checkpoint.init_from")
     rng = {k: v for k, v in _rng_state().items() if f"rng.{k}" in saved}
     state = {
         "model": model_sd,
@@ -120,9 +123,8 @@ def save_model_weights(path: Path, state_dict: dict[str, torch.Tensor]) -> None:
     _dcp(dcp.save, {"model": state_dict}, path)
 
 
-def load_model_weights(path: Path, model: nn.Module) -> None:
-    """Load the `model.*` part of any checkpoint (model-only or full) into `model`, strictly by name."""
-    model_sd = model.state_dict()
+def _check_model_matches(path: Path, model_sd: dict[str, torch.Tensor]) -> None:
+    """Names and shapes of the checkpoint's `model.*` against the model: a CheckpointError before any read."""
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     prefix = "model."
     missing = sorted(k for k in model_sd if prefix + k not in saved)
@@ -139,5 +141,11 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
     ]
     if reshaped:
         raise CheckpointError(f"{path}: {len(reshaped)} tensors differ in shape from the model, e.g. {reshaped[0]}")
+
+
+def load_model_weights(path: Path, model: nn.Module) -> None:
+    """Load the `model.*` part of any checkpoint (model-only or full) into `model`, strictly by name."""
+    model_sd = model.state_dict()
+    _check_model_matches(path, model_sd)
     _dcp(dcp.load, {"model": model_sd}, path)
     model.load_state_dict(model_sd, strict=True)
