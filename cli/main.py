@@ -24,14 +24,15 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 
+# In the order of a user's journey: pick and check a recipe, train it here or on SLURM, then data and conversion.
+app.add_typer(recipes_app, name="recipes")
 app.command()(validate)
 app.command()(schema)
+app.command()(run)
 app.command()(render)
 app.command()(submit)
 app.command()(sweep)
 app.command()(runs)
-app.command()(run)
-app.add_typer(recipes_app, name="recipes")
 app.add_typer(data_app, name="data")
 app.add_typer(convert_app, name="convert")
 

@@ -238,7 +238,7 @@ def _train(r: Recipe) -> list[Problem]:
         out.append(_p("train.exit_at_step", f"{t.exit_at_step} is after the last step {t.steps}"))
     if t.min_lr > t.lr:
         out.append(_p("train.min_lr", f"{t.min_lr} exceeds lr {t.lr}"))
-    if t.eval_interval is not None and r.data.valid_fraction == 0 and r.data.source != "mock":
+    if t.eval_interval is not None and r.data.valid_fraction == 0:
         out.append(_p("train.eval_interval", "evaluation needs held-out data: set data.valid_fraction > 0"))
     if t.precision == "fp8" and r.launch.device != "cuda":
         out.append(_p("train.precision", "fp8 needs launch.device: cuda (transformer-engine on Hopper or newer)"))
