@@ -62,8 +62,16 @@ def launcher_problems(recipe: Recipe, env: LauncherEnv) -> list[str]:
     return out
 
 
-def _say(env: LauncherEnv, message: str, *, stream=sys.stdout) -> None:
-    print(f"{PREFIX}: rank {env.rank}/{env.world_size} on {env.host}: {message}", file=stream, flush=True)
+def _emit(text: str, stream=None) -> None:
+    """One write per message, newline included: ranks share the launcher's pipe, and print()'s separate write
+    of the newline let another rank's line land between a line and its end (seen under load)."""
+    stream = stream or sys.stdout
+    stream.write(text + "\n")
+    stream.flush()
+
+
+def _say(env: LauncherEnv, message: str, *, stream=None) -> None:
+    _emit(f"{PREFIX}: rank {env.rank}/{env.world_size} on {env.host}: {message}", stream)
 
 
 def _init_process_group(recipe: Recipe, env: LauncherEnv) -> str:
@@ -120,7 +128,7 @@ def preflight(recipe: Recipe, env: LauncherEnv) -> int:
         dist.all_gather_object(rows, (env.rank, env.host, env.local_rank, actual))
         elapsed = time.monotonic() - start
         if env.rank == 0:
-            print(_table(recipe, shape, backend, rows), flush=True)
+            _emit(_table(recipe, shape, backend, rows))
         _say(env, f"local rank {env.local_rank}: {actual}; {checked} all-reduces ok in {elapsed:.1f}s")
         dist.barrier()
     finally:
