@@ -29,7 +29,16 @@ def prepare(
     text_field: Annotated[str, typer.Option(help="The JSON field holding the text (.jsonl inputs).")] = "text",
     append_eod: Annotated[bool, typer.Option(help="End every document with the tokenizer's EOD token.")] = True,
 ) -> None:
-    """Tokenize INPUT files into PREFIX.bin/.idx, readable by moe-train and Megatron-LM alike."""
+    """Tokenize INPUT files into PREFIX.bin/.idx, readable by moe-train and Megatron-LM alike.
+
+    Examples:
+
+        moe-train data prepare corpus.jsonl -o data/corpus
+
+        moe-train data prepare shard-*.jsonl -o data/web --tokenizer tokenizer.json --text-field content
+
+    Then in a recipe: data: {source: indexed, paths: [data/corpus], tokenizer: tokenizer.json}.
+    """
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
