@@ -37,7 +37,7 @@ def prepare(
 
         moe-train data prepare shard-*.jsonl -o data/web --tokenizer tokenizer.json --text-field content
 
-    Then in a recipe: data: {source: indexed, paths: [data/corpus], tokenizer: tokenizer.json}.
+    Then in a recipe: data: {source: indexed, paths: \\[data/corpus], tokenizer: tokenizer.json}.
     """
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
