@@ -51,6 +51,7 @@ def test_plain_install_resolves_builtins_outside_the_repository(tmp_path):
         from moe_train.cli.main import app
         assert moe_train.__file__.startswith(SITE), moe_train.__file__
         assert load_recipe("deepseek-v3-tiny").model.family == "deepseek_v3"
+        assert importlib.resources.files("moe_train.slurm").joinpath("job.sbatch.j2").is_file()
         print(sorted(p.name for p in importlib.resources.files("moe_train.recipes").iterdir() if p.suffix == ".yaml"))
         """
     ).replace("SITE", repr(str(target)))
