@@ -21,39 +21,21 @@ Training costs 3x the forward pass (backward = 2x forward); recomputation is not
 from __future__ import annotations
 
 from moe_train.config.schema import ModelConfig
+from moe_train.plan.params import attention_matrices, ffn_matrices
 
 
 def _attention(cfg: ModelConfig, seq_length: int) -> float:
-    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    """Projections (2 FLOPs per weight) plus QK^T and AV over `seq_length` keys."""
     if cfg.family == "deepseek_v3":
-        qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        v_dim = cfg.v_head_dim
-        if cfg.q_lora_rank:
-            q = h * cfg.q_lora_rank + cfg.q_lora_rank * heads * qk_dim
-        else:
-            q = h * heads * qk_dim
-        kv = h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + v_dim)
-        projections = q + kv + heads * v_dim * h
+        qk_dim, v_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
     else:
         qk_dim = v_dim = cfg.attention_head_dim
-        projections = h * heads * qk_dim + 2 * h * cfg.kv_heads * qk_dim + heads * v_dim * h
-    quadratic = seq_length * heads * (qk_dim + v_dim)
-    return 2.0 * (projections + quadratic)
-
-
-def _swiglu(hidden: int, ffn: int) -> float:
-    return 2.0 * 3 * hidden * ffn
+    quadratic = seq_length * cfg.num_attention_heads * (qk_dim + v_dim)
+    return 2.0 * (attention_matrices(cfg) + quadratic)
 
 
 def _ffn(cfg: ModelConfig, layer: int) -> float:
-    h = cfg.hidden_size
-    if not cfg.is_moe_layer(layer):
-        return _swiglu(h, cfg.ffn_hidden_size)
-    moe = cfg.moe
-    flops = 2.0 * h * moe.num_experts + moe.top_k * _swiglu(h, moe.ffn_hidden_size)
-    if moe.shared_expert_ffn_hidden_size:
-        flops += _swiglu(h, moe.shared_expert_ffn_hidden_size)
-    return flops
+    return 2.0 * ffn_matrices(cfg, moe_layer=cfg.is_moe_layer(layer), active=True)
 
 
 def forward_flops_per_token(cfg: ModelConfig, *, seq_length: int) -> float:
