@@ -58,11 +58,16 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.dim = dim
         self.rope = rope
+        # The frequencies on the device of the last forward (a cache, not a buffer: never checkpointed). Copying
+        # a CPU tensor to the GPU on every forward would synchronise the host with the stream each step.
+        self._inv_freq: torch.Tensor | None = None
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq, attention_factor = inverse_frequencies(self.dim, self.rope)
-        angles = position_ids[..., None].float() * inv_freq.to(position_ids.device)
-        return angles.cos() * attention_factor, angles.sin() * attention_factor
+        if self._inv_freq is None or self._inv_freq.device != position_ids.device:
+            inv_freq, self._attention_factor = inverse_frequencies(self.dim, self.rope)
+            self._inv_freq = inv_freq.to(position_ids.device)
+        angles = position_ids[..., None].float() * self._inv_freq
+        return angles.cos() * self._attention_factor, angles.sin() * self._attention_factor
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False) -> torch.Tensor:
