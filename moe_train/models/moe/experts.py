@@ -22,7 +22,7 @@ def grouped_mm_supported(dtype: torch.dtype, device: torch.device, *, hidden_siz
     """
     if not hasattr(torch, "_grouped_mm"):
         return False
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if (hidden_size * itemsize) % 16 or (ffn_hidden_size * itemsize) % 16:
         return False
     if device.type == "cpu":
