@@ -306,7 +306,7 @@ def export_hf(
     index_path = out_dir / "model.safetensors.index.json"
     if len(shards) > 1:
         index = {
-            "metadata": {"total_size": sum(_nbytes(t) for t in tensors.values())},
+            "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
             "weight_map": {name: file_name for file_name, shard in zip(names, shards, strict=True) for name in shard},
         }
         _write_atomically(index_path, lambda path: Path(path).write_text(json.dumps(index, indent=2)))
@@ -328,20 +328,16 @@ def _write_atomically(path: Path, write) -> None:
             os.unlink(tmp)
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 def _plan_shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
     """Consecutive groups of names, each under max_shard_bytes (a larger tensor gets a shard of its own)."""
     shards: list[list[str]] = [[]]
     size = 0
     for name, tensor in tensors.items():
-        if shards[-1] and size + _nbytes(tensor) > max_shard_bytes:
+        if shards[-1] and size + tensor.nbytes > max_shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append(name)
-        size += _nbytes(tensor)
+        size += tensor.nbytes
     return shards
 
 
