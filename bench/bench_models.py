@@ -28,10 +28,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 import torch.nn.functional as F
-import yaml
 from torch.utils.flop_counter import FlopCounterMode, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
 from moe_train.checkpoint.hf import export_hf
+from moe_train.config import load_recipe
 from moe_train.config.schema import ModelConfig, MoEConfig, RouterConfig
 from moe_train.models import build_model
 from moe_train.train.peak import measured_matmul_flops
@@ -182,13 +182,12 @@ def main() -> None:
                           batch=4, seq=512, dtype_name=dtype_name, repeats=args.repeats, router_logits=True,
                           hf_eager=True))
 
-    with open(os.path.join(os.path.dirname(__file__), "..", "recipes", "deepseek-v3-tiny.yaml")) as file:
-        recipe = yaml.safe_load(file)
-    ds_cfg = ModelConfig.model_validate(recipe["model"]).model_copy(update={"mtp_layers": 0})
-    train = recipe["train"]
-    print_row(compare(f"deepseek-v3-tiny (no MTP: transformers has none), seq {train['seq_length']} x batch "
-                      f"{train['micro_batch_size']}", ds_cfg, batch=train["micro_batch_size"],
-                      seq=train["seq_length"], dtype_name="fp32", repeats=args.repeats, router_logits=False))
+    recipe = load_recipe("deepseek-v3-tiny", check_files=False)
+    ds_cfg = recipe.model.model_copy(update={"mtp_layers": 0})
+    train = recipe.train
+    print_row(compare(f"deepseek-v3-tiny (no MTP: transformers has none), seq {train.seq_length} x batch "
+                      f"{train.micro_batch_size}", ds_cfg, batch=train.micro_batch_size,
+                      seq=train.seq_length, dtype_name="fp32", repeats=args.repeats, router_logits=False))
 
     if args.skip_sweep:
         return
