@@ -154,7 +154,7 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum a (small, CPU-side) tensor over ranks in place; through the device, which NCCL requires."""
+        """Sum a small tensor over ranks in place; a host tensor goes through the device, which NCCL requires."""
         if self.distributed:
             on_device = tensor.to(self.device)
             dist.all_reduce(on_device)
@@ -183,22 +183,25 @@ class Trainer:
         train = self.recipe.train
         micro_batches = self._micro_batches(self.datasets.train, step - 1)
         share = 1.0 / (len(micro_batches) * self.dp_size)  # of each micro-batch's mean losses
-        global_tokens = train.global_batch_size * train.seq_length
         self.optimizer.zero_grad(set_to_none=True)
-        sums = torch.zeros(3, dtype=torch.float64)  # lm, aux, mtp contributions to the global mean
-        counts = {i: torch.zeros(layer.moe.num_experts, dtype=torch.int64) for i, layer in self.moe_layers.items()}
+        # Accumulated on the device: the host reads them once per step, after the all-reduces, not per micro-batch.
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # lm, aux, mtp contributions to the mean
+        counts = {
+            i: torch.zeros(layer.moe.num_experts, dtype=torch.int64, device=self.device)
+            for i, layer in self.moe_layers.items()
+        }
         dropped = dict.fromkeys(self.moe_layers, 0.0)
         for micro in micro_batches:
             inputs, labels, positions = self._inputs(micro)
             with self._autocast():
                 logits = self.model(inputs, positions, labels=labels)
-            lm = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / global_tokens
+            lm = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / self.tokens_per_step
             aux = self.model.aux_loss() * share
             mtp = self.model.mtp_loss() * share
             (lm + aux + mtp).backward()
-            sums += torch.stack([lm.detach(), aux.detach(), mtp.detach()]).double().cpu()
+            sums += torch.stack([lm.detach(), aux.detach(), mtp.detach()]).double()
             for index, stats in self.model.moe_stats().items():
-                counts[index] += stats.tokens_per_expert.cpu()
+                counts[index] += stats.tokens_per_expert
                 dropped[index] += stats.dropped_fraction * share
         self._reduce_gradients()
         self._all_reduce(sums)
@@ -234,13 +237,16 @@ class Trainer:
             offset += g.numel()
 
     def _balance(self, counts: dict[int, torch.Tensor], dropped: dict[int, float]) -> dict | None:
+        """Sum the step's expert counts (replaced in `counts`, for the bias update) and drops over ranks."""
         if not self.moe_layers:
             return None
-        stacked = self._all_reduce(torch.stack([counts[i] for i in sorted(counts)]))
-        drops = self._all_reduce(torch.tensor([dropped[i] for i in sorted(dropped)], dtype=torch.float64))
-        for row, index in enumerate(sorted(counts)):
+        layers = sorted(counts)
+        stacked = self._all_reduce(torch.stack([counts[i] for i in layers]))
+        drops = self._all_reduce(torch.tensor([dropped[i] for i in layers], dtype=torch.float64)).tolist()
+        for row, index in enumerate(layers):
             counts[index] = stacked[row]
-        return {str(i): expert_balance(counts[i], drops[row].item()) for row, i in enumerate(sorted(counts))}
+        on_host = stacked.cpu()  # one transfer for every layer's figures
+        return {str(i): expert_balance(on_host[row], drops[row]) for row, i in enumerate(layers)}
 
     def _update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
         """Aux-loss-free balancing from the whole global batch's counts (identical on every rank)."""
@@ -254,16 +260,16 @@ class Trainer:
         """Cross-entropy on the validation split's first eval_steps global batches (the same ones every time)."""
         train = self.recipe.train
         self.model.eval()
-        total = torch.zeros(1, dtype=torch.float64)
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for batch_index in range(train.eval_steps):
             for micro in self._micro_batches(self.datasets.valid, batch_index):
                 inputs, labels, positions = self._inputs(micro)
                 with self._autocast():
                     logits = self.model(inputs, positions)
-                total += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum").cpu()
+                total += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
         self.model.train()
         self._all_reduce(total)
-        return total.item() / (train.eval_steps * train.global_batch_size * train.seq_length)
+        return total.item() / (train.eval_steps * self.tokens_per_step)
 
     # ------------------------------------------------------------------------------------------ the loop
 
