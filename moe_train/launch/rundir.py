@@ -142,10 +142,16 @@ def prepare_run_dir(recipe: Recipe) -> Path:
 
     Raises LaunchError (one line naming the folder) when the folder belongs to a different run.
     """
+    check_reusable(recipe, run_dir_path(recipe))
+    return write_run_dir(recipe)
+
+
+def write_run_dir(recipe: Recipe) -> Path:
+    """`prepare_run_dir` for a recipe whose folder `check_reusable` has already passed (sweep points are checked
+    when they are listed): create the folder and write the resolved recipe, without reading the old one again."""
     run_dir = run_dir_path(recipe)
     if run_dir.exists() and not run_dir.is_dir():
         raise LaunchError([f"{run_dir}: run_dir exists and is not a folder"])
-    check_reusable(recipe, run_dir)
     (run_dir / LOGS_DIR).mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / RECIPE_FILE, dump_recipe(resolved_for_run(recipe)))
     return run_dir

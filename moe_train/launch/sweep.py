@@ -20,7 +20,7 @@ from pathlib import Path
 from moe_train.config import Recipe, RecipeError, load_recipe, parse_override
 
 from .render import check_renderable, render_array
-from .rundir import LOGS_DIR, check_reusable, prepare_run_dir, run_dir_path, write_atomic
+from .rundir import LOGS_DIR, check_reusable, run_dir_path, write_atomic, write_run_dir
 from .shell import LaunchError
 from .submit import record_submission, sbatch, submittable_problems
 
@@ -164,12 +164,12 @@ def expand(recipe_ref: str, sets: Sequence[str], axes: Sequence[Axis], *, prefli
 
 def write_sweep(recipe_ref: str, sets: Sequence[str], axes: Sequence[Axis], sweep_dir: Path,
                 points: Sequence[Point]) -> None:
-    """Create each valid point's run folder, the sweep's logs/ (SLURM does not create --output folders), and
-    record the whole sweep in {sweep_dir}/sweep.json."""
+    """Create each valid point's run folder (`expand` checked that it may be reused), the sweep's logs/ (SLURM
+    does not create --output folders), and record the whole sweep in {sweep_dir}/sweep.json."""
     (sweep_dir / LOGS_DIR).mkdir(parents=True, exist_ok=True)
     for point in points:
         if point.valid:
-            prepare_run_dir(point.recipe)
+            write_run_dir(point.recipe)
     record = {
         "recipe": recipe_ref,
         "sets": list(sets),
