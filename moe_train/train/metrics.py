@@ -111,7 +111,7 @@ def _drop_records_after(path: Path, step: int) -> None:
     if not path.exists():
         return
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
+    kept = [line for line in lines if (line_step := _step_of(line)) is not None and line_step <= step]
     if len(kept) != len(lines):
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text("".join(kept), encoding="utf-8")
