@@ -16,10 +16,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 import moe_train
 from moe_train.config import Recipe, dump_recipe
+from moe_train.config.yaml_source import load_value
 
 from .shell import LaunchError
 
@@ -116,10 +115,11 @@ def recipe_differences(existing: Recipe, recipe: Recipe) -> list[str]:
 
 
 def read_run_recipe(run_dir: Path) -> Recipe:
-    """The resolved recipe stored in a run folder, validated against the schema only (it is already resolved)."""
+    """The resolved recipe stored in a run folder, validated against the schema only (it is already resolved);
+    its YAML read as the ranks' loader reads it (no base-60 numbers: an unquoted `time: 4:00:00` stays text)."""
     path = run_dir / RECIPE_FILE
     try:
-        return Recipe.model_validate(yaml.safe_load(path.read_text()))
+        return Recipe.model_validate(load_value(path.read_text()))
     except Exception as error:  # any unreadable file is reported as one line
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise LaunchError([f"{path}: not a readable resolved recipe ({reason})"]) from None
