@@ -112,12 +112,11 @@ def sbatch_directives(
     *,
     preflight: bool = False,
     array: str | None = None,
-    job_name: str | None = None,
 ) -> list[str]:
     """The #SBATCH options (without the prefix), each value quoted for sbatch's tokenizer; `output` is a SLURM
     filename pattern (literal parts escaped with slurm_filename)."""
     launch, slurm = recipe.launch, recipe.launch.slurm
-    name = job_name or slurm.job_name or recipe.name
+    name = slurm.job_name or recipe.name
     if preflight:
         name += "-preflight"
     out = [f"--job-name={sbatch_value(name)}", f"--nodes={launch.nodes}", "--ntasks-per-node=1"]

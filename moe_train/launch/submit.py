@@ -43,13 +43,12 @@ def submittable_problems(recipe: Recipe, *, preflight: bool) -> list[str]:
     return [] if preflight else unsupported(recipe)
 
 
-def sbatch(script: Path, *, extra_args: tuple[str, ...] = ()) -> str:
+def sbatch(script: Path) -> str:
     """Run `sbatch --parsable` on a script; returns the job id. Raises SubmitError with sbatch's message."""
     if shutil.which("sbatch") is None:
         raise SubmitError("sbatch not found on PATH (submit from a SLURM login node, or use --dry-run)")
     try:
-        out = subprocess.run(["sbatch", "--parsable", *extra_args, str(script)], capture_output=True, text=True,
-                             timeout=120)
+        out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
         raise SubmitError("sbatch did not answer within 120 s") from None
     if out.returncode != 0:
