@@ -96,8 +96,8 @@ def save_training_state(
 def load_training_state(path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> Progress:
     """Restore what `save_training_state` wrote into a freshly built model and optimizer."""
     model_sd, optim_sd = get_state_dict(model, optimizer)  # also materialises empty optimizer state to fill
-    _check_model_matches(path, model_sd)
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = _saved_tensors(path)
+    _check_model_matches(path, saved, model_sd)
     if "progress.step" not in saved:
         raise CheckpointError(f"{path}: a model-only checkpoint cannot be resumed; use it as checkpoint.init_from")
     rng = {k: v for k, v in _rng_state().items() if f"rng.{k}" in saved}
@@ -123,9 +123,13 @@ def save_model_weights(path: Path, state_dict: dict[str, torch.Tensor]) -> None:
     _dcp(dcp.save, {"model": state_dict}, path)
 
 
-def _check_model_matches(path: Path, model_sd: dict[str, torch.Tensor]) -> None:
+def _saved_tensors(path: Path) -> dict:
+    """The checkpoint's DCP metadata: flattened key -> tensor metadata (size, dtype), without reading tensors."""
+    return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+
+
+def _check_model_matches(path: Path, saved: dict, model_sd: dict[str, torch.Tensor]) -> None:
     """Names and shapes of the checkpoint's `model.*` against the model: a CheckpointError before any read."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     prefix = "model."
     missing = sorted(k for k in model_sd if prefix + k not in saved)
     unexpected = sorted(k[len(prefix) :] for k in saved if k.startswith(prefix) and k[len(prefix) :] not in model_sd)
@@ -146,6 +150,6 @@ def _check_model_matches(path: Path, model_sd: dict[str, torch.Tensor]) -> None:
 def load_model_weights(path: Path, model: nn.Module) -> None:
     """Load the `model.*` part of any checkpoint (model-only or full) into `model`, strictly by name."""
     model_sd = model.state_dict()
-    _check_model_matches(path, model_sd)
+    _check_model_matches(path, _saved_tensors(path), model_sd)
     _dcp(dcp.load, {"model": model_sd}, path)
     model.load_state_dict(model_sd, strict=True)
