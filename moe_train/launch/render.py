@@ -167,6 +167,7 @@ def _render(recipe: Recipe, *, title: str, directives: list[str], preflight: boo
         env=list(launch.env.items()),
         setup=list(launch.setup),
         gpus_per_node=launch.gpus_per_node,
+        entry_module=ENTRY_MODULE,
         srun_args=_srun_args(recipe, run_dirs),
         run_dirs=[str(d) for d in run_dirs],
         preflight=preflight,
