@@ -29,6 +29,7 @@ from moe_train.data.index_header import (
 )
 
 _CODE_OF_DTYPE = {np.dtype(name): code for code, (name, _) in DTYPE_CODES.items()}
+_SCAN_TOKENS = 1 << 24  # tokens per chunk of check_token_range: each chunk's pages serve its max and its min
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -107,7 +108,11 @@ class IndexedDataset:
         return self.sequence_starts[self.document_indices]
 
     def check_token_range(self, vocab_size: int) -> None:
-        """Raise DataError if any token id is negative or >= vocab_size (a numpy min/max over the memory map)."""
+        """Raise DataError if any token id is negative or >= vocab_size.
+
+        One pass of numpy max (and min, for signed dtypes) over the memory map in chunks, so a .bin larger than
+        memory is read from disk once, not once for the max and again for the min.
+        """
         if self.num_tokens == 0:
             return
         info = np.iinfo(self.dtype) if self.dtype.kind in "iu" else None
@@ -116,12 +121,16 @@ class IndexedDataset:
         # A dtype that cannot hold an out-of-range id needs no scan (e.g. uint16 tokens, vocab >= 65536).
         if info.min >= 0 and info.max < vocab_size:
             return
-        high = int(self.tokens.max())
+        high, low = 0, 0
+        for start in range(0, self.num_tokens, _SCAN_TOKENS):
+            chunk = self.tokens[start : start + _SCAN_TOKENS]
+            high = max(high, int(chunk.max()))
+            if info.min < 0:
+                low = min(low, int(chunk.min()))
         if high >= vocab_size:
             raise DataError(
                 f"{bin_path(self.prefix)}: token id {high} is beyond the vocabulary (model.vocab_size {vocab_size})"
             )
-        low = int(self.tokens.min()) if info.min < 0 else 0
         if low < 0:
             raise DataError(f"{bin_path(self.prefix)}: negative token id {low}")
 
