@@ -20,7 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from moe_train.config import Recipe, RecipeError, load_recipe, unsupported
-from moe_train.parallel.mesh import DENSE_DIMS, EXPERT_DIMS, MeshShape, format_coords
+from moe_train.parallel.mesh import MeshShape, build_meshes, coords_text, format_coords
 
 PREFIX = "moe-train entry"
 
@@ -97,18 +97,13 @@ def preflight(recipe: Recipe, env: LauncherEnv) -> int:
     import torch
     import torch.distributed as dist
 
-    from moe_train.parallel.mesh import build_meshes
-
     start = time.monotonic()
     backend = _init_process_group(recipe, env)
     try:
         shape = MeshShape.from_recipe(recipe)
         meshes = build_meshes(shape, recipe.launch.device)
         expected = format_coords(shape, env.rank)
-        dense = dict(zip(DENSE_DIMS, meshes.dense.get_coordinate(), strict=True))
-        expert = dict(zip(EXPERT_DIMS, meshes.expert.get_coordinate(), strict=True))
-        actual = (" ".join(f"{n} {dense[n]}" for n in DENSE_DIMS) + " | "
-                  + " ".join(f"{n} {expert[n]}" for n in EXPERT_DIMS[1:]))
+        actual = coords_text(meshes.dense.get_coordinate(), meshes.expert.get_coordinate())
         if actual != expected:
             _say(env, f"mesh coordinates {actual} differ from the layout's {expected}", stream=sys.stderr)
             return 1

@@ -11,6 +11,7 @@ The layout math (`MeshShape`) is torch-free, so login-node tools can print the s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -80,10 +81,15 @@ def _unravel(rank: int, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def format_coords(shape: MeshShape, rank: int) -> str:
-    """`pp 0 dp 1 cp 0 tp 0 | edp 1 ep 0 etp 0`: a rank's place in both meshes."""
-    dense = " ".join(f"{n} {c}" for n, c in zip(DENSE_DIMS, shape.dense_coords(rank), strict=True))
-    expert = " ".join(f"{n} {c}" for n, c in zip(EXPERT_DIMS[1:], shape.expert_coords(rank)[1:], strict=True))
-    return f"{dense} | {expert}"
+    """`pp 0 dp 1 cp 0 tp 0 | edp 1 ep 0 etp 0`: a rank's place in both meshes, as the layout computes it."""
+    return coords_text(shape.dense_coords(rank), shape.expert_coords(rank))
+
+
+def coords_text(dense: Sequence[int], expert: Sequence[int]) -> str:
+    """Coordinates in the dense and expert meshes as `format_coords` writes them (expert pp, the same, left out)."""
+    dense_part = " ".join(f"{n} {c}" for n, c in zip(DENSE_DIMS, dense, strict=True))
+    expert_part = " ".join(f"{n} {c}" for n, c in zip(EXPERT_DIMS[1:], expert[1:], strict=True))
+    return f"{dense_part} | {expert_part}"
 
 
 @dataclass(frozen=True)
