@@ -1,7 +1,7 @@
 """The trainer's runtime failure: exit code 1, naming the rank and the reason.
 
 Bad input (an invalid recipe, missing data, a checkpoint that cannot be resumed) is reported by the modules
-that detect it (RecipeError, DataError, CheckpointError) and exits 2 instead: see `exit_code`.
+that detect it (RecipeError, DataError, CheckpointError) and exits 2 instead: see `moe_train.train.input_errors`.
 """
 
 from __future__ import annotations
