@@ -163,13 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     env = LauncherEnv()
     try:
         recipe = load_recipe(args.recipe)
+        # A feature the trainer refuses is invalid input too: exit 2 here, before a launcher mismatch (exit 1).
+        invalid = [] if args.preflight else unsupported(recipe)
     except RecipeError as error:
-        for line in error.problems:
-            print(f"error: {line}", file=sys.stderr, flush=True)
-        return 2
-    refused = [] if args.preflight else unsupported(recipe)
-    if refused:  # invalid input first (exit 2): the trainer would otherwise accept and ignore these
-        for line in refused:
+        invalid = error.problems
+    if invalid:
+        for line in invalid:
             print(f"error: {line}", file=sys.stderr, flush=True)
         return 2
     problems = launcher_problems(recipe, env)
