@@ -55,11 +55,7 @@ class SlurmCluster:
 
     def job_state(self, job_id: str) -> str:
         """The state of a job as scontrol reports it (PENDING, RUNNING, COMPLETED, FAILED, ...)."""
-        out = self.run("scontrol", "show", "job", "-o", job_id, check=False).stdout
-        for item in out.split():
-            if item.startswith("JobState="):
-                return item.split("=", 1)[1]
-        return "UNKNOWN"
+        return self.job_field(job_id, "JobState") or "UNKNOWN"
 
     def job_field(self, job_id: str, name: str) -> str | None:
         out = self.run("scontrol", "show", "job", "-o", job_id, check=False).stdout
