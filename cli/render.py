@@ -9,9 +9,10 @@ from typing import Annotated
 
 import typer
 
-from moe_train.launch.render import DEFAULT_RDZV_PORT, render_sbatch, render_torchrun
-from moe_train.launch.rundir import PREFLIGHT_SCRIPT_FILE, SCRIPT_FILE, prepare_run_dir, write_atomic
+from moe_train.launch.render import DEFAULT_RDZV_PORT, render_torchrun
+from moe_train.launch.rundir import prepare_run_dir, write_atomic
 from moe_train.launch.shell import LaunchError
+from moe_train.launch.submit import write_job
 
 from .common import RecipeArgument, SetOption, fail, load_or_exit
 
@@ -52,12 +53,11 @@ def render(
     """
     loaded = load_or_exit(recipe, set)
     try:
-        run_dir = prepare_run_dir(loaded)
         if target is Target.torchrun:
-            text = render_torchrun(loaded, run_dir, host=rdzv_host, port=rdzv_port, preflight=preflight)
+            text = render_torchrun(loaded, prepare_run_dir(loaded), host=rdzv_host, port=rdzv_port,
+                                   preflight=preflight)
         else:
-            text = render_sbatch(loaded, run_dir, preflight=preflight)
-            write_atomic(run_dir / (PREFLIGHT_SCRIPT_FILE if preflight else SCRIPT_FILE), text)
+            _, _, text = write_job(loaded, preflight=preflight)
     except LaunchError as error:
         fail(error.problems)
     if target is Target.torchrun and loaded.launch.nodes > 1 and rdzv_host == "localhost":

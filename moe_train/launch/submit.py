@@ -69,6 +69,17 @@ def record_submission(run_dir: Path, job_id: str, kind: str, script: Path) -> No
     write_atomic(path, previous + line + "\n")
 
 
+def write_job(recipe: Recipe, *, preflight: bool = False) -> tuple[Path, Path, str]:
+    """Prepare the run folder and write its batch script (job.sbatch, or preflight.sbatch) into it: what
+    `render --target slurm` leaves behind and `submit` then sbatches. Returns (run_dir, script, script text)."""
+    run_dir = prepare_run_dir(recipe)
+    text = render_sbatch(recipe, run_dir, preflight=preflight)
+    script = run_dir / (PREFLIGHT_SCRIPT_FILE if preflight else SCRIPT_FILE)
+    write_atomic(script, text)
+    script.chmod(0o755)
+    return run_dir, script, text
+
+
 def submit(recipe: Recipe, *, preflight: bool = False, dry_run: bool = False) -> Submission:
     """Write the run folder and its batch script and sbatch it; `dry_run` renders only and writes nothing.
 
@@ -77,16 +88,12 @@ def submit(recipe: Recipe, *, preflight: bool = False, dry_run: bool = False) ->
     problems = submittable_problems(recipe, preflight=preflight)
     if problems:
         raise LaunchError(problems)
-    name = PREFLIGHT_SCRIPT_FILE if preflight else SCRIPT_FILE
     if dry_run:
         run_dir = run_dir_path(recipe)
         check_reusable(recipe, run_dir)
-        return Submission(run_dir, run_dir / name, render_sbatch(recipe, run_dir, preflight=preflight), None, None)
-    run_dir = prepare_run_dir(recipe)
-    text = render_sbatch(recipe, run_dir, preflight=preflight)
-    script = run_dir / name
-    write_atomic(script, text)
-    script.chmod(0o755)
+        script = run_dir / (PREFLIGHT_SCRIPT_FILE if preflight else SCRIPT_FILE)
+        return Submission(run_dir, script, render_sbatch(recipe, run_dir, preflight=preflight), None, None)
+    run_dir, script, text = write_job(recipe, preflight=preflight)
     job_id = sbatch(script)
     record_submission(run_dir, job_id, "preflight" if preflight else "train", script)
     log = run_dir / LOGS_DIR / f"{'preflight' if preflight else 'slurm'}-{job_id}.out"
