@@ -316,6 +316,7 @@ class Trainer:
                 start_step=self.progress.step,
                 tensorboard=recipe.logging.tensorboard,
             )
+            logger.message(f"data: {self.datasets.description}")
             if self.started_from is not None:
                 logger.message(f"started from {self.started_from} at step {self.progress.step}")
         handlers = {}
