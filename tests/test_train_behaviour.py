@@ -191,7 +191,7 @@ def test_a_skipped_step_leaves_every_piece_of_state_unchanged(tmp_path: Path) ->
 
 
 def test_expert_bias_moves_against_the_measured_load_by_the_rate(tmp_path: Path) -> None:
-    """Loads counted here from the routers' own top-k (all micro-batches of the step); bias += rate * sign(mean - load)."""
+    """Loads counted here from the routers' top-k (every micro-batch of the step); bias += rate * sign(mean - load)."""
     rate = 0.01
     t = trainer("deepseek-v3-tiny", tmp_path, "train.steps=2", f"model.moe.router.bias_update_rate={rate}")
     loads: dict[int, torch.Tensor] = {}

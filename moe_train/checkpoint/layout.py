@@ -4,6 +4,11 @@ A checkpoint is written into `.tmp-step-NNNNNNN/`, renamed to `step-NNNNNNN/` wh
 named in `latest` (itself replaced atomically). A save killed at any point therefore leaves either the
 previous `latest` or a `.tmp-*` folder nobody reads; readers trust `latest` and nothing else, and a folder is
 complete only when DCP's `.metadata` (written last by DCP) is in it.
+
+Removing a checkpoint (pruning, or a step saved again) first renames it to `.tmp-removing-step-NNNNNNN/`, so a
+process killed halfway through deleting it never leaves a half-deleted `step-*` folder that still looks
+complete. A step saved again that `latest` names is unnamed first (`latest` moves to the newest earlier
+checkpoint), so no kill leaves `latest` naming a folder that is gone: a resume would then start over silently.
 """
 
 from __future__ import annotations
@@ -54,13 +59,43 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _complete_steps(ckpt_dir: Path) -> list[Path]:
+    """Every complete `step-*` folder, oldest first (the names sort by step)."""
+    return sorted(p for p in ckpt_dir.glob(f"{_PREFIX}*") if p.is_dir() and is_complete(p))
+
+
+def _removal_dir(path: Path) -> Path:
+    return path.with_name(f"{_TMP_PREFIX}removing-{path.name}")
+
+
+def _finish_removals(ckpt_dir: Path) -> None:
+    """Delete what removals killed midway left behind (only rank 0 publishes and prunes, so none is running)."""
+    for leftover in ckpt_dir.glob(f"{_TMP_PREFIX}removing-{_PREFIX}*"):
+        shutil.rmtree(leftover)
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint folder: renamed out of the `step-*` names first, then deleted."""
+    doomed = _removal_dir(path)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed)
+
+
 def publish(tmp: Path, *, step: int) -> Path:
     """Rename a finished `.tmp-` folder to its final name, then point `latest` at it."""
-    final = tmp.parent / step_dir_name(step)
+    ckpt_dir = tmp.parent
+    final = ckpt_dir / step_dir_name(step)
+    _finish_removals(ckpt_dir)
     if final.exists():  # the same step saved again (a resumed run re-reaching it): the new one wins
-        shutil.rmtree(final)
+        if latest_checkpoint(ckpt_dir) == final:
+            earlier = [p for p in _complete_steps(ckpt_dir) if p.name < final.name]
+            if earlier:
+                _write_atomically(ckpt_dir / LATEST, earlier[-1].name + "\n")
+            else:
+                (ckpt_dir / LATEST).unlink()
+        _remove(final)
     os.replace(tmp, final)
-    _write_atomically(tmp.parent / LATEST, final.name + "\n")
+    _write_atomically(ckpt_dir / LATEST, final.name + "\n")
     return final
 
 
@@ -68,9 +103,9 @@ def prune(ckpt_dir: Path, *, keep: int | None) -> list[Path]:
     """Delete all but the newest `keep` complete checkpoints (never the one `latest` names)."""
     if keep is None:
         return []
+    _finish_removals(ckpt_dir)
     latest = latest_checkpoint(ckpt_dir)
-    steps = sorted(p for p in ckpt_dir.glob(f"{_PREFIX}*") if p.is_dir() and is_complete(p))
-    removed = [p for p in steps[:-keep] if p != latest]
+    removed = [p for p in _complete_steps(ckpt_dir)[:-keep] if p != latest]
     for path in removed:
-        shutil.rmtree(path)
+        _remove(path)
     return removed

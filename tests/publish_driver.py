@@ -1,0 +1,43 @@
+"""Runs `layout.publish` (or `prune`) for tests/test_checkpoint_kill.py, pausing after every filesystem step.
+
+After each `os.replace` and `shutil.rmtree` the real call has completed; the driver prints one line naming it
+(`replace SRC DST` or `rmtree PATH`, base names) and waits for a line on stdin before going on. The test reads
+these lines and SIGKILLs this process at the point it wants, so what is left on disk is what a real kill leaves.
+The production code has no hook for this: the driver wraps the two standard-library calls in its own process.
+
+usage: python publish_driver.py publish CKPT_DIR STEP | prune CKPT_DIR KEEP
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from moe_train.checkpoint import layout
+
+
+def paused(name, real):
+    def call(*args, **kwargs):
+        result = real(*args, **kwargs)
+        print(name, *(Path(a).name for a in args[:2]), flush=True)
+        sys.stdin.readline()
+        return result
+
+    return call
+
+
+def main() -> None:
+    action, ckpt_dir, number = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+    os.replace = paused("replace", os.replace)
+    shutil.rmtree = paused("rmtree", shutil.rmtree)
+    if action == "publish":
+        layout.publish(layout.tmp_dir(ckpt_dir, number), step=number)
+    else:
+        layout.prune(ckpt_dir, keep=number)
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
