@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -29,6 +32,9 @@ class SubmitError(RuntimeError):
     """sbatch refused or failed (a runtime failure, exit code 1); the message is one line."""
 
 
+SBATCH_MISSING = "sbatch not found on PATH (submit from a SLURM login node, or use --dry-run)"
+
+
 @dataclass(frozen=True)
 class Submission:
     run_dir: Path
@@ -43,20 +49,32 @@ def submittable_problems(recipe: Recipe, *, preflight: bool) -> list[str]:
     return [] if preflight else unsupported(recipe)
 
 
+SBATCH_TIMEOUT_S = 120.0
+_JOB_ID = re.compile(r"\d+")
+
+
 def sbatch(script: Path) -> str:
-    """Run `sbatch --parsable` on a script; returns the job id. Raises SubmitError with sbatch's message."""
+    """Run `sbatch --parsable` on a script; returns the job id. Raises SubmitError with sbatch's message.
+
+    sbatch runs in its own session so that, when it hangs (a slurmctld that does not answer), it is killed
+    with everything it started and the error comes back after SBATCH_TIMEOUT_S, not never.
+    """
     if shutil.which("sbatch") is None:
-        raise SubmitError("sbatch not found on PATH (submit from a SLURM login node, or use --dry-run)")
+        raise SubmitError(SBATCH_MISSING)
+    process = subprocess.Popen(["sbatch", "--parsable", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
     try:
-        out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=120)
+        stdout, stderr = process.communicate(timeout=SBATCH_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        raise SubmitError("sbatch did not answer within 120 s") from None
-    if out.returncode != 0:
-        reason = " ".join(out.stderr.split()) or f"exit code {out.returncode}"
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise SubmitError(f"sbatch {script}: no answer within {SBATCH_TIMEOUT_S:g} s (is slurmctld up?)") from None
+    if process.returncode != 0:
+        reason = " ".join(stderr.split()) or f"exit code {process.returncode}"
         raise SubmitError(f"sbatch {script}: {reason}")
-    job_id = out.stdout.strip().split(";")[0]
-    if not job_id:
-        raise SubmitError(f"sbatch {script}: no job id in its output {out.stdout!r}")
+    job_id = stdout.strip().split(";")[0]
+    if not _JOB_ID.fullmatch(job_id):
+        raise SubmitError(f"sbatch {script}: no job id in its output {stdout.strip()[:200]!r}")
     return job_id
 
 
@@ -83,7 +101,8 @@ def write_job(recipe: Recipe, *, preflight: bool = False) -> tuple[Path, Path, s
 def submit(recipe: Recipe, *, preflight: bool = False, dry_run: bool = False) -> Submission:
     """Write the run folder and its batch script and sbatch it; `dry_run` renders only and writes nothing.
 
-    Raises LaunchError (invalid input, exit 2) or SubmitError (sbatch failed, exit 1).
+    Raises LaunchError (invalid input, exit 2) or SubmitError (sbatch missing, failing, silent or hanging: exit 1).
+    A failed submission records nothing in submissions.jsonl, and a run folder it created is removed again.
     """
     problems = submittable_problems(recipe, preflight=preflight)
     if problems:
@@ -93,8 +112,16 @@ def submit(recipe: Recipe, *, preflight: bool = False, dry_run: bool = False) ->
         check_reusable(recipe, run_dir)
         script = run_dir / (PREFLIGHT_SCRIPT_FILE if preflight else SCRIPT_FILE)
         return Submission(run_dir, script, render_sbatch(recipe, run_dir, preflight=preflight), None, None)
+    if shutil.which("sbatch") is None:  # before anything is written
+        raise SubmitError(SBATCH_MISSING)
+    fresh = not run_dir_path(recipe).exists()
     run_dir, script, text = write_job(recipe, preflight=preflight)
-    job_id = sbatch(script)
+    try:
+        job_id = sbatch(script)
+    except SubmitError:
+        if fresh:  # a failed first submission leaves no run folder behind: retrying starts from the same place
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     record_submission(run_dir, job_id, "preflight" if preflight else "train", script)
     log = run_dir / LOGS_DIR / f"{'preflight' if preflight else 'slurm'}-{job_id}.out"
     return Submission(run_dir, script, text, job_id, log)
