@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import run_bounded
 
 from moe_train.config import load_recipe
 from moe_train.entry import LauncherEnv, launcher_problems
@@ -38,7 +39,7 @@ def torchrun(recipe, run_dir: Path, *, nproc: int | None = None, preflight: bool
         argv[argv.index("--nproc-per-node") + 1] = str(nproc)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     start = time.monotonic()
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    result = run_bounded(argv, timeout=timeout, cwd=REPO, env=env)  # a hang kills torchrun and its ranks
     return result, time.monotonic() - start
 
 

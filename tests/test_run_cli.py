@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from cli_helpers import assert_bad_input, run_cli
+from processes import finish, run_bounded, start
 
 from moe_train.checkpoint.layout import latest_checkpoint
 
@@ -59,8 +60,7 @@ def test_run_two_data_parallel_ranks_match_one_across_a_resume(tmp_path: Path) -
     common = [sys.executable, "-m", "moe_train.cli.main", "run", "qwen3-moe-tiny", *sets(*SHRINK, "train.steps=4")]
     runs = ((one, []), (two, ["--nproc", "2", *sets("train.exit_at_step=2")]), (two, ["--nproc", "2"]))
     for run_dir, extra in runs:
-        done = subprocess.run([*common, *extra, *sets(f"run_dir={run_dir}")], capture_output=True, text=True,
-                              timeout=120)
+        done = run_bounded([*common, *extra, *sets(f"run_dir={run_dir}")], timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
     assert "complete at step 4/4: 2 steps" in done.stdout
     single, parallel = train_lines(one), train_lines(two)
@@ -74,16 +74,15 @@ def _stop_midway(tmp_path: Path, stop) -> tuple[subprocess.CompletedProcess, Pat
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "moe_train.cli.main", "run", "qwen3-tiny",
             *sets(*SHRINK, "train.steps=1000", "train.warmup_steps=10", f"run_dir={run_dir}")]
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = start(argv)
     try:
         deadline = time.monotonic() + 90
         while len(train_lines(run_dir)) < 2 and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         stop(process, run_dir)
-        out, err = process.communicate(timeout=60)
     finally:
-        process.kill()
-    return subprocess.CompletedProcess(argv, process.returncode, out, err), run_dir
+        done = finish(process, timeout=60)
+    return done, run_dir
 
 
 def _check_clean_stop(done: subprocess.CompletedProcess, run_dir: Path, reason: str) -> None:

@@ -1,0 +1,62 @@
+"""Two gloo ranks through `moe-train run --nproc 2`: SIGTERM sent to rank 1's process only stops both ranks at
+the same step boundary, with one two-rank checkpoint of that step (the notice file is shared by all ranks, so a
+signal is the only stop that reaches one rank alone)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from processes import descendants, finish, start
+
+from moe_train.checkpoint.layout import latest_checkpoint
+
+SHRINK = ["model.num_layers=2", "train.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=2",
+          "train.warmup_steps=1", "train.precision=fp32", "logging.interval=1", "train.eval_interval=null",
+          "train.steps=1000", "checkpoint.interval=null"]
+
+
+def train_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [r["step"] for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+def rank_process(launcher: int, rank: int) -> int | None:
+    """The pid of the training process of `rank` (torchrun sets RANK in its workers' environment)."""
+    for pid in descendants(launcher):
+        with contextlib.suppress(OSError):
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if f"RANK={rank}".encode() in environ and b"LOCAL_RANK=" + str(rank).encode() in environ:
+                return pid
+    return None
+
+
+def test_sigterm_to_one_rank_stops_both_ranks_at_the_same_step(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    sets = [arg for value in [*SHRINK, f"run_dir={run_dir}"] for arg in ("--set", value)]
+    process = start([sys.executable, "-m", "moe_train.cli.main", "run", "qwen3-tiny", "--nproc", "2", *sets])
+    try:
+        deadline = time.monotonic() + 90
+        while len(train_steps(run_dir)) < 2 and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        target = rank_process(process.pid, 1)
+        assert target is not None and process.poll() is None, "rank 1 is not running"
+        os.kill(target, signal.SIGTERM)
+    finally:
+        done = finish(process, timeout=90)
+    assert done.returncode == 0, done.stderr[-3000:]
+    stopped = train_steps(run_dir)[-1]
+    assert 2 <= stopped < 1000
+    # Rank 0 (which logs) never got a signal: it stopped because rank 1 asked, at the same boundary.
+    assert f"stopping at step {stopped}: a stop requested on another rank" in done.stdout
+    assert f"preempted at step {stopped}/1000" in done.stdout
+    assert latest_checkpoint(run_dir / "checkpoints") == run_dir / "checkpoints" / f"step-{stopped:07d}"
+    shards = sorted(p.name for p in latest_checkpoint(run_dir / "checkpoints").glob("*.distcp"))
+    assert len(shards) == 2  # both ranks wrote their part of the same step
+    assert not (run_dir / "COMPLETE").exists()
