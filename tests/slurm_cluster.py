@@ -4,7 +4,8 @@ Why real daemons: the batch scripts we render depend on sbatch parsing #SBATCH l
 batch shell, `scontrol requeue` and job arrays; stand-ins would only test our assumptions about them. The
 daemons are started by PID and stopped by PID (no systemd here, and other engineers share the machine), on
 ports picked free at start so a second cluster on the same host does not collide. Where the cluster cannot
-start (not root, packages missing) the fixture skips with the reason; it never passes silently.
+start (not root, packages missing) the fixture skips with the reason; it never passes silently, and where
+MOE_TRAIN_REQUIRE_SLURM=1 (.ci/run on a machine that can run it) it fails instead of skipping.
 
 Import `slurm_cluster` from a test module (it is a session-scoped pytest fixture).
 """
@@ -24,6 +25,8 @@ from pathlib import Path
 import pytest
 
 BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sinfo", "scancel")
+# Set by .ci/run where a cluster can run (root, apt-get): there a skip would hide the tests, so it fails instead.
+REQUIRE_ENV = "MOE_TRAIN_REQUIRE_SLURM"
 INSTALL_HINT = (
     "apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "
     "slurmctld slurmd slurm-client munge"
@@ -215,6 +218,8 @@ def _wait_for(predicate, timeout: float, what: str, cluster: SlurmCluster, root:
 def slurm_cluster(tmp_path_factory):
     """A running one-node cluster for the whole session, stopped by PID at the end."""
     reason = _skip_reason()
+    if reason and os.environ.get(REQUIRE_ENV) == "1":
+        pytest.fail(f"{REQUIRE_ENV}=1 (set by .ci/run on a machine that can run SLURM) but {reason}")
     if reason:
         pytest.skip(reason)
     cluster = start_cluster(tmp_path_factory.mktemp("slurm"))

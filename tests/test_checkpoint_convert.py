@@ -8,14 +8,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from pathlib import Path  # noqa: E402
 
-import pytest  # noqa: E402
 import torch  # noqa: E402
+import transformers  # noqa: E402  (the test extra installs it: a missing one is an error, never a silent skip)
 from cli_helpers import assert_bad_input, run_cli  # noqa: E402
 
 from moe_train.config import load_recipe  # noqa: E402
 from moe_train.train.loop import Trainer  # noqa: E402
-
-transformers = pytest.importorskip("transformers", reason="convert needs transformers (extra 'test')")
 
 
 def tiny_hf_moe(path: Path) -> torch.nn.Module:

@@ -17,8 +17,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-
-transformers = pytest.importorskip("transformers", reason="the HF comparison needs transformers (extra 'test')")
+import transformers  # the test extra installs it: a missing one is an error, never a silent skip
 
 from moe_train.checkpoint.hf import HFConversionError, export_hf, import_hf  # noqa: E402
 from moe_train.config.schema import ModelConfig  # noqa: E402
