@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SYMBOLS = "EtmL"
+# No real layout comes near this (DeepSeek-V3: 61 layers in 32 stages); a typo such as t*99999999999 must be a
+# one-line error, not a MemoryError.
+MAX_EXPANDED = 100_000
 
 
 class LayoutError(ValueError):
@@ -49,7 +52,10 @@ def _expand(text: str, position: int, depth: int) -> tuple[str, int]:
                 end += 1
             if end == position + 1:
                 raise LayoutError(f"'*' at character {position + 1} needs a count")
-            piece *= int(text[position + 1 : end])
+            count = int(text[position + 1 : end])
+            if len(piece) * count > MAX_EXPANDED:
+                raise LayoutError(f"'*{count}' at character {position + 1} repeats past {MAX_EXPANDED:,} symbols")
+            piece *= count
             position = end
         out.append(piece)
     if depth > 0:
