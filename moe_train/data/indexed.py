@@ -160,17 +160,16 @@ class IndexedDatasetWriter:
     def append(self, tokens: np.ndarray | list[int]) -> None:
         """Add tokens to the current document (a long document can arrive in pieces)."""
         values = np.asarray(tokens)
+        length = self._open_length + values.size
+        if length > np.iinfo(np.int32).max:  # checked before writing: no gigabytes written to be thrown away
+            raise DataError(f"{self.prefix}: a document of {length} tokens is beyond the format's int32 length")
         if values.size and (values.min() < 0 or values.max() > np.iinfo(self.dtype).max):
             raise ValueError(f"token ids out of range for {self.dtype}")
         self._bin.write(values.astype(self.dtype, copy=False).tobytes())
-        self._open_length += values.size
+        self._open_length = length
         self.num_tokens += values.size
 
     def end_document(self) -> None:
-        if self._open_length > np.iinfo(np.int32).max:
-            raise DataError(
-                f"{self.prefix}: a document of {self._open_length} tokens is beyond the format's int32 length"
-            )
         self._lengths.append(self._open_length)
         self._open_length = 0
 
