@@ -67,8 +67,10 @@ def step_folders(ckpt_dir: Path) -> dict[str, bool]:
 
 def run_driver(*args: str, kill_at: str | None) -> list[str]:
     """Run the driver, answering each pause until an event starting with `kill_at`; SIGKILL it there."""
+    # The driver imports the same moe_train as this test (a mutation run's copy included).
+    env = {**os.environ, "PYTHONPATH": str(Path(layout.__file__).parents[2])}
     process = subprocess.Popen([sys.executable, str(DRIVER), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                               text=True, start_new_session=True)
+                               text=True, start_new_session=True, env=env)
     watchdog = threading.Timer(60, os.killpg, (process.pid, signal.SIGKILL))
     watchdog.start()
     events: list[str] = []

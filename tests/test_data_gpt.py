@@ -212,6 +212,9 @@ def test_builtin_concurrent_builders_agree(tmp_path):
     assert IndexedDataset(prefixes[0]).num_tokens > 1_000_000
     leftovers = [n for n in os.listdir(tmp_path / "builtin") if n.startswith(".building")]
     assert leftovers == []
+    serial = builtin_prefix(str(tmp_path / "serial"), 2_000_000)  # one builder alone: the same bytes
+    for suffix in (".bin", ".idx"):
+        assert Path(prefixes[0] + suffix).read_bytes() == Path(serial + suffix).read_bytes(), suffix
 
 
 def test_builtin_recipe_end_to_end(tmp_path):

@@ -147,10 +147,14 @@ def test_bf16_autocast_keeps_fp32_master_weights(tmp_path: Path) -> None:
 
 def test_gradient_accumulation_matches_one_big_micro_batch(tmp_path: Path) -> None:
     """4 micro-batches of 1 accumulate to the same step as 1 micro-batch of 4: CE is averaged over all tokens."""
-    steps = {}
+    steps, models = {}, {}
     for mbs in (1, 4):
         t = trainer("qwen3-tiny", tmp_path / str(mbs), "train.steps=2", f"train.micro_batch_size={mbs}")
         steps[mbs] = (t.train_step(1), t.train_step(2))
+        models[mbs] = t.model.state_dict()
     for small, big in zip(steps[1], steps[4], strict=True):
         assert small.loss == pytest.approx(big.loss, rel=1e-6)
         assert small.grad_norm == pytest.approx(big.grad_norm, rel=1e-4)
+    # And the parameters after both updates (lr 3e-3: a wrong accumulation moves weights by ~lr; fp32 order ~1e-5).
+    for name, value in models[1].items():
+        torch.testing.assert_close(value, models[4][name], rtol=0, atol=1e-4, msg=name)
