@@ -82,7 +82,8 @@ def test_resolved_recipe_is_frozen_and_round_trips(tmp_path):
 # Published counts (model cards on huggingface.co): deepseek-ai/DeepSeek-V3 "671B total parameters with 37B
 # activated" (the 14B MTP module not included); Qwen/Qwen3-235B-A22B "235B in total and 22B activated";
 # Qwen/Qwen3-30B-A3B "30.5B in total and 3.3B activated"; Qwen/Qwen3-8B "8.2B"; Qwen/Qwen3-0.6B "0.6B". The cards
-# round to the figures in quotes; the finer figures below are the tensors' sums and hold to 0.2%.
+# round to the figures in quotes (DeepSeek's "37B" is 37.5B counted exactly); the finer figures below pin the
+# exact counts of the published configs to 0.2%, and agree with the cards to their rounding.
 @pytest.mark.parametrize(
     ("name", "total", "active"),
     [
