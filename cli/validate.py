@@ -5,7 +5,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from moe_train.config import HARDWARE, Recipe, unsupported
+from moe_train.config import Recipe, unsupported
+from moe_train.config.hardware import hardware_table
 from moe_train.plan.params import count_parameters
 
 from .common import RecipeArgument, SetOption, load_or_exit
@@ -41,7 +42,7 @@ def summary_table(recipe: Recipe) -> Table:
     if p.recompute.granularity != "none":
         extras.append(f"{p.recompute.granularity} recompute ({', '.join(p.recompute.modules)})")
     table.add_row("layout", layout + (f"; {', '.join(extras)}" if extras else ""))
-    hardware = HARDWARE[launch.gpu]
+    hardware = hardware_table()[launch.gpu]
     table.add_row(
         "world size", f"{recipe.world_size} = {launch.nodes} node(s) x {launch.gpus_per_node} ({hardware.name})"
     )

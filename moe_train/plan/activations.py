@@ -291,10 +291,30 @@ def layer_activation_bytes(
 ) -> float:
     """Bytes one layer keeps for backward under a selective (or no) policy; full recompute is per chunk
     (see `chunk_activation_bytes`)."""
-    items = layer_items(cfg, lay, layer_index=layer_index)
+    return _kind_bytes(cfg, lay, cfg.is_moe_layer(layer_index), policy)
+
+
+_KIND_CACHE: dict[tuple, tuple[ModelConfig, float]] = {}
+
+
+def _kind_bytes(cfg: ModelConfig, lay: ActivationLayout, moe_layer: bool, policy: RecomputePolicy) -> float:
+    """Layers of one kind (dense or MoE) save the same: computed once per kind (`plan --search` asks often).
+
+    Keyed by the model section's identity (hashing a pydantic model costs more than the formula); the entry
+    keeps the section alive so that its id cannot be reused by another."""
+    key = (id(cfg), lay, moe_layer, policy)
+    hit = _KIND_CACHE.get(key)
+    if hit is not None and hit[0] is cfg:
+        return hit[1]
+    index = cfg.first_k_dense if moe_layer else 0
+    items = layer_items(cfg, lay, layer_index=index)
     if policy.granularity == "selective":
         items = apply_selective(items, policy.modules, cfg, lay)
-    return sum(i.bytes for i in items)
+    value = sum(i.bytes for i in items)
+    if len(_KIND_CACHE) > 8192:
+        _KIND_CACHE.clear()
+    _KIND_CACHE[key] = (cfg, value)
+    return value
 
 
 def layer_input_bytes(cfg: ModelConfig, lay: ActivationLayout) -> float:
@@ -302,27 +322,23 @@ def layer_input_bytes(cfg: ModelConfig, lay: ActivationLayout) -> float:
     return lay.act_bytes * lay.seq_tokens * cfg.hidden_size
 
 
-def chunk_activation_bytes(
-    cfg: ModelConfig, lay: ActivationLayout, layer_indices: list[int], policy: RecomputePolicy
-) -> tuple[float, float]:
-    """(bytes kept for backward by one micro-batch's forward of a model chunk, the transient extra while one
-    recomputed group runs its backward). Full/uniform: groups of num_layers keep only their input; full/block:
-    the first num_layers layers keep their input only, the rest keep everything."""
-    if not layer_indices:
+def chunk_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, chunk, policy: RecomputePolicy):
+    """(bytes kept for backward by one micro-batch's forward of a model chunk (`layout.Chunk`), the transient
+    extra while one recomputed group runs its backward). Full/uniform: groups of num_layers keep only their
+    input; full/block: the first num_layers layers keep their input only, the rest keep everything."""
+    layers = chunk.layers
+    if not layers:
         return 0.0, 0.0
+    counts = {True: chunk.moe_layers, False: len(layers) - chunk.moe_layers}
     if policy.granularity != "full":
-        return sum(layer_activation_bytes(cfg, lay, layer_index=i, policy=policy) for i in layer_indices), 0.0
-    full = {i: layer_activation_bytes(cfg, lay, layer_index=i) for i in layer_indices}
+        return sum(_kind_bytes(cfg, lay, moe, policy) * n for moe, n in counts.items() if n), 0.0
+    kinds = {moe: _kind_bytes(cfg, lay, moe, RecomputePolicy()) for moe, n in counts.items() if n}
+    full = [kinds[cfg.is_moe_layer(i)] for i in layers]
     n = policy.num_layers
     if policy.method == "block":
-        recomputed = layer_indices[:n]
-        kept = sum(layer_input_bytes(cfg, lay) for _ in recomputed) + sum(full[i] for i in layer_indices[n:])
-        transient = max(full[i] for i in recomputed)
-        return kept, transient
-    groups = [layer_indices[g : g + n] for g in range(0, len(layer_indices), n)]
-    kept = len(groups) * layer_input_bytes(cfg, lay)
-    transient = max(sum(full[i] for i in group) for group in groups)
-    return kept, transient
+        return n * layer_input_bytes(cfg, lay) + sum(full[n:]), max(full[:n])
+    groups = [full[g : g + n] for g in range(0, len(full), n)]
+    return len(groups) * layer_input_bytes(cfg, lay), max(sum(group) for group in groups)
 
 
 def head_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, *, vocab_parallel: bool) -> float:

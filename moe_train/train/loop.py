@@ -41,8 +41,8 @@ from moe_train.launch.rundir import COMPLETE_FILE, PREEMPT_FILE
 from moe_train.models import build_model
 from moe_train.models.decoder import DecoderBlock
 from moe_train.models.moe import MoELayer, update_expert_bias
-from moe_train.train.errors import TrainingError
 from moe_train.plan.flops import training_flops_per_token
+from moe_train.train.errors import TrainingError
 from moe_train.train.metrics import MetricsLogger, eval_record, expert_balance, train_record
 from moe_train.train.optimizer import build_optimizer, set_lr
 from moe_train.train.peak import peak_flops
