@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import sys
+
 from rich.console import Console
 from rich.table import Table
 
 from moe_train.config import Recipe, unsupported
 from moe_train.config.hardware import hardware_table
+from moe_train.plan.fit import check_fit
 from moe_train.plan.params import count_parameters
 
-from .common import RecipeArgument, SetOption, load_or_exit
+from .common import RecipeArgument, SetOption, fail, load_or_exit
 
 
 def format_count(count: int) -> str:
@@ -72,4 +75,10 @@ def validate(recipe: RecipeArgument, set: SetOption = None) -> None:
 
         moe-train validate qwen3-30b-a3b --set parallel.ep=16 --set launch.nodes=8
     """
-    Console().print(summary_table(load_or_exit(recipe, set)))
+    loaded = load_or_exit(recipe, set)
+    Console().print(summary_table(loaded))
+    fit = check_fit(loaded)
+    if fit.warning:
+        print(f"warning: {fit.warning}", file=sys.stderr)
+    if fit.error:
+        fail([fit.error])
