@@ -74,8 +74,8 @@ def _table(plan: Plan) -> Table:
                       f"total {mem['total'] / GB:.1f} GB")
     t = data["time_s"]
     table.add_row("step time", f"{t['step']:.2f} s = compute {t['compute']:.2f} + memory-bound {t['elementwise']:.2f} "
-                               f"+ exposed comm {t['comm_exposed']:.2f} + bubble {t['bubble']:.2f} + optimizer "
-                               f"{t['optimizer']:.2f}")
+                               f"+ exposed comm {t['comm_exposed']:.2f} + MoE syncs {t['moe_sync']:.2f} + bubble "
+                               f"{t['bubble']:.2f} + optimizer {t['optimizer']:.2f}")
     table.add_row("throughput", f"{data['tokens_per_s']:,.0f} tokens/s, {data['tflops_per_gpu']:.0f} TFLOP/s per GPU, "
                                 f"MFU {data['mfu']:.1%}")
     share = data["flops"]["recompute"] / data["flops"]["total"]

@@ -1,7 +1,7 @@
 """Every assumption of the planner, named, with its default and why (docs/plan.md discusses each).
 
-`plan --set-assumption NAME=VALUE` is not offered on purpose: the defaults are what docs/plan.md calibrates
-against published throughput; the Python API (`estimate(recipe, assumptions=Assumptions(...))`) takes others.
+`moe-train plan --assume NAME=VALUE` changes one; the Python API takes `estimate(recipe, hardware,
+Assumptions(...))`. The defaults are what docs/plan.md compares with published throughput.
 """
 
 from __future__ import annotations
@@ -14,17 +14,20 @@ class Assumptions:
     # ---- compute: achieved fraction of the data-sheet dense peak
     gemm_efficiency: float = 0.70
     """Large dense GEMMs (projections, dense MLPs, the head) in bf16 reach ~70% of peak on H100/B200."""
-    grouped_gemm_efficiency: float = 0.55
-    """Grouped expert GEMMs: ragged, often skinny (ffn 768-2048) matrices run well below dense GEMMs."""
-    attention_efficiency: float = 0.50
-    """Flash attention forward+backward; backward is the slower half (~50% of peak)."""
+    grouped_gemm_efficiency: float = 0.45
+    """Grouped expert GEMMs: ragged, skinny (ffn 768-2048) matrices run well below dense GEMMs. Calibrated
+    (docs/plan.md) on the published Qwen3-30B-A3B runs."""
+    attention_efficiency: float = 0.40
+    """Flash attention forward+backward at head dims 128-192; backward is the slower half."""
     fp8_gemm_speedup: float = 1.5
     """train.precision fp8: GEMMs run this much faster than bf16 (not the data-sheet 2x: quantisation, scaling
     and bf16 attention/elementwise remain)."""
     # ---- memory-bound work
-    elementwise_traffic_per_saved_byte: float = 6.0
+    elementwise_traffic_per_saved_byte: float = 14.0
     """Norms, SwiGLU, rotary, softmax, permutation and residual adds are memory-bound: each byte a layer saves
-    for backward stands for about this many bytes of HBM traffic over its forward and backward."""
+    for backward stands for about this many bytes of HBM traffic over its forward and backward (written and
+    read once, its gradient written and read, the fp32 copies and permutations around it). Calibrated
+    (docs/plan.md) on the published Qwen3-30B-A3B runs."""
     optimizer_bytes_per_param: float = 32.0
     """AdamW step per local (sharded) parameter: read/write fp32 master, m and v, read the fp32 gradient."""
     # ---- communication
@@ -34,8 +37,9 @@ class Assumptions:
     """Achieved fraction of the per-GPU network bandwidth (InfiniBand/RoCE) across nodes."""
     tp_overlap: float = 0.0
     """TP/SP collectives sit on the critical path (no comm-GEMM overlap assumed)."""
-    ep_overlap: float = 0.3
-    """Part of the MoE all-to-all hidden behind other micro-batches' compute or the shared expert."""
+    ep_overlap: float = 0.0
+    """Part of the MoE all-to-all hidden behind compute. Our dispatcher runs in line with the layer (0);
+    Megatron-Core overlaps it with another micro-batch's compute when asked (1F1B all-to-all overlap)."""
     dp_overlap: float = 0.9
     """FSDP all-gathers and reduce-scatters are prefetched and overlap compute except at the step's edges."""
     pp_overlap: float = 1.0
@@ -50,10 +54,19 @@ class Assumptions:
     fsdp_prefetch_units: int = 2
     """Unsharded layers' parameters live at once under FSDP2 (the current one and the prefetched next)."""
     fsdp_reduce_every_micro_batch: bool = True
-    """FSDP2 reduce-scatters gradients after each micro-batch's backward (torchtitan's default), so gradients
-    stay sharded; False: once per step, holding unsharded fp32 gradients between micro-batches."""
+    """Without pipelining: FSDP2's default, gradients reduce-scattered after every micro-batch's backward
+    (sharded gradients, micro-batches times the gradient traffic). False: accumulated unsharded in fp32 and
+    reduced once per step (`set_requires_gradient_sync(False)` until the last micro-batch)."""
     fsdp_reshard_after_forward: bool = True
-    """FSDP2 frees unsharded parameters after forward and all-gathers them again in backward."""
+    """Without pipelining, FSDP2 frees unsharded parameters after forward and all-gathers them again in
+    backward."""
+    fsdp_once_per_step: bool = False
+    """Gather parameters and reduce gradients once per step: a rank keeps its unsharded parameters and fp32
+    gradients over the step's micro-batches (Megatron-Core's distributed optimizer moves this little). With
+    pp > 1 this is what torch.distributed.pipelining's schedules do to FSDP2 modules whatever this says."""
+    moe_sync_s: float = 0.5e-3
+    """Each MoE layer forward (and its recompute) waits for the token counts on the host (the all-to-all
+    split sizes, the grouped GEMM offsets): the GPU queue drains and refills. Seconds per layer forward."""
 
     def to_dict(self) -> dict:
         return asdict(self)

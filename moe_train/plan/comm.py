@@ -16,7 +16,7 @@ and send as sent. Per micro-batch and layer (T tokens of the micro-batch, a byte
   over ep*etp instead.
 - dp / dp_cp and edp (FSDP2): all-gather of this rank's parameter shard in the parameter dtype for forward
   (and again for backward when resharding after forward), reduce-scatter of the full fp32 gradient, each
-  micro-batch (or once per step: Assumptions).
+  micro-batch; under pipelining once per step (Assumptions).
 - pp: activations forward and their gradients backward, a*T*h (/tp under SP) per crossing of a stage boundary.
 A forward repeated by recompute (full, or selective `moe`) repeats that forward's collectives.
 """
@@ -98,12 +98,15 @@ class CommCounter:
                 out.add(group, "reduce_scatter", act * routed * h * n, n, mb * moe_layers * (moe_forwards + 1))
 
         # FSDP2 over dp (dp_cp) for dense parameters and edp for experts
-        gathers = 2 if a.fsdp_reshard_after_forward else 1
-        reduces = mb if a.fsdp_reduce_every_micro_batch else 1
+        if layout.pp > 1 or a.fsdp_once_per_step:
+            gathers, reduces = 1, 1
+        else:
+            gathers = mb * (2 if a.fsdp_reshard_after_forward else 1)
+            reduces = mb if a.fsdp_reduce_every_micro_batch else 1
         dense_group = "dp_cp" if layout.cp > 1 else "dp"
         for group, count, size in ((dense_group, params.dense, layout.dp * layout.cp),
                                    ("edp", params.experts, layout.edp)):
-            out.add(group, "all_gather", param_bytes * count / size, size, mb * gathers)
+            out.add(group, "all_gather", param_bytes * count / size, size, gathers)
             out.add(group, "reduce_scatter", 4 * count, size, reduces)
 
         # pipeline: forward activations out of every chunk but the model's last, gradients back out of every
@@ -116,12 +119,13 @@ class CommCounter:
 
 
 def comm_time(counter: CommCounter, layout: PlanLayout, hw: Hardware, a: Assumptions) -> dict[str, dict]:
-    """Seconds per key on its link (bus bytes over the achieved bandwidth), and the part not overlapped."""
+    """Seconds per key on its link (bus bytes over the achieved bandwidth), and the part that overlap could
+    hide behind compute (the caller caps the hidden total at the compute there is to hide behind)."""
     overlap = {"tp": a.tp_overlap, "ep": a.ep_overlap, "etp": a.ep_overlap, "ep_etp": a.ep_overlap,
                "dp": a.dp_overlap, "dp_cp": a.dp_overlap, "edp": a.dp_overlap, "pp": a.pp_overlap}
     nvlink = hw.nvlink_bytes_per_s * a.nvlink_efficiency
     network = hw.network_bytes_per_s * a.network_efficiency
-    total, exposed = {}, {}
+    total, hideable = {}, {}
     for key, bus in counter.bus.items():
         group, op = key.split("/")
         if not crosses_network(layout, group, nvlink_domain=hw.nvlink_domain):
@@ -135,5 +139,5 @@ def comm_time(counter: CommCounter, layout: PlanLayout, hw: Hardware, a: Assumpt
         else:
             seconds = bus / network  # ring/tree collectives run at the slowest hop's speed
         total[key] = seconds
-        exposed[key] = seconds * (1 - overlap.get(group, 0.0))
-    return {"total": total, "exposed": exposed}
+        hideable[key] = seconds * overlap.get(group, 0.0)
+    return {"total": total, "hideable": hideable}

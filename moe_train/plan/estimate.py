@@ -107,6 +107,7 @@ class RankPlan:
     flops_split: dict[str, float]
     comm: CommCounter
     elementwise_bytes: float
+    moe_sync: float  # seconds per step the host waits on MoE token counts
 
 
 @dataclass
@@ -256,9 +257,14 @@ def _plan_rank(recipe: Recipe, layout: PlanLayout, hw: Hardware, a: Assumptions,
         activations += chunk.mtp * mtp_activation_bytes(m, lay, layout.recompute) * count
     activations += other_activation_bytes(m, lay) * max(counts)
 
-    unit_grad = GRAD_BYTES * params.largest_unit
-    unsharded_grads = 0.0 if a.fsdp_reduce_every_micro_batch or layout.micro_batches == 1 else (
-        GRAD_BYTES * (params.dense + params.experts) - GRAD_BYTES * local)
+    stage = params.dense + params.experts
+    if (layout.pp > 1 or a.fsdp_once_per_step) and layout.micro_batches > 1:
+        # the stage stays unsharded (parameter dtype) and accumulates unreduced fp32 gradients all step
+        fsdp = param_bytes * stage + GRAD_BYTES * stage
+    else:
+        fsdp = a.fsdp_prefetch_units * param_bytes * params.largest_unit + GRAD_BYTES * params.largest_unit
+        if not a.fsdp_reduce_every_micro_batch and layout.micro_batches > 1:
+            fsdp += GRAD_BYTES * stage
     dispatch = 0.0
     if m.moe is not None and any(c.moe_layers for c in chunks):
         # permuted tokens and the received rows of one layer, live during its dispatch and combine
@@ -266,8 +272,7 @@ def _plan_rank(recipe: Recipe, layout: PlanLayout, hw: Hardware, a: Assumptions,
     loss_transient = 0.0
     if any(c.loss for c in chunks):
         loss_transient = (lay.act_bytes + 4) * lay.tokens * m.padded_vocab_size() / layout.tp
-    buffers = (a.runtime_reserve_bytes + a.fsdp_prefetch_units * param_bytes * params.largest_unit + unit_grad
-               + unsharded_grads + max(dispatch, loss_transient, transient))
+    buffers = a.runtime_reserve_bytes + fsdp + max(dispatch, loss_transient, transient)
     memory = {
         "weights": MASTER_BYTES * local,
         "grads": GRAD_BYTES * local,
@@ -283,7 +288,10 @@ def _plan_rank(recipe: Recipe, layout: PlanLayout, hw: Hardware, a: Assumptions,
     kinds = {moe: layer_activation_bytes(m, lay, layer_index=m.num_layers if moe else 0) for moe in (False, True)}
     saved = sum(kinds[True] * c.moe_layers + kinds[False] * (len(c.layers) - c.moe_layers) for c in chunks)
     elementwise = a.elementwise_traffic_per_saved_byte * saved * layout.micro_batches
-    return RankPlan(rank, params, memory, per_layer, flops, split, comm, elementwise)
+    moe_forwards = 2 if layout.recompute.granularity == "full" or "moe" in layout.recompute.modules else 1
+    moe_layers = sum(c.moe_layers + c.mtp * (m.moe is not None) for c in chunks)
+    moe_sync = a.moe_sync_s * moe_layers * moe_forwards * layout.micro_batches
+    return RankPlan(rank, params, memory, per_layer, flops, split, comm, elementwise, moe_sync)
 
 
 def _time(plan_rank: RankPlan, layout: PlanLayout, hw: Hardware, a: Assumptions, precision: str,
@@ -295,12 +303,14 @@ def _time(plan_rank: RankPlan, layout: PlanLayout, hw: Hardware, a: Assumptions,
                + split["attention"] / (hw.bf16_flops * a.attention_efficiency))
     elementwise = plan_rank.elementwise_bytes / hw.hbm_bytes_per_s
     comm = comm_time(plan_rank.comm, layout, hw, a)
-    exposed = sum(comm["exposed"].values())
-    busy = compute + elementwise + exposed
+    comm_total = sum(comm["total"].values())
+    # communication hides behind compute at most: the overlap fractions cannot hide more than there is
+    exposed = comm_total - min(sum(comm["hideable"].values()), compute + elementwise)
+    busy = compute + elementwise + exposed + plan_rank.moe_sync
     bubble = busy * (layout.pp - 1) / (layout.vpp * layout.micro_batches) if layout.pp > 1 else 0.0
     optimizer = a.optimizer_bytes_per_param * local_params / hw.hbm_bytes_per_s
-    return {"compute": compute, "elementwise": elementwise, "comm_exposed": exposed, "comm_total":
-            sum(comm["total"].values()), "bubble": bubble, "optimizer": optimizer,
+    return {"compute": compute, "elementwise": elementwise, "comm_exposed": exposed, "comm_total": comm_total,
+            "moe_sync": plan_rank.moe_sync, "bubble": bubble, "optimizer": optimizer,
             "step": busy + bubble + optimizer}
 
 
