@@ -276,3 +276,20 @@ def test_plan_never_imports_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[] True"
+
+
+def test_executed_flops_add_recompute_and_mla_padding_to_model_flops() -> None:
+    h100 = HARDWARE["h100"]
+    qwen = plan_json(estimate(load_recipe("qwen3-30b-a3b"), h100))
+    # no padding, no matmul recomputed (moe_act and layernorm are elementwise): the ranks' sum is the formula
+    assert qwen["executed_flops_per_step"] == pytest.approx(qwen["model_flops_per_step"], rel=1e-9)
+    full = plan_json(estimate(load_recipe("qwen3-30b-a3b", ["parallel.recompute.granularity=full"]), h100))
+    assert 0.2 < full["flops"]["recompute"] / full["flops"]["forward"] < 1.0
+    recipe = load_recipe("deepseek-v3", ["parallel.recompute.modules=[mlp]"])
+    ds = plan_json(estimate(recipe, HARDWARE["b200"]))
+    m = recipe.model
+    tokens = 2048 * 4096
+    dense_mlp = 2 * 3 * m.hidden_size * m.ffn_hidden_size * m.first_k_dense * tokens
+    padded_v = 2 * 4096 * m.num_attention_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim - m.v_head_dim)
+    padding = 3 * padded_v * (m.num_layers + m.mtp_layers) * tokens  # forward and backward
+    assert ds["executed_flops_per_step"] - ds["model_flops_per_step"] == pytest.approx(dense_mlp + padding, rel=1e-6)

@@ -24,7 +24,7 @@ Every item carries the region a recompute policy can drop and how it shards (see
 sequence parallelism follow Korthikanti et al. (2022): head- and ffn-sharded tensors divide by tp; the rest
 (norms, the inputs of column-parallel GEMMs) divide by tp only under sequence parallelism, where a GEMM
 after an all-gather keeps only its sequence shard (and all-gathers it again in backward). MoE layers route
-the tokens of the sequence region; each rank's experts see `top_k` rows per token at even routing (times
+a rank's share of the tokens (T / tp); each rank's experts see `top_k` rows per token at even routing (times
 `moe_imbalance` on the most loaded rank), all-gathered over etp, with the expert ffn sharded by etp.
 """
 
@@ -76,6 +76,12 @@ class ActivationLayout:
     def seq_tokens(self) -> float:
         """Tokens a rank holds in the sequence region (norms, residual stream): sharded only under SP."""
         return self.tokens / self.tp if self.sequence_parallel else self.tokens
+
+    @property
+    def moe_tokens(self) -> float:
+        """Tokens a rank routes: its sequence shard (Megatron-Core requires SP for MoE with tp > 1; without SP
+        the tp ranks split the tokens before dispatch)."""
+        return self.tokens / self.tp
 
 
 @dataclass
@@ -172,12 +178,12 @@ def _dense_mlp(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
 def expert_rows(cfg: ModelConfig, lay: ActivationLayout) -> float:
     """Rows this rank's grouped experts process for one micro-batch: top_k per routed token at even routing,
     all-gathered over etp, times the stated imbalance (the most loaded rank)."""
-    return lay.seq_tokens * cfg.moe.top_k * lay.etp * lay.moe_imbalance
+    return lay.moe_tokens * cfg.moe.top_k * lay.etp * lay.moe_imbalance
 
 
 def _moe(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
     moe, a, h = cfg.moe, lay.act_bytes, cfg.hidden_size
-    t = lay.seq_tokens  # MoE layers route the tokens of the sequence region
+    t = lay.moe_tokens
     e, k = moe.num_experts, moe.top_k
     router = moe.router
     items = [Saved("moe", "router.input_fp32", FP32 * t * h)]
@@ -279,7 +285,7 @@ def apply_selective(items: list[Saved], modules: tuple[str, ...], cfg: ModelConf
     moe_input = []
     if "moe" in modules and any(i.region == "moe" for i in out):
         drop |= {"moe", "moe_act", "shared_experts", "shared_experts_input"}
-        moe_input = [Saved("moe", "moe.input", a * lay.seq_tokens * h)]
+        moe_input = [Saved("moe", "moe.input", a * lay.moe_tokens * h)]
     out = [i for i in out if i.region not in drop] + moe_input
     if "layernorm" in modules:
         out = _layernorm_recomputed(out, lay, h)
