@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 from dataclasses import fields, replace
 from typing import Annotated
 
@@ -135,7 +136,7 @@ def plan(
     if as_json:
         print(json.dumps(plan_json(result)))
         return
-    Console().print(_table(result))
+    Console(width=None if sys.stdout.isatty() else 140).print(_table(result))
 
 
 def _search(recipe, hardware, assumptions: Assumptions, *, top: int, as_json: bool) -> None:
