@@ -293,3 +293,21 @@ def test_executed_flops_add_recompute_and_mla_padding_to_model_flops() -> None:
     padded_v = 2 * 4096 * m.num_attention_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim - m.v_head_dim)
     padding = 3 * padded_v * (m.num_layers + m.mtp_layers) * tokens  # forward and backward
     assert ds["executed_flops_per_step"] - ds["model_flops_per_step"] == pytest.approx(dense_mlp + padding, rel=1e-6)
+
+
+def test_full_recompute_keeps_each_group_input_and_rebuilds_one_group_at_a_time() -> None:
+    recipe = load_recipe("qwen3-30b-a3b", ["parallel.recompute.granularity=full",
+                                           "parallel.recompute.num_layers=4"])
+    plan = estimate(recipe, HARDWARE["h100"])
+    lay = ActivationLayout(micro_batch=1, seq_length=4096, act_bytes=2)
+    cfg = recipe.model
+    layer_input = 2 * 4096 * cfg.hidden_size
+    head = head_activation_bytes(cfg, lay, vocab_parallel=True)
+    kept = plan.worst.memory["activations"] - head - other_activation_bytes(cfg, lay)
+    assert kept == pytest.approx(48 / 4 * layer_input)  # pp 1: one micro-batch in flight
+    one_group = 4 * layer_activation_bytes(cfg, lay, layer_index=0)
+    block = estimate(load_recipe("qwen3-30b-a3b", ["parallel.recompute.granularity=full",
+                                                  "parallel.recompute.method=block",
+                                                  "parallel.recompute.num_layers=40"]), HARDWARE["h100"])
+    kept_block = block.worst.memory["activations"] - head - other_activation_bytes(cfg, lay)
+    assert kept_block == pytest.approx(40 * layer_input + one_group * 2)  # the last 8 layers keep everything
