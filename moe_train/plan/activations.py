@@ -262,33 +262,32 @@ def _layernorm_recomputed(items: list[Saved], lay: ActivationLayout, h: int) -> 
             *kept]
 
 
+# The regions each selective recompute module drops (a region absent from a layer drops nothing there).
+DROPPED_REGIONS = {
+    "core_attn": {"core_attn"},
+    "mla_up_proj": {"mla_up_proj"},
+    "mlp": {"mlp"},
+    "moe_act": {"moe_act"},
+    "shared_experts": {"shared_experts"},
+    "moe": {"moe", "moe_act", "shared_experts", "shared_experts_input"},
+    "layernorm": set(),  # `_layernorm_recomputed`
+}
+
+
 def apply_selective(items: list[Saved], modules: tuple[str, ...], cfg: ModelConfig, lay: ActivationLayout):
     """The items left when the `modules` of selective recompute run again in backward.
 
     core_attn: SDPA keeps its inputs only (its output and logsumexp go). mla_up_proj: q, k, v come back from the
-    kept latents. mlp / moe / shared_experts: the block keeps its input only. moe_act: the experts' activation
-    (silu and product) is recomputed from the kept gate/up output. layernorm: see `_layernorm_recomputed`.
+    kept latents. mlp / moe / shared_experts: the block keeps its input only (the shared expert's and the dense
+    MLP's input are already items; the MoE block's is added). moe_act: the experts' activation (silu and
+    product) is recomputed from the kept gate/up output. layernorm: see `_layernorm_recomputed`.
     """
-    a, h = lay.act_bytes, cfg.hidden_size
-    out = list(items)
-    drop: set[str] = set()
-    if "core_attn" in modules:
-        drop.add("core_attn")
-    if "mla_up_proj" in modules and cfg.family == "deepseek_v3":
-        drop.add("mla_up_proj")
-    if "mlp" in modules:
-        drop.add("mlp")
-    if "moe_act" in modules:
-        drop.add("moe_act")
-    if "shared_experts" in modules:
-        drop.add("shared_experts")
-    moe_input = []
-    if "moe" in modules and any(i.region == "moe" for i in out):
-        drop |= {"moe", "moe_act", "shared_experts", "shared_experts_input"}
-        moe_input = [Saved("moe", "moe.input", a * lay.moe_tokens * h)]
-    out = [i for i in out if i.region not in drop] + moe_input
+    drop = set().union(*(DROPPED_REGIONS[m] for m in modules))
+    out = [i for i in items if i.region not in drop]
+    if "moe" in modules and any(i.region == "moe" for i in items):
+        out.append(Saved("moe", "moe.input", lay.act_bytes * lay.moe_tokens * cfg.hidden_size))
     if "layernorm" in modules:
-        out = _layernorm_recomputed(out, lay, h)
+        out = _layernorm_recomputed(out, lay, cfg.hidden_size)
     return out
 
 
