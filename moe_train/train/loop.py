@@ -46,8 +46,8 @@ from moe_train.models.moe import MoELayer, update_expert_bias
 from moe_train.models.moe.aux_loss import set_aux_loss_scale
 from moe_train.parallel import parallelize
 from moe_train.parallel.context import ParallelContext
+from moe_train.plan.flops import training_flops_per_token
 from moe_train.train.errors import TrainingError
-from moe_train.train.flops import training_flops_per_token
 from moe_train.train.grad_norm import clip_grad_norm
 from moe_train.train.metrics import MetricsLogger, eval_record, expert_balance, train_record
 from moe_train.train.optimizer import build_optimizer, set_lr
