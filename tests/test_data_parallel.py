@@ -52,10 +52,12 @@ def assert_same_run(got: dict, want: dict, *, loss: float = 1e-5, rtol: float = 
     assert got["losses"] == pytest.approx(want["losses"], rel=loss)
     assert set(got["grads"]) == set(want["grads"])
     for name, grad in want["grads"].items():
-        torch.testing.assert_close(got["grads"][name], grad, rtol=rtol, atol=atol, msg=lambda m, name=name: f"gradient of {name}: {m}")
+        torch.testing.assert_close(got["grads"][name], grad, rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"gradient of {name}: {m}")
     assert set(got["state"]) == set(want["state"])
     for name, value in want["state"].items():
-        torch.testing.assert_close(got["state"][name], value, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name} after {STEPS} steps: {m}")
+        torch.testing.assert_close(got["state"][name], value, rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"{name} after {STEPS} steps: {m}")
     for got_step, want_step in zip(got["moe"], want["moe"], strict=True):
         if want_step is not None:  # the same routing: the same load figures, layer by layer
             assert got_step.keys() == want_step.keys()
