@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ SHRINK = ["train.seq_length=32", "train.global_batch_size=4", "train.micro_batch
           "train.precision=fp32", "logging.interval=1", "checkpoint.interval=null"]
 TRAIN_KEYS = {"kind", "step", "loss", "lm_loss", "aux_loss", "grad_norm", "lr", "tokens", "tokens_per_s",
               "tflops_per_device", "mfu", "memory_bytes", "skipped"}
-BALANCE_KEYS = {"load_max_over_mean", "load_cv", "dropped_fraction"}
+BALANCE_KEYS = {"load_max_over_mean", "load_cv", "dropped_fraction", "load", "router_entropy"}
 
 
 def trainer(name: str, run_dir: Path, *extra: str) -> Trainer:
@@ -30,10 +31,12 @@ def records(run_dir: Path) -> list[dict]:
 
 
 def poison(t: Trainer, steps: set[int]) -> None:
-    """Make the model's logits NaN during the given steps: a real non-finite loss and gradients."""
+    """Make the model's loss terms NaN during the given steps: a real non-finite loss and gradients."""
 
     def hook(module, args, output):
-        return output * float("nan") if t.progress.step + 1 in steps else output
+        if t.progress.step + 1 not in steps:
+            return output
+        return type(output)(*(term * float("nan") for term in output))
 
     t.model.register_forward_hook(hook)
 
@@ -59,6 +62,8 @@ def test_metrics_jsonl_schema(name: str, tmp_path: Path) -> None:
             assert set(r["moe"]) == {"0", "1"}
             for stats in r["moe"].values():
                 assert set(stats) == BALANCE_KEYS and stats["load_max_over_mean"] >= 1.0
+                assert sum(stats["load"]) == pytest.approx(1.0, abs=1e-5) and len(stats["load"]) == 8  # rounded shares
+                assert 0 < stats["router_entropy"] <= math.log(8)
         else:
             assert r["aux_loss"] == 0.0
     assert train[0]["lr"] == pytest.approx(t.recipe.train.lr)  # warmup_steps=1: the peak at step 1
