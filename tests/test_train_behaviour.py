@@ -164,7 +164,13 @@ def test_a_skipped_step_leaves_every_piece_of_state_unchanged(tmp_path: Path) ->
     assert any(layer.router.expert_bias is not None for layer in t.moe_layers.values())
     assert t.train_step(1).finite  # Adam has state and the bias has moved once
     poisoned = {"on": True}
-    t.model.register_forward_hook(lambda module, args, out: out * float("nan") if poisoned["on"] else out)
+
+    def poison(module, args, out):  # the forward's loss terms (or logits) made NaN: a real non-finite step
+        if not poisoned["on"]:
+            return out
+        return type(out)(*(term * float("nan") for term in out)) if isinstance(out, tuple) else out * float("nan")
+
+    t.model.register_forward_hook(poison)
     model_before = {k: whole(v) for k, v in t.model.state_dict().items()}
     optimizer_before = t.optimizer.state_dict()
     moments_before = {i: {k: whole(v) for k, v in s.items()} for i, s in optimizer_before["state"].items()}
