@@ -173,3 +173,11 @@ def test_saving_a_step_again_replaces_it(tmp_path: Path) -> None:
                         progress=Progress(step=3, consumed_samples=consumed))
     assert resumed_progress(tmp_path) == Progress(step=3, consumed_samples=6)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-0000003"]
+
+
+def test_pruning_counts_only_complete_checkpoints(tmp_path: Path) -> None:
+    """A `step-*` folder without DCP's .metadata (a copy still arriving) is neither kept in place of one nor removed."""
+    published(tmp_path, 1, 2, 3)
+    (tmp_path / "step-0000004").mkdir()
+    assert layout.prune(tmp_path, keep=2) == [tmp_path / "step-0000001"]
+    assert step_folders(tmp_path) == {"step-0000002": True, "step-0000003": True, "step-0000004": False}
