@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -105,3 +106,8 @@ def test_seq_aux_loss_by_hand(case) -> None:
 def test_z_loss_by_hand(rows: list[list[float]]) -> None:
     expected = sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in rows) / len(rows)
     assert math.isclose(z_loss(torch.tensor(rows, dtype=torch.float64)).item(), expected, rel_tol=1e-5, abs_tol=1e-6)
+
+
+def test_an_unknown_drop_policy_names_the_field() -> None:
+    with pytest.raises(ValueError, match="model.moe.drop_policy must be 'probs' or 'position', got 'random'"):
+        capacity_keep_mask(torch.tensor([[0]]), torch.tensor([[1.0]]), num_experts=1, capacity=1, policy="random")

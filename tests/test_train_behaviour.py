@@ -16,10 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_train.config import load_recipe
+from moe_train.config import TrainConfig, load_recipe
 from moe_train.data import global_batch
 from moe_train.models.moe import update_expert_bias
 from moe_train.train.loop import Trainer
+from moe_train.train.schedule import lr_at
 
 SHRINK = ["model.num_layers=2", "train.seq_length=16", "train.global_batch_size=4", "train.micro_batch_size=2",
           "train.precision=fp32", "logging.interval=1", "checkpoint.interval=null", "train.eval_interval=null"]
@@ -112,6 +113,19 @@ def test_first_update_moves_each_weight_by_the_learning_rate(tmp_path: Path) -> 
     clear = grads > 1e-5  # far above eps = 1e-8
     assert clear.float().mean() > 0.5
     torch.testing.assert_close(moved[clear], torch.full_like(moved[clear], 2e-3 / 4), rtol=0, atol=1e-6)
+
+
+def test_schedule_edges_by_hand() -> None:
+    """The shortest decays: one cosine step after warmup ends at min_lr; WSD's first and only decay steps."""
+    def config(**fields) -> TrainConfig:
+        return TrainConfig(**{"seq_length": 8, "global_batch_size": 1, "lr": 1.0, "min_lr": 0.1, **fields})
+
+    cosine = config(steps=5, warmup_steps=4, lr_schedule="cosine")
+    assert [lr_at(s, train=cosine) for s in (4, 5)] == pytest.approx([1.0, 0.1])
+    wsd = config(steps=10, warmup_steps=0, lr_schedule="wsd", wsd_decay_fraction=0.1)  # one decay step
+    assert [lr_at(s, train=wsd) for s in (8, 9, 10)] == pytest.approx([1.0, 1.0, 0.1])
+    long = config(steps=100, warmup_steps=10, lr_schedule="wsd", wsd_decay_fraction=0.2)  # decays over 83..100
+    assert [lr_at(s, train=long) for s in (82, 83, 84)] == pytest.approx([1.0, 1.0 - 0.9 / 18, 1.0 - 0.9 * 2 / 18])
 
 
 # ---------------------------------------------------------------------------------------------- clipping
