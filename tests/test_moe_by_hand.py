@@ -111,3 +111,12 @@ def test_z_loss_by_hand(rows: list[list[float]]) -> None:
 def test_an_unknown_drop_policy_names_the_field() -> None:
     with pytest.raises(ValueError, match="model.moe.drop_policy must be 'probs' or 'position', got 'random'"):
         capacity_keep_mask(torch.tensor([[0]]), torch.tensor([[1.0]]), num_experts=1, capacity=1, policy="random")
+
+
+def test_ties_keep_the_earlier_token_in_a_large_batch() -> None:
+    """Thousands of tied weights: an unstable sort (which CPU torch uses at this size) would keep arbitrary ones."""
+    rng = np.random.default_rng(0)
+    indices = rng.integers(0, 4, size=(4096, 1))
+    weights = rng.choice([0.5, 1.0], size=(4096, 1)).astype(np.float32)
+    got = capacity_keep_mask(torch.tensor(indices), torch.tensor(weights), num_experts=4, capacity=700, policy="probs")
+    assert got.tolist() == keep_by_hand(indices, weights, 4, 700, "probs")
