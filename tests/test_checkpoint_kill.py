@@ -181,3 +181,13 @@ def test_pruning_counts_only_complete_checkpoints(tmp_path: Path) -> None:
     (tmp_path / "step-0000004").mkdir()
     assert layout.prune(tmp_path, keep=2) == [tmp_path / "step-0000001"]
     assert step_folders(tmp_path) == {"step-0000002": True, "step-0000003": True, "step-0000004": False}
+
+
+def test_latest_naming_an_incomplete_or_missing_folder_is_not_trusted(tmp_path: Path) -> None:
+    published(tmp_path, 1, 2)
+    (tmp_path / "step-0000002" / ".metadata").unlink()  # a shard store damaged by hand
+    assert latest_checkpoint(tmp_path) is None
+    (tmp_path / LATEST).write_text("step-0000009\n")
+    assert latest_checkpoint(tmp_path) is None
+    (tmp_path / LATEST).write_text("step-0000001\n")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-0000001"

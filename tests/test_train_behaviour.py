@@ -20,6 +20,7 @@ from moe_train.config import TrainConfig, load_recipe
 from moe_train.data import global_batch
 from moe_train.models.moe import update_expert_bias
 from moe_train.train.loop import Trainer
+from moe_train.train.optimizer import build_optimizer, param_groups
 from moe_train.train.schedule import lr_at
 
 SHRINK = ["model.num_layers=2", "train.seq_length=16", "train.global_batch_size=4", "train.micro_batch_size=2",
@@ -90,7 +91,8 @@ def hand_adamw(t: Trainer, records: list[StepRecord], lrs: list[float]) -> None:
 def test_schedule_reaches_adamw_step_by_step(tmp_path: Path) -> None:
     """Cosine with 2 warmup steps over 4: 5e-4, 1e-3, 1e-4 + 9e-4 * (1 + cos(pi/2)) / 2, 1e-4, worked out by hand."""
     t = trainer("qwen3-tiny", tmp_path, "train.steps=4", "train.warmup_steps=2", "train.lr=1e-3",
-                "train.min_lr=1e-4", "train.lr_schedule=cosine", "train.weight_decay=0.1", "model.num_layers=1")
+                "train.min_lr=1e-4", "train.lr_schedule=cosine", "train.weight_decay=0.1", "model.num_layers=1",
+                "train.adam_eps=1e-3", "train.adam_beta1=0.8", "train.adam_beta2=0.9")  # none of them torch's default
     records = watch_optimizer(t)
     assert all(t.train_step(step).finite for step in (1, 2, 3, 4))
     expected = [5e-4, 1e-3, 5.5e-4, 1e-4]
@@ -126,6 +128,21 @@ def test_schedule_edges_by_hand() -> None:
     assert [lr_at(s, train=wsd) for s in (8, 9, 10)] == pytest.approx([1.0, 1.0, 0.1])
     long = config(steps=100, warmup_steps=10, lr_schedule="wsd", wsd_decay_fraction=0.2)  # decays over 83..100
     assert [lr_at(s, train=long) for s in (82, 83, 84)] == pytest.approx([1.0, 1.0 - 0.9 / 18, 1.0 - 0.9 * 2 / 18])
+
+
+def test_param_groups_skip_frozen_parameters_and_keep_the_rest() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 2))
+    model[0].weight.requires_grad_(False)
+    decayed, undecayed = param_groups(model, weight_decay=0.1)
+    assert [id(p) for p in decayed["params"]] == [id(model[2].weight)]
+    assert [id(p) for p in undecayed["params"]] == [id(p) for p in (model[0].bias, model[1].weight, model[1].bias,
+                                                                     model[2].bias)]
+
+
+def test_optimizer_refuses_low_precision_master_weights() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3).to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"parameter 1.weight is torch.bfloat16: master weights must be fp32"):
+        build_optimizer(model, train=load_recipe("qwen3-tiny").train)
 
 
 # ---------------------------------------------------------------------------------------------- clipping
