@@ -55,7 +55,7 @@ def _all_to_all(
 def _all_gather(x: torch.Tensor, group: ProcessGroup, sent_bytes: Counter) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty(dist.get_world_size(group) * x.shape[0], *x.shape[1:])
-    dist.all_gather_into_tensor(out, x, group=group)
+    dist.all_gather_single(out, x, group=group)
     sent_bytes["all_gather"] += x.numel() * x.element_size()
     return out
 
@@ -63,7 +63,7 @@ def _all_gather(x: torch.Tensor, group: ProcessGroup, sent_bytes: Counter) -> to
 def _reduce_scatter(x: torch.Tensor, group: ProcessGroup, sent_bytes: Counter) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty(x.shape[0] // dist.get_world_size(group), *x.shape[1:])
-    dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group)
+    dist.reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group)
     sent_bytes["reduce_scatter"] += x.numel() * x.element_size()
     return out
 

@@ -38,7 +38,7 @@ class AllGatherDispatcher:
     hidden H, top-k K, the hidden dtype's itemsize b and T_max the group's largest token count:
     forward "all_gather" += T_max*H*b (this rank's hidden states), "reduce_scatter" += G*T_max*H*4 (the fp32
     per-token sums); backward "reduce_scatter" += G*T_max*H*b (hidden gradients), "all_gather" += T_max*H*4.
-    `metadata_bytes["all_gather"]` counts the routing: 8 (token count) + T_max*K*8 (expert ids) per dispatch
+    `metadata_bytes["all_gather"]` counts the routing: 16 (token count, pad_to) + T_max*K*8 (expert ids) per dispatch
     and T_max*K*4 (fp32 weights) per combine; backward adds `metadata_bytes["reduce_scatter"]` G*T_max*K*4
     (weight gradients). Neither is ever reset here: read differences, or `.clear()` them.
     """
@@ -62,7 +62,7 @@ class AllGatherDispatcher:
         rows per local expert [E_local] int64, plan).
 
         keep [T, K] drops slots as decided on their source rank; pad_to (per source rank, as the all-to-all
-        dispatcher) gives each local expert size * pad_to rows.
+        dispatcher) gives each local expert the sum over the group's ranks of their pad_to rows.
         """
         tokens = hidden.shape[0]
         shard = self.shard
@@ -71,10 +71,10 @@ class AllGatherDispatcher:
                 hidden, topk_indices, num_experts=self.num_experts, keep=keep, pad_to=pad_to
             )
             return rows, counts, AllGatherPlan(permutation, tokens, tokens)
-        token_counts = all_gather_rows(
-            torch.tensor([tokens], device=hidden.device), group=shard.group, sent_bytes=self.metadata_bytes
-        )
-        max_tokens = int(token_counts.max())
+        # Every rank's token count and padding (capacities differ where token counts do).
+        sizes = torch.tensor([[tokens, pad_to or 0]], device=hidden.device)
+        sizes = all_gather_rows(sizes, group=shard.group, sent_bytes=self.metadata_bytes).tolist()
+        max_tokens = max(count for count, _ in sizes)
         # Dropped slots and padding tokens are marked -1: no rank holds that expert.
         routing = topk_indices if keep is None else topk_indices.masked_fill(~keep, -1)
         routing = F.pad(routing, (0, 0, 0, max_tokens - tokens), value=-1)
@@ -88,7 +88,7 @@ class AllGatherDispatcher:
             local.clamp(0, self.num_local_experts - 1),
             num_experts=self.num_local_experts,
             keep=is_local,
-            pad_to=None if pad_to is None else shard.size * pad_to,
+            pad_to=None if pad_to is None else sum(pad for _, pad in sizes),
         )
         return rows, counts, AllGatherPlan(permutation, tokens, max_tokens)
 

@@ -58,8 +58,8 @@ class AllToAllDispatcher:
         """hidden [T, H], topk_indices [T, K] (global expert ids) -> (rows [N, H] sorted by local expert,
         rows per local expert [E_local] int64, plan).
 
-        keep [T, K] drops slots on this (source) rank; pad_to gives each expert pad_to rows from every source
-        rank, so a local expert receives size * pad_to rows.
+        keep [T, K] drops slots on this (source) rank; pad_to gives each expert pad_to rows from this source
+        rank, so a local expert receives the sum over the group's ranks of their pad_to rows.
         """
         rows, counts, permutation = permute(
             hidden, topk_indices, num_experts=self.num_experts, keep=keep, pad_to=pad_to

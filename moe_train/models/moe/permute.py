@@ -74,9 +74,10 @@ def unpermute(rows: torch.Tensor, perm: Permutation) -> torch.Tensor:
 
 
 def weighted_sum(slots: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """slots [T*K, H], topk_weights [T, K] -> [T, H] fp32: sum_k weight * slot.
+    """slots [T*K, H], topk_weights [T, K] -> [T, H] fp32 (fp64 for fp64 slots): sum_k weight * slot.
 
-    Weighting and summing run in fp32 (a bf16 sum of K terms loses bits the residual stream would keep).
+    Weighting and summing run in fp32 at least (a bf16 sum of K terms loses bits the residual stream would keep).
     """
     tokens, top_k = topk_weights.shape
-    return (slots.float().view(tokens, top_k, -1) * topk_weights.unsqueeze(-1)).sum(dim=1)
+    slots = slots.to(torch.promote_types(slots.dtype, torch.float32))
+    return (slots.view(tokens, top_k, slots.shape[-1]) * topk_weights.unsqueeze(-1)).sum(dim=1)
