@@ -347,6 +347,20 @@ def test_grouped_mm_equals_loop(dtype: torch.dtype):
         assert torch.allclose(a, b, rtol=tol, atol=tol * a.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_without_rows_give_zero_gradients(dtype: torch.dtype):
+    """An expert-parallel rank that receives no tokens still gets a (zero) gradient for every expert weight."""
+    experts = GroupedExperts(num_experts=2, hidden_size=64, ffn_hidden_size=32).to(dtype)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_()
+    x = torch.zeros(0, 64, dtype=dtype, requires_grad=True)
+    out = experts(x, torch.zeros(2, dtype=torch.int64))
+    out.sum().backward()
+    assert out.shape == (0, 64)
+    assert all(p.grad is not None and not p.grad.any() for p in experts.parameters())
+
+
 def test_grouped_mm_refuses_unaligned_shapes():
     assert not grouped_mm_supported(torch.bfloat16, torch.device("cpu"), hidden_size=60, ffn_hidden_size=32)
     assert not grouped_mm_supported(torch.float32, torch.device("cpu"), hidden_size=64, ffn_hidden_size=30)

@@ -69,9 +69,18 @@ class GroupedExperts(nn.Module):
         self.use_grouped_mm = True
 
     def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """rows [N, H] (expert e's rows contiguous, in expert order), tokens_per_expert [E] -> [N, H]."""
-        if self.use_grouped_mm and grouped_mm_supported(
-            rows.dtype, rows.device, hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size
+        """rows [N, H] (expert e's rows contiguous, in expert order), tokens_per_expert [E] -> [N, H].
+
+        N may be 0 (an expert-parallel rank that received no tokens): the loop then gives every weight a zero
+        gradient, which _grouped_mm's backward cannot (it rejects the empty strides), so the ranks' gradient
+        reductions still line up.
+        """
+        if (
+            self.use_grouped_mm
+            and rows.shape[0] > 0
+            and grouped_mm_supported(
+                rows.dtype, rows.device, hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size
+            )
         ):
             return self._grouped(rows, tokens_per_expert)
         return self._loop(rows, tokens_per_expert)
