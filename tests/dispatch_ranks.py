@@ -46,10 +46,9 @@ def distinct_topk(tokens: int, top_k: int, experts: list[int], generator: torch.
     return pool[scores.topk(top_k, dim=-1).indices]
 
 
-def make_shards(case: str, *, size: int, num_experts: int, dtype: torch.dtype, seed: int = 0) -> list[Shard]:
-    """The group's inputs for one routing case; rank r holds 3 + 2r tokens (uneven on purpose)."""
-    generator = torch.Generator().manual_seed(seed)
-    local = num_experts // size
+def make_shards(case: str, *, size: int, num_experts: int, local: int, dtype: torch.dtype) -> list[Shard]:
+    """The group's inputs for one routing case (`local` experts per rank); rank r holds 3 + 2r tokens."""
+    generator = torch.Generator().manual_seed(0)
 
     def pool(rank: int) -> list[int]:
         """The experts rank's tokens may choose."""
@@ -58,7 +57,8 @@ def make_shards(case: str, *, size: int, num_experts: int, dtype: torch.dtype, s
         if case == "empty_experts":  # odd experts get nothing
             return list(range(0, num_experts, 2))
         if case == "silent_ranks":
-            # Rank 0 keeps all its tokens (sends nothing to others); nothing reaches the last rank's experts.
+            # Rank 0 routes to its own experts only (all-to-all: sends nothing to others); nothing reaches the
+            # last rank's experts (it receives nothing).
             return list(range(local)) if rank == 0 else list(range(num_experts - local))
         return list(range(num_experts))
 
@@ -92,10 +92,15 @@ def expert_weights(num_experts: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(num_experts, HIDDEN, HIDDEN, generator=generator, dtype=torch.float64).to(dtype)
 
 
-def apply_experts(rows: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor, first: int) -> torch.Tensor:
-    """Expert first + j is the linear map rows @ weights[first + j]^T (padding rows stay zero)."""
+def apply_experts(
+    rows: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor, first: int, columns: slice = slice(None)
+) -> torch.Tensor:
+    """Expert first + j is the linear map rows @ weights[first + j]^T (padding rows stay zero).
+
+    `columns` makes it a row-parallel shard (expert TP): only those input features, a partial sum of the output.
+    """
     chunks = torch.split(rows, counts.tolist())
-    return torch.cat([chunk @ weights[first + j].T for j, chunk in enumerate(chunks)])
+    return torch.cat([chunk[:, columns] @ weights[first + j][:, columns].T for j, chunk in enumerate(chunks)])
 
 
 @dataclass
@@ -109,7 +114,7 @@ class Result:
     metadata_total: dict[str, int]
 
 
-def run(dispatcher, shard: Shard, experts: torch.Tensor, first: int) -> Result:
+def run(dispatcher, shard: Shard, experts: torch.Tensor, first: int, columns: slice = slice(None)) -> Result:
     hidden = shard.hidden.clone().requires_grad_()
     weights = shard.weights.clone().requires_grad_()
     experts = experts.clone().requires_grad_()
@@ -117,7 +122,7 @@ def run(dispatcher, shard: Shard, experts: torch.Tensor, first: int) -> Result:
     rows, counts, plan = dispatcher.dispatch(hidden, shard.indices, keep=shard.keep, pad_to=shard.pad_to)
     assert rows.shape[0] == int(counts.sum()), "rows and tokens_per_local_expert disagree"
     assert counts.shape == (dispatcher.num_local_experts,) and counts.dtype == torch.int64
-    out = dispatcher.combine(apply_experts(rows, counts, experts, first), weights, plan)
+    out = dispatcher.combine(apply_experts(rows, counts, experts, first, columns), weights, plan)
     forward = dict(dispatcher.sent_bytes)
     (out * shard.cotangent).sum().backward()
     metadata = dict(getattr(dispatcher, "metadata_bytes", {}))
@@ -151,10 +156,9 @@ def close(name: str, got: torch.Tensor, expected: torch.Tensor, tol: float) -> N
     assert error <= tol * scale, f"{name}: differs by {error:.3e} (scale {scale:.3e})"
 
 
-def expected_bytes(kind: str, shards: list[Shard], me: int, num_experts: int, itemsize: int) -> dict[str, int]:
+def expected_bytes(kind: str, shards: list[Shard], me: int, local: int, itemsize: int) -> dict[str, int]:
     """The exact token bytes the routing implies for group rank `me` (forward only; backward doubles them)."""
     size = len(shards)
-    local = num_experts // size
 
     def rows_between(source: int, destination: int) -> int:
         shard = shards[source]
@@ -171,22 +175,27 @@ def expected_bytes(kind: str, shards: list[Shard], me: int, num_experts: int, it
     return {"all_gather": max_tokens * HIDDEN * itemsize, "reduce_scatter": size * max_tokens * HIDDEN * itemsize}
 
 
-def check_case(case: str, kind: str, *, group, num_experts: int, dtype: torch.dtype) -> Result:
+def check_case(case: str, kind: str, *, group, num_experts: int, dtype: torch.dtype, etp: int = 1) -> Result:
+    """etp > 1 (allgather only): consecutive group ranks hold row-parallel shards of the same experts."""
     size, me = dist.get_world_size(group), dist.get_rank(group)
-    shards = make_shards(case, size=size, num_experts=num_experts, dtype=dtype)
+    local = num_experts * etp // size
+    shards = make_shards(case, size=size, num_experts=num_experts, local=local, dtype=dtype)
     experts = expert_weights(num_experts, dtype)
-    dispatcher = dispatcher_for(kind, num_experts=num_experts, group=group)
-    first = me * dispatcher.num_local_experts
-    got = run(dispatcher, shards[me], experts, first)
+    dispatcher = dispatcher_for(kind, num_experts=num_experts, group=group, expert_tp_size=etp)
+    assert dispatcher.num_local_experts == local
+    first = me // etp * local
+    width = HIDDEN // etp
+    columns = slice(me % etp * width, (me % etp + 1) * width)
+    got = run(dispatcher, shards[me], experts, first, columns)
     want = reference(shards, experts, num_experts)[me]
     tol = 1e-12 if dtype == torch.float64 else 1e-6
     close("output", got.out, want.out, tol)
     close("hidden grad", got.grad_hidden, want.grad_hidden, tol)
     close("routing weight grad", got.grad_weights, want.grad_weights, tol)
     mine = slice(first, first + dispatcher.num_local_experts)
-    close("local expert grad", got.grad_experts[mine], want.grad_experts[mine], tol)
+    close("local expert grad", got.grad_experts[mine, :, columns], want.grad_experts[mine, :, columns], tol)
     itemsize = dtype.itemsize
-    forward = expected_bytes(kind, shards, me, num_experts, itemsize)
+    forward = expected_bytes(kind, shards, me, local, itemsize)
     assert got.bytes_forward == forward, f"forward bytes {got.bytes_forward} != {forward}"
     assert got.bytes_total == {op: 2 * n for op, n in forward.items()}, f"bytes {got.bytes_total} != 2 x {forward}"
     if kind == "alltoall":
@@ -235,6 +244,10 @@ def run_all(rank: int, world: int) -> list[str]:
             close(f"fp32 allgather vs alltoall {name}", getattr(b, name), getattr(a, name), 1e-6)
 
     attempt("fp32 agreement", fp32_agree)
+    if world == 4:  # allgather over ep x etp = 2 x 2 (etp fastest), as DECISIONS.md asks
+        for case in CASES:
+            attempt(f"ep2 x etp2 E4 {case} allgather", lambda c=case: check_case(
+                c, "allgather", group=dist.group.WORLD, num_experts=4, dtype=torch.float64, etp=2))
     return failures
 
 

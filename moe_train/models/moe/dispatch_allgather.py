@@ -41,10 +41,14 @@ class AllGatherDispatcher:
     `metadata_bytes["all_gather"]` counts the routing: 16 (token count, pad_to) + T_max*K*8 (expert ids) per dispatch
     and T_max*K*4 (fp32 weights) per combine; backward adds `metadata_bytes["reduce_scatter"]` G*T_max*K*4
     (weight gradients). Neither is ever reset here: read differences, or `.clear()` them.
+
+    With expert tensor parallelism, pass the ep x etp group (etp fastest) and `expert_tp_size`: the etp ranks
+    of one ep coordinate get the same rows, their experts return partial sums (row-parallel down projection),
+    and the reduce-scatter adds those partials together with the other experts' outputs.
     """
 
-    def __init__(self, *, num_experts: int, group: dist.ProcessGroup | None = None):
-        self.shard = ExpertShard.of(num_experts=num_experts, group=group)
+    def __init__(self, *, num_experts: int, group: dist.ProcessGroup | None = None, expert_tp_size: int = 1):
+        self.shard = ExpertShard.of(num_experts=num_experts, group=group, expert_tp_size=expert_tp_size)
         self.num_experts = num_experts
         self.num_local_experts = self.shard.num_local_experts
         self.sent_bytes: Counter[str] = Counter()

@@ -72,8 +72,17 @@ class LocalDispatcher:
 DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
 
 
-def dispatcher_for(name: str, *, num_experts: int, group: dist.ProcessGroup | None) -> TokenDispatcher:
-    """The dispatcher that `model.moe.dispatcher` names, over the expert-parallel group (None: no EP)."""
+def dispatcher_for(
+    name: str, *, num_experts: int, group: dist.ProcessGroup | None, expert_tp_size: int = 1
+) -> TokenDispatcher:
+    """The dispatcher that `model.moe.dispatcher` names, over its group (None: no expert parallelism).
+
+    alltoall takes the ep group; allgather takes the ep x etp group (etp fastest) and `expert_tp_size`.
+    """
     if name not in DISPATCHERS:
         raise ValueError(f"model.moe.dispatcher must be one of {', '.join(DISPATCHERS)}, got {name!r}")
-    return DISPATCHERS[name](num_experts=num_experts, group=group)
+    if name == "allgather":
+        return AllGatherDispatcher(num_experts=num_experts, group=group, expert_tp_size=expert_tp_size)
+    if expert_tp_size != 1:
+        raise ValueError("model.moe.dispatcher alltoall with expert tensor parallelism (etp > 1) is not supported yet")
+    return AllToAllDispatcher(num_experts=num_experts, group=group)
