@@ -2,9 +2,10 @@
 
 dispatch: all-gather the hidden states and the routing (dropped slots marked) of the group, then permute the
 slots routed to this rank's local experts. combine: weight the local experts' outputs (with the all-gathered
-routing weights) and sum them per token over the whole group's tokens, then reduce-scatter: each token's owner
-gets the sum over all ranks, i.e. over all its experts. The traffic grows with the group size, not with the
-routing, so it suits small groups and heavily skewed or dense routing (Megatron-Core's "allgather" dispatcher).
+routing weights) and scatter-add them into per-token sums over the whole group's tokens, then reduce-scatter:
+each token's owner gets the sum over all ranks, i.e. over all its experts. The traffic grows with the group
+size, not with the routing, so it suits small groups and heavily skewed or dense routing (Megatron-Core's
+"allgather" dispatcher).
 Ranks may hold different token counts: tokens are padded to the group's largest count, padding never routed.
 """
 
@@ -24,9 +25,11 @@ from moe_train.models.moe.permute import Permutation, permute, unpermute, weight
 
 @dataclass
 class AllGatherPlan:
-    """What `combine` needs: the local permutation over the gathered slots and this rank's token count."""
+    """What `combine` needs: where the local experts' rows came from, and this rank's token count."""
 
     permutation: Permutation  # gathered token slots [size * T_max * K] -> local experts' rows
+    local_slots: torch.Tensor | None  # [n] gathered slots routed to a local expert (None without a group)
+    local_rows: torch.Tensor | None  # [n] the expert row of each of those slots
     num_tokens: int  # T of this rank
     max_tokens: int  # T_max: the group's largest T (every rank's tokens are padded to it)
 
@@ -74,7 +77,7 @@ class AllGatherDispatcher:
             rows, counts, permutation = permute(
                 hidden, topk_indices, num_experts=self.num_experts, keep=keep, pad_to=pad_to
             )
-            return rows, counts, AllGatherPlan(permutation, tokens, tokens)
+            return rows, counts, AllGatherPlan(permutation, None, None, tokens, tokens)
         # Every rank's token count and padding (capacities differ where token counts do).
         sizes = torch.tensor([[tokens, pad_to or 0]], device=hidden.device)
         sizes = all_gather_rows(sizes, group=shard.group, sent_bytes=self.metadata_bytes).tolist()
@@ -94,7 +97,9 @@ class AllGatherDispatcher:
             keep=is_local,
             pad_to=None if pad_to is None else sum(pad for _, pad in sizes),
         )
-        return rows, counts, AllGatherPlan(permutation, tokens, max_tokens)
+        local_slots = is_local.reshape(-1).nonzero().squeeze(1)
+        local_rows = permutation.slot_rows.index_select(0, local_slots)
+        return rows, counts, AllGatherPlan(permutation, local_slots, local_rows, tokens, max_tokens)
 
     def combine(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, plan: AllGatherPlan) -> torch.Tensor:
         """expert_out [N, H] (rows as dispatch returned them) -> [T, H] fp32 on the tokens' own rank."""
@@ -103,5 +108,12 @@ class AllGatherDispatcher:
             return weighted_sum(unpermute(expert_out, plan.permutation), topk_weights)
         weights = F.pad(topk_weights, (0, 0, 0, plan.max_tokens - plan.num_tokens))
         weights = all_gather_rows(weights, group=shard.group, sent_bytes=self.metadata_bytes)
-        per_token = weighted_sum(unpermute(expert_out, plan.permutation), weights)
+        # Scatter-add only the local rows (not all G*T_max*K slots, mostly other ranks' experts) into per-token
+        # sums, in fp32 at least. On CUDA index_add uses atomics: the order of a token's K terms may vary.
+        top_k = weights.shape[1]
+        rows = expert_out.index_select(0, plan.local_rows)
+        rows = rows.to(torch.promote_types(rows.dtype, torch.float32))
+        rows = rows * weights.reshape(-1).index_select(0, plan.local_slots).unsqueeze(-1)
+        per_token = rows.new_zeros(shard.size * plan.max_tokens, rows.shape[1])
+        per_token = per_token.index_add(0, plan.local_slots // top_k, rows)
         return reduce_scatter_rows(per_token, group=shard.group, sent_bytes=self.sent_bytes)[: plan.num_tokens]
