@@ -71,7 +71,7 @@ def make_shards(case: str, *, size: int, num_experts: int, local: int, dtype: to
         keep, pad_to = None, None
         if case.startswith("capacity"):
             _, policy, pad = case.split("_")
-            capacity = expert_capacity(num_tokens=tokens, top_k=top_k, num_experts=num_experts, capacity_factor=1.0)
+            capacity = expert_capacity(num_tokens=tokens, top_k=top_k, num_experts=num_experts, capacity_factor=0.7)
             keep = capacity_keep_mask(indices, weights, num_experts=num_experts, capacity=capacity, policy=policy)
             pad_to = capacity if pad == "pad" else None
         shards.append(
@@ -180,6 +180,8 @@ def check_case(case: str, kind: str, *, group, num_experts: int, dtype: torch.dt
     size, me = dist.get_world_size(group), dist.get_rank(group)
     local = num_experts * etp // size
     shards = make_shards(case, size=size, num_experts=num_experts, local=local, dtype=dtype)
+    if case.startswith("capacity"):
+        assert any(not s.keep.all() for s in shards), "the capacity case drops nothing: a vacuous check"
     experts = expert_weights(num_experts, dtype)
     dispatcher = dispatcher_for(kind, num_experts=num_experts, group=group, expert_tp_size=etp)
     assert dispatcher.num_local_experts == local
