@@ -1,29 +1,21 @@
 """Token dispatchers: permutation round trips, and expert-parallel dispatch against the single-process one.
 
-The multi-rank checks run in tests/dispatch_ranks.py (gloo, one process per rank, every case in one job per
-world size); this file starts that job in a fresh session and kills the whole session on timeout, so no rank
-outlives a hang.
+The multi-rank checks run in tests/workers/dispatch.py (gloo, one process per rank, every case in one job per
+world size) through tests/multirank.py, which kills every rank on timeout.
 """
 
 from __future__ import annotations
-
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from multirank import run_ranks
 
 from moe_train.models.moe.dispatch_allgather import AllGatherDispatcher
 from moe_train.models.moe.dispatch_alltoall import AllToAllDispatcher
 from moe_train.models.moe.dispatcher import LocalDispatcher, dispatcher_for
 from moe_train.models.moe.permute import permute, unpermute
-
-RANKS_SCRIPT = Path(__file__).with_name("dispatch_ranks.py")
 
 
 def check_round_trip(hidden, indices, keep, pad_to, num_experts):
@@ -106,15 +98,9 @@ def test_dispatcher_for_refuses_unknown_names():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_dispatch_equals_single_process(world, tmp_path):
-    """Every case of dispatch_ranks.py: outputs, gradients and byte counts on each of `world` gloo ranks."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-    argv = [sys.executable, str(RANKS_SCRIPT), "--world", str(world), "--store", str(tmp_path / "store")]
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                               start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # the launcher and every rank it started
-        process.communicate()
-        pytest.fail(f"{world} ranks hung (timeout 90 s)")
-    assert process.returncode == 0, stderr[-4000:]
+    """Every case of tests/workers/dispatch.py: outputs, gradients and byte counts on each of `world` ranks."""
+    result = run_ranks("dispatch", world, {}, tmp_path, timeout=90)
+    assert not result["failures"], "\n".join(result["failures"])
+    # groups x expert counts x cases x dispatchers, + the fp32 agreement, + at 4 ranks the ep x etp cases
+    expected = 2 * 9 * 2 + 1 if world == 2 else 2 * 2 * 9 * 2 + 1 + 9
+    assert result["checks"] == [expected] * world

@@ -1,28 +1,26 @@
-"""The ranks of tests/test_dispatch.py: every expert-parallel dispatch case, run by each of WORLD gloo processes.
+"""Worker: every expert-parallel dispatch case of tests/test_dispatch.py, on each of this job's gloo ranks.
 
-    python tests/dispatch_ranks.py --world 4 --store FILE
-
-starts ranks 1..WORLD-1 as child processes (the same process group, so the test's timeout kills them all) and
-runs rank 0 itself. Each case builds the tokens and routing of every rank of the expert group from one seed, so
-a rank can compute the single-process reference (LocalDispatcher on the union of the group's tokens) on its own
-and compare its slice: outputs, gradients of hidden states, routing weights and its local experts' weights, and
-the bytes the dispatcher counted. Failures are printed one per line ("rank R: case: message"); exit 1 if any.
+Each case builds the tokens and routing of every rank of the expert group from one seed, so a rank can compute
+the single-process reference (LocalDispatcher on the union of the group's tokens) on its own and compare its
+slice: outputs, gradients of hidden states, routing weights and its local experts' weights, and the bytes the
+dispatcher counted. Rank 0 writes {"checks": n, "failures": ["rank R: case: message", ...]} for all ranks.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
-import torch
-import torch.distributed as dist
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe_train.models.moe.capacity import capacity_keep_mask, expert_capacity
-from moe_train.models.moe.dispatcher import LocalDispatcher, dispatcher_for
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from workers.common import finish, start  # noqa: E402
+
+from moe_train.models.moe.capacity import capacity_keep_mask, expert_capacity  # noqa: E402
+from moe_train.models.moe.dispatcher import LocalDispatcher, dispatcher_for  # noqa: E402
 
 HIDDEN = 8
 
@@ -217,10 +215,14 @@ CASES = ["random", "one_expert", "empty_experts", "silent_ranks", "empty_rank"] 
 ]
 
 
-def run_all(rank: int, world: int) -> list[str]:
+def run_all(rank: int, world: int) -> tuple[int, list[str]]:
+    """(checks run, failures) on this rank."""
     failures: list[str] = []
+    checks = 0
 
     def attempt(label: str, check: Callable[[], None]) -> None:
+        nonlocal checks
+        checks += 1
         try:
             check()
         except AssertionError as error:
@@ -250,31 +252,16 @@ def run_all(rank: int, world: int) -> list[str]:
         for case in CASES:
             attempt(f"ep2 x etp2 E4 {case} allgather", lambda c=case: check_case(
                 c, "allgather", group=dist.group.WORLD, num_experts=4, dtype=torch.float64, etp=2))
-    return failures
+    return checks, failures
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--store", required=True)
-    parser.add_argument("--rank", type=int, default=0)
-    args = parser.parse_args()
-    children = []
-    if args.rank == 0:
-        for rank in range(1, args.world):
-            argv = [sys.executable, __file__, "--world", str(args.world), "--store", args.store, "--rank", str(rank)]
-            children.append(subprocess.Popen(argv))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank, world_size=args.world)
-    failures = run_all(args.rank, args.world)
-    dist.barrier()  # no rank tears gloo down while another still talks to it
-    dist.destroy_process_group()
-    for line in failures:
-        print(line, file=sys.stderr)
-    codes = [child.wait() for child in children]
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1 if failures or any(codes) else 0)
+    _, result_path, rank, world = start()
+    checks, failures = run_all(rank, world)
+    every_rank: list = [None] * world
+    dist.all_gather_object(every_rank, (checks, failures))
+    finish({"checks": [c for c, _ in every_rank], "failures": [f for _, fs in every_rank for f in fs]}, result_path,
+           rank)
 
 
 if __name__ == "__main__":
