@@ -6,6 +6,7 @@ import typer
 
 from .convert import convert_app
 from .data import data_app
+from .plan import plan
 from .recipes import recipes_app
 from .render import render
 from .run import run
@@ -28,6 +29,7 @@ app = typer.Typer(
 app.add_typer(recipes_app, name="recipes")
 app.command()(validate)
 app.command()(schema)
+app.command()(plan)
 app.command()(run)
 app.command()(render)
 app.command()(submit)
