@@ -61,12 +61,11 @@ class GroupedExperts(nn.Module):
         gradient, which _grouped_mm's backward cannot (it rejects the empty strides), so the ranks' gradient
         reductions still line up.
         """
+        local_ffn = self.local_weights()[0].shape[1]  # the FFN dimension this rank holds (I / etp)
         if (
             self.use_grouped_mm
             and rows.shape[0] > 0
-            and grouped_mm_supported(
-                rows.dtype, rows.device, hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size
-            )
+            and grouped_mm_supported(rows.dtype, rows.device, hidden_size=self.hidden_size, ffn_hidden_size=local_ffn)
         ):
             return self._grouped(rows, tokens_per_expert)
         return self._loop(rows, tokens_per_expert)
