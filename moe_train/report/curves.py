@@ -15,6 +15,7 @@ from matplotlib.ticker import MaxNLocator
 from .history import RunHistory
 
 DPI = 110
+MARKERS_UP_TO = 50  # logged points drawn as dots too; more would blur the line
 
 
 def _series(records: list[dict], key: str, scale: float = 1.0) -> tuple[list[int], list[float]]:
@@ -60,9 +61,10 @@ def throughput_figure(histories: Sequence[RunHistory]) -> Figure:
     tokens_axes, mfu_axes = figure.subplots(2, 1, sharex=True)
     for index, history in enumerate(histories):
         color = f"C{index % 10}"
-        tokens_axes.plot(*_series(history.train, "tokens_per_s"), color=color, marker=".",
+        marker = "." if len(history.train) <= MARKERS_UP_TO else None
+        tokens_axes.plot(*_series(history.train, "tokens_per_s"), color=color, marker=marker,
                          label=_label(history, single, "tokens/s"))
-        mfu_axes.plot(*_series(history.train, "mfu", 100.0), color=color, marker=".",
+        mfu_axes.plot(*_series(history.train, "mfu", 100.0), color=color, marker=marker,
                       label=_label(history, single, "MFU"))
     tokens_axes.set_ylabel("tokens/s")
     tokens_axes.set_title("throughput" if not single else f"throughput: {histories[0].name}")
@@ -71,7 +73,7 @@ def throughput_figure(histories: Sequence[RunHistory]) -> Figure:
     mfu_axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     for axes in (tokens_axes, mfu_axes):
         axes.grid(alpha=0.3)
-        axes.set_ylim(bottom=0)
+        axes.set_ylim(0, axes.get_ylim()[1] * 1.05)  # from zero, with headroom above the highest point
     if not single:
         tokens_axes.legend(fontsize="small")
     return figure

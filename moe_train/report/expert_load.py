@@ -16,6 +16,7 @@ from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from .curves import MARKERS_UP_TO
 from .history import RunHistory
 
 MAX_COLUMNS = 400
@@ -61,7 +62,8 @@ def _balance_panel(axes, history: RunHistory, layers: list[str]) -> None:
         series[layer] = np.asarray(points, dtype=float).reshape(-1, 2)
     if len(layers) <= MAX_LINES:
         for layer, points in series.items():
-            axes.plot(points[:, 0], points[:, 1], marker=".", label=f"layer {layer}")
+            axes.plot(points[:, 0], points[:, 1], marker="." if len(points) <= MARKERS_UP_TO else None,
+                      label=f"layer {layer}")
     else:
         # Many layers: the spread over layers as a band, with the worst and the median layer as lines.
         steps = sorted({int(s) for points in series.values() for s in points[:, 0]})
