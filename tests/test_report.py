@@ -282,3 +282,20 @@ def test_report_imports_matplotlib_and_never_torch(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1].lower() == "[] agg"
     assert (run_dir / "report" / "expert_load.png").is_file()
+
+
+def test_a_skipped_steps_nulls_are_gaps_not_errors(tmp_path: Path) -> None:
+    nulls = train_line(2, None, loads=skewed(2))
+    nulls["skipped"] = 1
+    for stats in nulls["moe"].values():
+        stats.update(load_max_over_mean=None, load_cv=None, dropped_fraction=None)
+    third = train_line(3, 2.5, loads=skewed(3), dropped=0.02)
+    third["skipped"] = 1
+    run_dir = write_metrics(tmp_path / "run", [train_line(1, 3.0, loads=skewed(1)), nulls, third])
+    summary = summarize(read_history(run_dir, "run"))
+    assert (summary.skipped, summary.final_loss.value, summary.best_loss.step) == (1, 2.5, 3)
+    assert (summary.balance_start.step, summary.balance_end.step) == (1, 3)
+    assert (summary.dropped_mean, summary.dropped_end) == (pytest.approx(0.01), 0.02)
+    balance = expert_load_figure(read_history(run_dir, "run")).axes[-1]
+    layer0 = next(line for line in balance.get_lines() if line.get_label() == "layer 0")
+    assert list(layer0.get_xdata()) == [1, 2, 3] and math.isnan(layer0.get_ydata()[1])

@@ -57,8 +57,9 @@ def bin_columns(steps: np.ndarray, matrix: np.ndarray, max_columns: int = MAX_CO
 def _balance_panel(axes, history: RunHistory, layers: list[str]) -> None:
     series = {}
     for layer in layers:
-        points = [(r["step"], r["moe"][layer]["load_max_over_mean"]) for r in history.train
+        points = [(r["step"], r["moe"][layer].get("load_max_over_mean")) for r in history.train
                   if layer in (r.get("moe") or {})]
+        points = [(step, math.nan if value is None else value) for step, value in points]
         series[layer] = np.asarray(points, dtype=float).reshape(-1, 2)
     if len(layers) <= MAX_LINES:
         for layer, points in series.items():

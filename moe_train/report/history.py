@@ -39,7 +39,7 @@ class RunHistory:
     def moe_layers(self) -> list[str]:
         """The MoE layer keys seen in any train record, in layer order ("0", "1", ..., MTP blocks last)."""
         keys = {key for record in self.train for key in (record.get("moe") or {})}
-        return sorted(keys, key=int)
+        return sorted(keys, key=lambda key: (0, int(key), "") if key.isdigit() else (1, 0, key))
 
 
 def _record(line: str) -> dict[str, Any] | None:
@@ -60,7 +60,8 @@ def read_history(folder: Path, name: str) -> RunHistory:
             continue
         record = _record(line)
         if record is None:
-            history.unreadable += index < len(lines) - 1
+            if index < len(lines) - 1:
+                history.unreadable += 1
         elif record["kind"] == "train":
             history.train.append(record)
         else:

@@ -67,17 +67,25 @@ def _mean_after_first(records: list[dict], key: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _balances(record: dict) -> dict[str, float]:
+    """Each MoE layer's finite max/mean load in one record (a skipped step may log nulls)."""
+    return {layer: stats["load_max_over_mean"] for layer, stats in (record.get("moe") or {}).items()
+            if _finite(stats.get("load_max_over_mean"))}
+
+
 def _worst_layer(record: dict) -> LayerBalance:
-    layer, stats = max(record["moe"].items(), key=lambda item: item[1]["load_max_over_mean"])
-    return LayerBalance(record["step"], layer, stats["load_max_over_mean"])
+    layer, value = max(_balances(record).items(), key=lambda item: item[1])
+    return LayerBalance(record["step"], layer, value)
 
 
 def summarize(history: RunHistory) -> RunSummary:
     """Every figure the text shows, from the records alone."""
     train, last = history.train, history.train[-1]
     losses, evals = _losses(train), _losses(history.evals)
-    moe = [r for r in train if r.get("moe")]
+    moe = [r for r in train if _balances(r)]
     dropped = [s["dropped_fraction"] for r in moe for s in r["moe"].values() if _finite(s.get("dropped_fraction"))]
+    dropped_end = [s["dropped_fraction"] for s in moe[-1]["moe"].values() if _finite(s.get("dropped_fraction"))] \
+        if moe else []
     return RunSummary(
         name=history.name,
         complete=history.complete,
@@ -95,7 +103,7 @@ def summarize(history: RunHistory) -> RunSummary:
         balance_start=_worst_layer(moe[0]) if moe else None,
         balance_end=_worst_layer(moe[-1]) if moe else None,
         dropped_mean=sum(dropped) / len(dropped) if dropped else None,
-        dropped_end=max(s["dropped_fraction"] for s in moe[-1]["moe"].values()) if moe else None,
+        dropped_end=max(dropped_end) if dropped_end else None,
         unreadable=history.unreadable,
     )
 
@@ -135,8 +143,9 @@ def describe(summary: RunSummary) -> list[str]:
     else:
         lines.append(f"expert balance (worst layer's max/mean load): {_balance(summary.balance_start)} -> "
                      f"{_balance(summary.balance_end)}")
-        lines.append(f"dropped: {summary.dropped_mean:.2%} of expert assignments on average, "
-                     f"{summary.dropped_end:.2%} at step {summary.balance_end.step} (worst layer)")
+        if summary.dropped_mean is not None and summary.dropped_end is not None:
+            lines.append(f"dropped: {summary.dropped_mean:.2%} of expert assignments on average, "
+                         f"{summary.dropped_end:.2%} at step {summary.balance_end.step} (worst layer)")
     if summary.unreadable:
         lines.append(f"warning: {summary.unreadable} unreadable line(s) in metrics.jsonl skipped")
     return lines
