@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -25,8 +26,13 @@ REPO = Path(__file__).resolve().parents[1]
 EXPERTS = 8
 
 
+class TrainedRun(NamedTuple):
+    run_dir: Path
+    summary: Any  # moe_train.train.loop.Summary: the trainer's own end-of-run figures
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
+def trained(tmp_path_factory) -> TrainedRun:
     """A real qwen3-moe-tiny run of 4 steps with eval every 2: the metrics.jsonl the trainer writes. One thread:
     on this shared machine two contend with other processes and take three times as long."""
     import torch
@@ -42,10 +48,10 @@ def trained(tmp_path_factory) -> Path:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        Trainer(load_recipe("qwen3-moe-tiny", overrides)).train()
+        summary = Trainer(load_recipe("qwen3-moe-tiny", overrides)).train()
     finally:
         torch.set_num_threads(threads)
-    return run_dir
+    return TrainedRun(run_dir, summary)
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -99,34 +105,38 @@ def colored_pixels(image: np.ndarray) -> int:
     return int((rgb.max(axis=-1) - rgb.min(axis=-1) > 0.15).sum())
 
 
-def test_real_run_plots_and_summary_equal_the_file(trained: Path) -> None:
-    result = run_cli("report", str(trained))
+def test_real_run_plots_and_summary_equal_the_file(trained: TrainedRun) -> None:
+    run_dir = trained.run_dir
+    result = run_cli("report", str(run_dir))
     assert result.code == 0, result.stderr
-    out = trained / "report"  # the default output folder
+    out = run_dir / "report"  # the default output folder
     assert sorted(p.name for p in out.iterdir()) == ["expert_load.png", "loss.png", "throughput.png"]
     for name in ("loss.png", "throughput.png"):
         read_png(out / name)
     assert colored_pixels(read_png(out / "expert_load.png")) > 5000
 
     # Every figure recomputed from the file here, independently of the report's code.
-    lines = records(trained)
+    lines = records(run_dir)
     train = [r for r in lines if r["kind"] == "train"]
     evals = [r for r in lines if r["kind"] == "eval"]
     assert [r["step"] for r in train] == [1, 2, 3, 4] and [r["step"] for r in evals] == [2, 4]
     best = min(train, key=lambda r: r["loss"])
     best_eval = min(evals, key=lambda r: r["loss"])
-    tokens_per_s = sum(r["tokens_per_s"] for r in train[1:]) / 3
-    mfu = sum(r["mfu"] for r in train[1:]) / 3
+    tokens_per_s = 3 / sum(1 / r["tokens_per_s"] for r in train[1:])  # tokens over seconds of steps 2-4
+    mfu = 3 / sum(1 / r["mfu"] for r in train[1:])
     worst = [max(((s["load_max_over_mean"], layer) for layer, s in r["moe"].items())) for r in (train[0], train[-1])]
     dropped = [s["dropped_fraction"] for r in train for s in r["moe"].values()]
 
-    s = summarize(read_history(trained, "tiny"))
+    s = summarize(read_history(run_dir, "tiny"))
     assert (s.complete, s.last_step, s.logged_steps, s.skipped, s.tokens) == (True, 4, 4, 0, 4 * 4 * 32)
     assert (s.first_loss.value, s.final_loss.value) == (train[0]["loss"], train[-1]["loss"])
     assert (s.best_loss.step, s.best_loss.value) == (best["step"], best["loss"])
     assert (s.final_eval.step, s.final_eval.value) == (4, evals[-1]["loss"])
     assert (s.best_eval.step, s.best_eval.value) == (best_eval["step"], best_eval["loss"])
     assert s.tokens_per_s == pytest.approx(tokens_per_s, rel=1e-12) and s.mfu == pytest.approx(mfu, rel=1e-12)
+    # The trainer timed the same steps (all logged): its end-of-run figures are the report's.
+    assert s.tokens_per_s == pytest.approx(trained.summary.tokens_per_s, rel=1e-9)
+    assert s.mfu == pytest.approx(trained.summary.mfu, rel=1e-9)
     assert (s.balance_start.load_max_over_mean, s.balance_start.layer) == worst[0]
     assert (s.balance_end.load_max_over_mean, s.balance_end.layer) == worst[1]
     assert s.dropped_mean == pytest.approx(sum(dropped) / len(dropped))
@@ -142,13 +152,13 @@ def test_real_run_plots_and_summary_equal_the_file(trained: Path) -> None:
     assert f"dropped: {sum(dropped) / len(dropped):.2%}" in text
 
 
-def test_heatmap_draws_each_experts_load_relative_to_the_mean(trained: Path) -> None:
-    history = read_history(trained, "tiny")
+def test_heatmap_draws_each_experts_load_relative_to_the_mean(trained: TrainedRun) -> None:
+    history = read_history(trained.run_dir, "tiny")
     figure = expert_load_figure(history)
     meshes = {axes.get_title(): c for axes in figure.axes for c in axes.collections
               if isinstance(c, QuadMesh) and axes.get_title()}  # the colour bar's mesh has no title
     assert set(meshes) == {"layer 0", "layer 1"}
-    train = [r for r in records(trained) if r["kind"] == "train"]
+    train = [r for r in records(trained.run_dir) if r["kind"] == "train"]
     for layer in ("0", "1"):
         expected = np.array([[r["moe"][layer]["load"][e] * EXPERTS for r in train] for e in range(EXPERTS)])
         drawn = np.asarray(meshes[f"layer {layer}"].get_array()).reshape(EXPERTS, len(train))
@@ -181,7 +191,7 @@ def test_running_run_skips_a_half_written_last_line(tmp_path: Path) -> None:
     assert "loss: 3.7500 -> 2.7500 (best 2.7500 at step 5)" in result.stdout
     assert "eval loss: 3.5000 at step 3" in result.stdout
     assert "tokens/s" in result.stdout and "unreadable" not in result.stdout
-    mean_speed = sum(900.0 + 13 * step for step in range(2, 6)) / 4
+    mean_speed = 4 / sum(1 / (900.0 + 13 * step) for step in range(2, 6))
     assert f"speed: {mean_speed:,.0f} tokens/s" in result.stdout
     # Layer 0 holds half of the assignments on one of 8 experts at every step: max/mean 4; layer 1 is even.
     assert "4.00 (layer 0) at step 1 -> 4.00 (layer 0) at step 5" in result.stdout

@@ -1,7 +1,9 @@
 """The report's text: each run's figures computed once (`RunSummary`), then printed as lines or a sweep table.
 
-Speed is the mean of the logged steps' tokens/s and MFU with the first step left out when there are more (it
-pays for warm-up and allocation), as the trainer's own end-of-run summary does. Balance is the worst MoE layer's
+Speed is time-weighted, as in the trainer's own end-of-run summary: the logged steps' tokens over their seconds
+(the harmonic mean of their tokens/s, every step training the same number of tokens), with the first step left
+out when there are more (it pays for warm-up and allocation); a plain mean of rates would overweight fast steps.
+MFU is proportional to tokens/s, so it is averaged the same way. Balance is the worst MoE layer's
 max/mean load: the busiest expert's rank sets the pace under expert parallelism, so the worst layer is what a
 reader needs to know at the start and at the end, to see whether balancing brought it down.
 """
@@ -61,10 +63,11 @@ def _best(values: list[StepValue]) -> StepValue | None:
     return min(values, key=lambda v: v.value) if values else None
 
 
-def _mean_after_first(records: list[dict], key: str) -> float | None:
+def _time_weighted(records: list[dict], key: str) -> float | None:
+    """The harmonic mean of a rate over the logged steps after the first (all of them when there is one)."""
     kept = records[1:] if len(records) > 1 else records
-    values = [r[key] for r in kept if _finite(r.get(key))]
-    return sum(values) / len(values) if values else None
+    values = [r[key] for r in kept if _finite(r.get(key)) and r[key] > 0]
+    return len(values) / sum(1 / v for v in values) if values else None
 
 
 def _balances(record: dict) -> dict[str, float]:
@@ -98,8 +101,8 @@ def summarize(history: RunHistory) -> RunSummary:
         best_loss=_best(losses),
         final_eval=evals[-1] if evals else None,
         best_eval=_best(evals),
-        tokens_per_s=_mean_after_first(train, "tokens_per_s"),
-        mfu=_mean_after_first(train, "mfu"),
+        tokens_per_s=_time_weighted(train, "tokens_per_s"),
+        mfu=_time_weighted(train, "mfu"),
         balance_start=_worst_layer(moe[0]) if moe else None,
         balance_end=_worst_layer(moe[-1]) if moe else None,
         dropped_mean=sum(dropped) / len(dropped) if dropped else None,
@@ -137,7 +140,7 @@ def describe(summary: RunSummary) -> list[str]:
     ]
     if summary.final_eval is not None:
         lines.append(f"eval loss: {_at(summary.final_eval)} (best {_at(summary.best_eval)})")
-    lines.append(f"speed: {_speed(summary)} (mean over logged steps, the first left out)")
+    lines.append(f"speed: {_speed(summary)} (time-weighted over logged steps, the first left out)")
     if summary.balance_start is None:
         lines.append("expert balance: no MoE layers logged")
     else:
