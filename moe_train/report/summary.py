@@ -76,6 +76,11 @@ def _balances(record: dict) -> dict[str, float]:
             if _finite(stats.get("load_max_over_mean"))}
 
 
+def _dropped(record: dict) -> list[float]:
+    """Each MoE layer's finite dropped share in one record."""
+    return [s["dropped_fraction"] for s in (record.get("moe") or {}).values() if _finite(s.get("dropped_fraction"))]
+
+
 def _worst_layer(record: dict) -> LayerBalance:
     layer, value = max(_balances(record).items(), key=lambda item: item[1])
     return LayerBalance(record["step"], layer, value)
@@ -86,9 +91,8 @@ def summarize(history: RunHistory) -> RunSummary:
     train, last = history.train, history.train[-1]
     losses, evals = _losses(train), _losses(history.evals)
     moe = [r for r in train if _balances(r)]
-    dropped = [s["dropped_fraction"] for r in moe for s in r["moe"].values() if _finite(s.get("dropped_fraction"))]
-    dropped_end = [s["dropped_fraction"] for s in moe[-1]["moe"].values() if _finite(s.get("dropped_fraction"))] \
-        if moe else []
+    dropped = [share for r in moe for share in _dropped(r)]
+    dropped_end = _dropped(moe[-1]) if moe else []
     return RunSummary(
         name=history.name,
         complete=history.complete,
