@@ -1,0 +1,78 @@
+"""Executed FLOPs of one training step, split into forward, backward and recomputation.
+
+torch.utils.flop_counter.FlopCounterMode counts matrix multiplies (mm, addmm, bmm, SDPA kernels) at 2 FLOPs
+per multiply-add. It has no formula for two kernels this engine runs on CPU, so they are registered here:
+- `aten._scaled_dot_product_flash_attention_for_cpu` (and its backward): QK^T and PV over every query/key
+  pair, the causal mask not discounted (as torch counts its CUDA SDPA kernels and as the FLOPs formula does);
+  query heads may outnumber key/value heads (GQA), each query head costs the same. Backward counts 2x the
+  forward (dQ, dK, dV, dS GEMMs), as torch's `sdpa_backward_flop_count` does; the flash kernel's recomputed
+  scores are not counted, the same convention as torch's.
+- `aten._grouped_mm` (routed experts): 2 x rows x in x out over all groups, whatever the split between
+  experts. Its backward calls `_grouped_mm` again (data and weight gradients), counted by the same formula.
+Elementwise work (norms, activations, softmax, rotary) is not counted, as in the FLOPs formula.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from moe_train.measure.layers import LayerTracker
+
+PHASES = ("forward", "backward", "recompute")
+
+
+def _attention_flops(query: torch.Size, key: torch.Size, value: torch.Size) -> int:
+    batch, heads, queries, qk_dim = query
+    keys, v_dim = key[-2], value[-1]
+    return 2 * batch * heads * queries * keys * (qk_dim + v_dim)
+
+
+def sdpa_cpu_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
+    """Forward of the CPU flash kernel (shapes in, FLOPs out)."""
+    return _attention_flops(query, key, value)
+
+
+def sdpa_cpu_backward_flops(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    """Backward of the CPU flash kernel: twice the forward."""
+    return 2 * _attention_flops(query, key, value)
+
+
+def grouped_mm_flops(mat_a, mat_b, *args, out_val=None, **kwargs) -> int:
+    """torch._grouped_mm in its four layouts; every row (or column) belongs to exactly one group."""
+    if len(mat_a) == 2 and len(mat_b) == 3:  # [M, K] x [G, K, N]: rows split by offsets
+        return 2 * mat_a[0] * mat_a[1] * mat_b[2]
+    if len(mat_a) == 2 and len(mat_b) == 2:  # [M, K] x [K, N]: K split by offsets (weight gradients)
+        return 2 * mat_a[0] * mat_a[1] * mat_b[1]
+    if len(mat_a) == 3 and len(mat_b) == 2:  # [G, M, K] x [K, N]: N split by offsets
+        return 2 * mat_a[1] * mat_a[2] * mat_b[1]
+    return 2 * mat_a[0] * mat_a[1] * mat_a[2] * mat_b[2]  # [G, M, K] x [G, K, N]
+
+
+CPU_FORMULAS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: sdpa_cpu_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_cpu_backward_flops,
+    torch.ops.aten._grouped_mm: grouped_mm_flops,
+}
+
+
+class PhaseFlopCounter(FlopCounterMode):
+    """FlopCounterMode with the formulas above, adding each op's FLOPs to the phase the layer tracker reports."""
+
+    def __init__(self, layers: LayerTracker) -> None:
+        super().__init__(display=False, custom_mapping=CPU_FORMULAS)
+        self.layers = layers
+        self.by_phase: dict[str, int] = defaultdict(int)
+
+    def _count_flops(self, func_packet, out, args, kwargs):
+        if func_packet in self.flop_registry:
+            flops = self.flop_registry[func_packet](*args, **kwargs, out_val=out)
+            self.by_phase[self.layers.phase()] += int(flops)
+        return out
+
+    def totals(self) -> dict[str, int]:
+        """{"forward", "backward", "recompute", "total"}."""
+        counts = {phase: self.by_phase.get(phase, 0) for phase in PHASES}
+        return {**counts, "total": sum(counts.values())}
