@@ -6,6 +6,7 @@ import typer
 
 from .convert import convert_app
 from .data import data_app
+from .measure import measure
 from .recipes import recipes_app
 from .render import render
 from .run import run
@@ -32,6 +33,7 @@ app.command()(run)
 app.command()(render)
 app.command()(submit)
 app.command()(sweep)
+app.command()(measure)
 app.command()(runs)
 app.add_typer(data_app, name="data")
 app.add_typer(convert_app, name="convert")

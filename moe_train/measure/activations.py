@@ -68,7 +68,7 @@ class SavedTensorTracker:
         self.layers = layers
         # Keyed by (micro-batch, storage): a storage freed by one micro-batch's backward may be reused by the next.
         self.saved: dict[tuple[int, int], _Saved] = {}
-        self.shared: set[int] = set()
+        self.shared: set[tuple[int, int]] = set()  # (micro-batch, storage), as `saved`
         self.copies = ParameterCopies()
         self._weights = {storage_key(p) for p in model.parameters()}
         self._handles = [model.rope.register_forward_hook(self._rope_tables)] if hasattr(model, "rope") else []
@@ -76,10 +76,14 @@ class SavedTensorTracker:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
 
     def _rope_tables(self, module: nn.Module, args: tuple, output: object) -> None:
-        self.shared.update(storage_key(t) for t in tree_leaves(output) if isinstance(t, torch.Tensor))
+        micro_batch = self.layers.model_forwards
+        self.shared.update((micro_batch, storage_key(t)) for t in tree_leaves(output) if isinstance(t, torch.Tensor))
 
     def _masks(self, module: nn.Module, args: tuple) -> None:
-        self.shared.update(storage_key(t) for t in args if isinstance(t, torch.Tensor) and t.dtype == torch.bool)
+        micro_batch = self.layers.model_forwards
+        self.shared.update(
+            (micro_batch, storage_key(t)) for t in args if isinstance(t, torch.Tensor) and t.dtype == torch.bool
+        )
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if in_backward() or _is_parameter(tensor):
@@ -115,7 +119,7 @@ class SavedTensorTracker:
             if micro_batch != 1:
                 continue
             (layer,) = entry.layers if len(entry.layers) == 1 else (None,)
-            out[OTHER if layer is None or key in self.shared else str(layer)] += entry.bytes
+            out[OTHER if layer is None or (micro_batch, key) in self.shared else str(layer)] += entry.bytes
         return dict(out)
 
     def total(self) -> int:

@@ -35,27 +35,6 @@ class Target:
     fake: bool = False
 
 
-def layer_kinds(recipe: Recipe) -> tuple[int, ...]:
-    """One layer of each kind: the first dense layer and the first MoE layer the model has."""
-    cfg = recipe.model
-    dense = next((i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)), None)
-    moe = next((i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)), None)
-    return tuple(i for i in (dense, moe) if i is not None)
-
-
-def layer_problems(recipe: Recipe, layers: tuple[int, ...]) -> list[str]:
-    """Why `--layers` cannot be measured (indices past the decoder layers name MTP modules)."""
-    cfg = recipe.model
-    last = cfg.num_layers + cfg.mtp_layers
-    bad = [i for i in layers if not 0 <= i < last]
-    if not layers:
-        return ["--layers: name at least one layer"]
-    if bad:
-        mtp = f", {cfg.num_layers}..{last - 1} the MTP modules" if cfg.mtp_layers else ""
-        return [f"--layers: {bad} out of range (0..{cfg.num_layers - 1} are the decoder layers{mtp})"]
-    return []
-
-
 def keep_layers(model: Transformer, layers: tuple[int, ...]) -> None:
     """Drop every other layer (and MTP module) from the model, as a pipeline stage does."""
     num_layers = model.cfg.num_layers
