@@ -64,12 +64,11 @@ def _build(recipe: Recipe, target: Target, device: torch.device) -> Transformer:
 def _micro_batches(recipe: Recipe, target: Target, device: torch.device, dp_rank: int, dp_size: int) -> list:
     train = recipe.train
     count = train.global_batch_size // (train.micro_batch_size * dp_size)
-    if target.fake:  # the trainer's layout: inputs and labels are two views of one [b, s + 1] sample
-        samples = [
-            torch.randint(recipe.model.vocab_size, (train.micro_batch_size, train.seq_length + 1), device=device)
-            for _ in range(count)
-        ]
-        return [MicroBatch(inputs=t[:, :-1], labels=t[:, 1:], positions=None) for t in samples]
+    if target.fake:  # as the trainer lays them out: micro-batches are views of this rank's [B, s + 1] samples
+        samples = torch.randint(recipe.model.vocab_size, (count * train.micro_batch_size, train.seq_length + 1),
+                                device=device)
+        return [MicroBatch(inputs=t[:, :-1], labels=t[:, 1:], positions=None)
+                for t in samples.split(train.micro_batch_size)]
     from moe_train.data import build_datasets, global_batch, position_ids
 
     datasets = build_datasets(recipe)

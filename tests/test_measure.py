@@ -1,0 +1,220 @@
+"""`moe-train measure`: FLOPs, activation bytes, collective bytes and memory of one training step, held to
+independent counts; `--fake` at full size; the JSON contract; bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import assert_bad_input, run_cli
+
+from moe_train.config import load_recipe
+from moe_train.models.moe.router import Router, count_per_expert, even_topk_indices
+from moe_train.plan.params import attention_matrices, count_parameters, ffn_matrices
+from moe_train.train.flops import forward_flops_per_token
+
+REPO = Path(__file__).resolve().parents[1]
+# INTERFACES.md's keys, then the documented extras (docs/measure.md).
+CONTRACT_KEYS = {
+    "world_size", "rank", "layers", "activation_bytes_per_layer", "activation_bytes_total", "param_bytes",
+    "grad_bytes", "optimizer_bytes", "flops", "comm_bytes", "peak_memory_bytes",
+}
+EXTRA_KEYS = {"fake", "micro_batches", "tokens", "comm_calls"}
+SMALL = ("--set", "model.num_layers=2", "--set", "train.global_batch_size=4")  # 2 micro-batches of 2
+# deepseek-v3 at full size, in a layout the engine trains today (no pipeline, EP or recompute yet).
+DEEPSEEK_TODAY = (
+    "parallel.pp=1", "parallel.vpp=1", "parallel.pp_schedule=1f1b", "parallel.pp_layout=null", "parallel.ep=1",
+    "parallel.recompute.granularity=none",
+)
+
+
+def measure_json(*args: str) -> dict:
+    result = run_cli("measure", *args, "--json")
+    assert result.code == 0, (result.stdout, result.stderr)
+    report = json.loads(result.stdout)
+    assert set(report) == CONTRACT_KEYS | EXTRA_KEYS
+    assert set(report["flops"]) == {"forward", "backward", "recompute", "total"}
+    assert report["flops"]["total"] == sum(report["flops"][k] for k in ("forward", "backward", "recompute"))
+    assert report["activation_bytes_total"] == sum(report["activation_bytes_per_layer"].values())
+    assert set(report["activation_bytes_per_layer"]) == {*map(str, report["layers"]), "other"}
+    return report
+
+
+def executed_forward_flops_per_token(cfg, seq_length: int) -> float:
+    """The FLOPs formula plus what runs beyond the model FLOPs: MLA zero-pads V to the q/k head size for SDPA,
+    so PV runs over qk_dim columns (in every MLA layer, the MTP block's included). The head computes the real
+    vocabulary only (the model slices the padded rows off), so there is no padded-vocabulary term."""
+    extra = 0.0
+    if cfg.family == "deepseek_v3":
+        qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        padded_v = max(qk_dim - cfg.v_head_dim, 0)
+        extra = 2.0 * seq_length * cfg.num_attention_heads * padded_v * (cfg.num_layers + cfg.mtp_layers)
+    return forward_flops_per_token(cfg, seq_length=seq_length) + extra
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe-tiny", "deepseek-v3-tiny"])
+def test_flops_of_a_step_equal_the_executed_formula(name):
+    report = measure_json(name, *SMALL)
+    cfg = load_recipe(name, ["model.num_layers=2"]).model
+    tokens = 4 * 128
+    assert report["tokens"] == tokens and report["micro_batches"] == 2
+    forward = tokens * executed_forward_flops_per_token(cfg, 128)
+    flops = report["flops"]
+    assert flops["forward"] == pytest.approx(forward, rel=0.01)
+    assert flops["backward"] == pytest.approx(2 * forward, rel=0.01)  # data and weight gradients
+    assert flops["recompute"] == 0  # no recomputation configured
+
+
+def test_activation_bytes_of_a_dense_layer_equal_a_hand_count():
+    """One qwen3 layer, fp32, one sequence of T = 128 tokens: h 128, H 8 query heads, K 4 kv heads, d 16,
+    f 384. What autograd keeps (parameters and tensors an op needs no gradient from aside):
+    - input_layernorm: its input x, rsqrt r [T,1], x*r [T,h]; q/k/v projections: the norm's output [T,h];
+    - q_norm: q [T,H*d], its rsqrt [T,H], q*r; k_norm: the same over K heads; (the norms' outputs are not kept:
+      the rotary muls need only cos/sin, shared under `other`); rotated q and k (SDPA's inputs), v [T,K*d];
+    - SDPA (flash, CPU): its output [T,H*d] and logsumexp [T,H]; o_proj: the output made contiguous [T,H*d];
+    - post_attention_layernorm: the residual sum, rsqrt, x*r; gate/up: the norm's output;
+    - SwiGLU: gate output g (silu's input), silu(g), up output u, and silu(g)*u (down's input), each [T,f].
+    """
+    T, h, H, K, d, f = 128, 128, 8, 4, 16, 384
+    kept = (
+        6 * T * h  # x, x*r, norm out; residual sum, x*r, norm out
+        + 2 * T  # two rsqrt
+        + 5 * T * H * d  # q, q*r, rotated q, SDPA out, contiguous out
+        + 2 * T * H  # q_norm rsqrt, logsumexp
+        + 4 * T * K * d  # k, k*r, rotated k, v
+        + T * K  # k_norm rsqrt
+        + 4 * T * f  # g, silu(g), u, silu(g)*u
+    )
+    report = measure_json("qwen3-tiny", "--set", "model.num_layers=1", "--set", "train.global_batch_size=1",
+                          "--set", "train.micro_batch_size=1")
+    assert report["activation_bytes_per_layer"]["0"] == 4 * kept
+
+
+def test_fake_measures_what_the_real_step_does():
+    """Shapes decide FLOPs and saved bytes (dropless routing: T*K expert rows whatever the routing)."""
+    real = measure_json("qwen3-moe-tiny", *SMALL)
+    fake = measure_json("qwen3-moe-tiny", *SMALL, "--fake", "--layers", "0,1")
+    assert fake["fake"] and not real["fake"]
+    for key in ("flops", "activation_bytes_per_layer", "param_bytes", "grad_bytes", "optimizer_bytes", "tokens"):
+        assert fake[key] == real[key], key
+    # Every layer of a step saves the same bytes; a 2-layer model's layers are identical.
+    assert real["activation_bytes_per_layer"]["0"] == real["activation_bytes_per_layer"]["1"]
+
+
+def test_fake_full_size_deepseek_v3_layers():
+    start = time.monotonic()
+    args = [arg for item in DEEPSEEK_TODAY for arg in ("--set", item)]
+    report = measure_json("deepseek-v3", "--fake", *args)
+    elapsed = time.monotonic() - start
+    assert elapsed < 180, elapsed  # ~10 s alone on this machine
+    recipe = load_recipe("deepseek-v3", DEEPSEEK_TODAY, check_files=False)
+    cfg = recipe.model
+    assert report["layers"] == [0, 3]  # one dense layer, one MoE layer
+    assert report["world_size"] == 256 and report["rank"] == 0 and report["micro_batches"] == 8
+    # Parameters: embedding and head (padded vocabulary), final norm, layer 0 (dense) and layer 3 (MoE), fp32.
+    norms = 2 * cfg.hidden_size + cfg.q_lora_rank + cfg.kv_lora_rank
+    layers = 2 * (attention_matrices(cfg) + norms) + ffn_matrices(cfg, moe_layer=False, active=False)
+    layers += ffn_matrices(cfg, moe_layer=True, active=False)
+    params = 2 * cfg.padded_vocab_size() * cfg.hidden_size + cfg.hidden_size + layers
+    assert report["param_bytes"] == 4 * params
+    assert report["grad_bytes"] == report["param_bytes"]
+    assert 2 * params * 4 <= report["optimizer_bytes"] <= 2 * params * 4 + 4 * 100  # moments + step scalars
+    assert report["comm_bytes"] == {"dp/all_reduce": report["grad_bytes"]}  # one flat gradient all-reduce
+    # FLOPs: a 2-layer model with one dense-first layer has the same matmuls as layers 0 and 3.
+    two = cfg.model_copy(update={"num_layers": 2, "first_k_dense": 1, "mtp_layers": 0})
+    forward = report["tokens"] * executed_forward_flops_per_token(two, recipe.train.seq_length)
+    assert report["flops"]["forward"] == pytest.approx(forward, rel=0.01)
+    # Activations of one micro-batch (1 x 4096 tokens, bf16 autocast over fp32 residuals): bytes per token
+    # and hidden unit between Korthikanti's bf16 GPT layer (34, SDPA storing no s x s scores) and 10x that.
+    per_element = {k: v / (recipe.train.seq_length * cfg.hidden_size) for k, v in
+                   report["activation_bytes_per_layer"].items()}
+    assert 34 <= per_element["0"] <= 340, per_element
+    assert per_element["0"] < per_element["3"] <= 340, per_element  # routed rows: top-8 copies of each token
+    assert report["peak_memory_bytes"] >= report["param_bytes"] + report["grad_bytes"] + report["optimizer_bytes"]
+
+
+def _torchrun_or_kill(argv: list[str], *, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a multi-rank job in its own process group; on timeout kill the whole group (no orphaned ranks)."""
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=env)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"{argv[:6]} did not finish within {timeout} s")
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
+def test_comm_counter_on_known_collectives_two_ranks(tmp_path):
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            str(REPO / "tests" / "measure_ranks.py"), str(tmp_path)]
+    done = _torchrun_or_kill(argv, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    shared = {"ep/all_reduce": 40 + 12 + 12, "ep/all_gather": 24 + 8, "ep/reduce_scatter": 24, "ep/broadcast": 40}
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == {**shared, "ep/all_to_all": 3 * 16, "ep/send": 28}
+    assert ranks[1] == {**shared, "ep/all_to_all": 2 * 16, "ep/recv": 28}
+
+
+def test_two_rank_step_all_reduces_every_gradient_once(tmp_path):
+    """Today's data parallelism: one flat fp32 all-reduce of every gradient over dp (FSDP2 replaces it)."""
+    argv = [str(Path(sys.executable).parent / "moe-train"), "measure", "qwen3-tiny", "--nproc", "2", "--rank", "1",
+            "--json", *SMALL]
+    done = _torchrun_or_kill(argv, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert set(report) == CONTRACT_KEYS | EXTRA_KEYS
+    cfg = load_recipe("qwen3-tiny", ["model.num_layers=2"]).model
+    assert report["rank"] == 1 and report["world_size"] == 2
+    assert report["tokens"] == 2 * 128 and report["micro_batches"] == 1
+    assert report["comm_bytes"] == {"dp/all_reduce": 4 * count_parameters(cfg, padded=True).total}
+    assert report["comm_calls"] == {"dp/all_reduce": 1}
+
+
+def test_even_routing_spreads_every_token_over_distinct_experts():
+    indices = even_topk_indices(12, 4, 16, device=torch.device("cpu"))
+    assert all(len(set(row.tolist())) == 4 for row in indices)
+    assert count_per_expert(indices, 16).tolist() == [3] * 16
+    recipe = load_recipe("deepseek-v3-tiny")
+    router = Router(hidden_size=128, moe=recipe.model.moe)
+    torch.nn.init.normal_(router.weight)
+    torch.nn.init.zeros_(router.expert_bias)
+    x = torch.randn(32, 128)
+    assert not torch.equal(router(x).topk_indices, even_topk_indices(32, 4, 16, device=x.device))
+    Router.force_even_routing = True
+    try:
+        routing = router(x)
+    finally:
+        Router.force_even_routing = False
+    assert torch.equal(routing.topk_indices, even_topk_indices(32, 4, 16, device=x.device))
+    assert torch.equal(routing.topk_weights * 0 + 1, torch.ones(32, 4))
+    assert routing.topk_weights.requires_grad  # the scores of the chosen experts still carry the gradient
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (("--layers", "0,x"), "--layers"),
+        (("--layers", "8"), "out of range"),
+        (("--rank", "2"), "--rank"),
+        (("--fake", "--nproc", "2"), "exclude each other"),
+        (("--set", "parallel.tp=2", "--set", "launch.gpus_per_node=2", "--fake"), "not supported yet"),
+        (("--set", "model.hidden_size=oops"), "model.hidden_size"),
+    ],
+)
+def test_bad_input_exits_2(args, fragment):
+    assert_bad_input(run_cli("measure", "qwen3-tiny", *args), fragment)
+
+
+def test_command_module_does_not_import_torch():
+    code = "import sys, moe_train.cli.measure; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
