@@ -98,8 +98,10 @@ def report_table(recipe: Recipe, report: dict) -> Table:
     for phase in ("forward", "backward", "recompute", "total"):
         table.add_row(f"FLOPs {phase}", _flops(flops[phase]), "executed, matmuls and attention")
     for layer, value in report["activation_bytes_per_layer"].items():
-        what = "shared tables, embedding, head, loss" if layer == "other" else "saved for backward, one micro-batch"
-        table.add_row(f"activations layer {layer}", _bytes(value), what)
+        if layer == "other":
+            table.add_row("activations other", _bytes(value), "shared tables, embedding, head, loss")
+        else:
+            table.add_row(f"activations layer {layer}", _bytes(value), "saved for backward, one micro-batch")
     table.add_row("activations total", _bytes(report["activation_bytes_total"]), "one micro-batch")
     table.add_row("parameters", _bytes(report["param_bytes"]), "this rank's shards")
     table.add_row("gradients", _bytes(report["grad_bytes"]), "before the update")
