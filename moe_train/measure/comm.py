@@ -2,7 +2,9 @@
 
 Every collective torch runs goes through the dispatcher as a `c10d.*` op (torch.distributed's calls, FSDP2,
 torch.distributed.nn's autograd collectives) or a `_c10d_functional.*` op (functional collectives, DTensor),
-so one TorchDispatchMode sees them all, in forward, backward and recomputation alike. Payload, as
+so one TorchDispatchMode sees them all, in forward, backward and recomputation alike. One exception: a
+redistribution DTensor makes inside an op's dispatch (implicit resharding) runs out of this mode's sight;
+tensor-parallel plans redistribute in module hooks (funcol calls), which are seen. Payload, as
 ../shared/DECISIONS.md defines it: all-reduce, reduce-scatter and reduce: the input tensor(s); all-gather
 and gather: the local shard sent; all-to-all: the bytes sent to other ranks (this rank's own chunk stays);
 broadcast: the tensor; send and recv: the tensor sent or received. A collective over a group of one rank moves

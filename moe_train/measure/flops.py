@@ -1,7 +1,7 @@
 """Executed FLOPs of one training step, split into forward, backward and recomputation.
 
-torch.utils.flop_counter.FlopCounterMode counts matrix multiplies (mm, addmm, bmm, SDPA kernels) at 2 FLOPs
-per multiply-add. It has no formula for two kernels this engine runs on CPU, so they are registered here:
+torch.utils.flop_counter's formulas (those FlopCounterMode uses) count matrix multiplies (mm, addmm, bmm, SDPA
+kernels) at 2 FLOPs per multiply-add. They lack two kernels this engine runs on CPU, registered here:
 - `aten._scaled_dot_product_flash_attention_for_cpu` (and its backward): QK^T and PV over every query/key
   pair, the causal mask not discounted (as torch counts its CUDA SDPA kernels and as the FLOPs formula does);
   query heads may outnumber key/value heads (GQA), each query head costs the same. Backward counts 2x the
@@ -17,7 +17,10 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from moe_train.measure.layers import LayerTracker
 
@@ -58,17 +61,28 @@ CPU_FORMULAS = {
 }
 
 
-class PhaseFlopCounter(FlopCounterMode):
-    """FlopCounterMode with the formulas above, adding each op's FLOPs to the phase the layer tracker reports."""
+class PhaseFlopCounter(TorchDispatchMode):
+    """FlopCounterMode's formulas plus the ones above, each op's FLOPs added to the phase the layer tracker
+    reports. An op on DTensors is counted on this rank's local shards (a global-shape count would credit every
+    rank with the whole matmul); DTensor runs it inside its own dispatch, out of this mode's sight."""
 
     def __init__(self, layers: LayerTracker) -> None:
-        super().__init__(display=False, custom_mapping=CPU_FORMULAS)
+        super().__init__()
         self.layers = layers
+        self.formulas = {**flop_registry, **{op: shape_wrapper(fn) for op, fn in CPU_FORMULAS.items()}}
         self.by_phase: dict[str, int] = defaultdict(int)
 
-    def _count_flops(self, func_packet, out, args, kwargs):
-        if func_packet in self.flop_registry:
-            flops = self.flop_registry[func_packet](*args, **kwargs, out_val=out)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = self.formulas.get(func._overloadpacket)
+        if formula is not None:
+            local_args, local_kwargs, local_out = tree_map_only(DTensor, DTensor.to_local, (args, kwargs, out))
+            try:
+                flops = formula(*local_args, **local_kwargs, out_val=local_out)
+            except AssertionError as error:  # shards that DTensor reshards inside the op: no local count exists
+                raise NotImplementedError(f"measure cannot count {func} on DTensor shards that do not multiply "
+                                          f"locally ({error})") from error
             self.by_phase[self.layers.phase()] += int(flops)
         return out
 

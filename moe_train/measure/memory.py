@@ -74,6 +74,6 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor) and not isinstance(tensor, DTensor):
-                self._track(tensor)
+            if isinstance(tensor, torch.Tensor):  # a DTensor holds its shard in a plain local tensor
+                self._track(tensor.to_local() if isinstance(tensor, DTensor) else tensor)
         return out
