@@ -218,3 +218,29 @@ def test_command_module_does_not_import_torch():
     code = "import sys, moe_train.cli.measure; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_dtensor_ops_are_counted_on_this_ranks_shards():
+    """A column-sharded matmul costs each of 2 ranks half; a partial norm's implicit all-reduce is seen."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from moe_train.measure.comm import CommCounter, mesh_group_namer
+    from moe_train.measure.dtensor import local_dtensor_ops
+    from moe_train.measure.fake import fake_process_group
+    from moe_train.measure.flops import PhaseFlopCounter
+    from moe_train.measure.layers import LayerTracker
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict()
+    with fake_process_group(rank=1, world_size=2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        weight = distribute_tensor(torch.randn(8, 16), mesh, [Shard(0)])
+        x = distribute_tensor(torch.randn(4, 16), mesh, [Replicate()])
+        flops, comm = PhaseFlopCounter(LayerTracker(model)), CommCounter(mesh_group_namer([mesh]))
+        with local_dtensor_ops(), comm, flops:
+            y = x @ weight.t()  # local [4, 16] x [16, 4]
+            torch.linalg.vector_norm(weight).full_tensor()  # partial sums of squares, all-reduced
+    assert y.to_local().shape == (4, 4)
+    assert flops.totals()["forward"] == 2 * 4 * 16 * 4
+    assert dict(comm.bytes) == {"tp/all_reduce": 4}

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from moe_train.measure.dtensor import on_dtensors
 from moe_train.measure.layers import LayerTracker, in_backward
 
 OTHER = "other"
@@ -44,6 +45,8 @@ class ParameterCopies(TorchDispatchMode):
         self.keys: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if on_dtensors(types):
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten._to_copy.default and _is_parameter(args[0]):
             self.keys.add(storage_key(out))

@@ -2,9 +2,8 @@
 
 Every collective torch runs goes through the dispatcher as a `c10d.*` op (torch.distributed's calls, FSDP2,
 torch.distributed.nn's autograd collectives) or a `_c10d_functional.*` op (functional collectives, DTensor),
-so one TorchDispatchMode sees them all, in forward, backward and recomputation alike. One exception: a
-redistribution DTensor makes inside an op's dispatch (implicit resharding) runs out of this mode's sight;
-tensor-parallel plans redistribute in module hooks (funcol calls), which are seen. Payload, as
+so one TorchDispatchMode sees them all, in forward, backward and recomputation alike, DTensor's implicit
+redistributions included (dtensor.py). Payload, as
 ../shared/DECISIONS.md defines it: all-reduce, reduce-scatter and reduce: the input tensor(s); all-gather
 and gather: the local shard sent; all-to-all: the bytes sent to other ranks (this rank's own chunk stays);
 broadcast: the tensor; send and recv: the tensor sent or received. A collective over a group of one rank moves
@@ -20,6 +19,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from moe_train.measure.dtensor import on_dtensors
 
 c10d = torch.ops.c10d
 functional = torch.ops._c10d_functional
@@ -105,6 +106,8 @@ class CommCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if on_dtensors(types):
+            return NotImplemented
         spec = _OPS.get(func)
         if spec is not None:
             op, payload, group_arg = spec

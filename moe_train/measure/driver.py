@@ -18,6 +18,7 @@ import torch.distributed as dist
 from moe_train.config.schema import Recipe
 from moe_train.measure.activations import SavedTensorTracker
 from moe_train.measure.comm import CommCounter, mesh_group_namer
+from moe_train.measure.dtensor import local_dtensor_ops
 from moe_train.measure.flops import PhaseFlopCounter
 from moe_train.measure.layers import LayerTracker
 from moe_train.measure.memory import LiveBytes, grad_bytes, optimizer_bytes, param_bytes
@@ -117,7 +118,7 @@ def measure_step(recipe: Recipe, target: Target, meshes: Meshes | None) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with contextlib.ExitStack() as stack:
-        for context in (live, comm, flops, saved):
+        for context in (local_dtensor_ops(), live, comm, flops, saved):
             stack.enter_context(context)
         train_step(model, optimizer, micro_batches, recipe=recipe, device=device, dp_group=dp_group)
     layers.close()

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from moe_train.measure.dtensor import on_dtensors
 from moe_train.models.moe.router import Router
 
 
@@ -29,6 +30,8 @@ class CpuKernelShapes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if on_dtensors(types):
+            return NotImplemented
         if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
             a, b, *rest = args
             shape = func(a.to(torch.bfloat16).contiguous(), b.to(torch.bfloat16).contiguous(), *rest, **kwargs).shape

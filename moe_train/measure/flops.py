@@ -17,11 +17,10 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map_only
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
+from moe_train.measure.dtensor import on_dtensors, sharding_propagation
 from moe_train.measure.layers import LayerTracker
 
 PHASES = ("forward", "backward", "recompute")
@@ -63,8 +62,8 @@ CPU_FORMULAS = {
 
 class PhaseFlopCounter(TorchDispatchMode):
     """FlopCounterMode's formulas plus the ones above, each op's FLOPs added to the phase the layer tracker
-    reports. An op on DTensors is counted on this rank's local shards (a global-shape count would credit every
-    rank with the whole matmul); DTensor runs it inside its own dispatch, out of this mode's sight."""
+    reports. DTensor ops are counted as the local ops they run on this rank's shards (dtensor.py): a
+    global-shape count would credit every rank with the whole matmul."""
 
     def __init__(self, layers: LayerTracker) -> None:
         super().__init__()
@@ -74,16 +73,12 @@ class PhaseFlopCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if on_dtensors(types):
+            return NotImplemented
         out = func(*args, **kwargs)
         formula = self.formulas.get(func._overloadpacket)
-        if formula is not None:
-            local_args, local_kwargs, local_out = tree_map_only(DTensor, DTensor.to_local, (args, kwargs, out))
-            try:
-                flops = formula(*local_args, **local_kwargs, out_val=local_out)
-            except AssertionError as error:  # shards that DTensor reshards inside the op: no local count exists
-                raise NotImplementedError(f"measure cannot count {func} on DTensor shards that do not multiply "
-                                          f"locally ({error})") from error
-            self.by_phase[self.layers.phase()] += int(flops)
+        if formula is not None and not sharding_propagation():
+            self.by_phase[self.layers.phase()] += int(formula(*args, **kwargs, out_val=out))
         return out
 
     def totals(self) -> dict[str, int]:

@@ -20,6 +20,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from moe_train.measure.dtensor import on_dtensors, sharding_propagation
+
 
 def local_bytes(tensor: torch.Tensor) -> int:
     """Bytes this rank holds of a tensor (its local shard for a DTensor)."""
@@ -72,8 +74,11 @@ class LiveBytes(TorchDispatchMode):
             self.live -= self._sizes.pop(key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if on_dtensors(types):
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
-        for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor):  # a DTensor holds its shard in a plain local tensor
-                self._track(tensor.to_local() if isinstance(tensor, DTensor) else tensor)
+        if not sharding_propagation():
+            for tensor in tree_leaves(out):
+                if isinstance(tensor, torch.Tensor):
+                    self._track(tensor)
         return out
