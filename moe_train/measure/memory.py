@@ -3,8 +3,9 @@
 On CUDA the peak is `torch.cuda.max_memory_allocated` over the step (the caching allocator's own count of
 live tensor bytes). On CPU, and for fake tensors, which allocate nothing, `LiveBytes` counts the same thing
 itself: a TorchDispatchMode registers the storage of every tensor an op returns, a weak reference with a
-callback subtracts it when the storage is freed, and the peak is the highest sum seen, starting from the
-storages alive when the step begins (parameters, buffers, optimizer state). It counts tensor storages only:
+callback subtracts it when the storage is freed, in-place storage resizes (FSDP2 frees and refills its
+gathered parameters so) adjust it, and the peak is the highest sum seen, starting from the storages alive when
+the step begins (parameters, buffers, optimizer state). It counts tensor storages only:
 no allocator rounding or caching, no framework workspaces, no Python objects, so it is a lower bound of what
 a CUDA allocator would report and comparable across layouts.
 """
@@ -72,6 +73,28 @@ class LiveBytes(TorchDispatchMode):
     def _free(self, key: int) -> None:
         if self._refs.pop(key, None) is not None:
             self.live -= self._sizes.pop(key)
+
+    def __enter__(self) -> LiveBytes:
+        # FSDP2 frees and refills its gathered parameters by resizing their storage in place, which is not an
+        # op: follow those resizes too, for the duration of the step.
+        self._resize = torch.UntypedStorage.resize_
+        live = self
+
+        def resize(storage: torch.UntypedStorage, size: int):
+            out = live._resize(storage, size)
+            key = storage._cdata
+            if key in live._sizes:
+                live.live += storage.nbytes() - live._sizes[key]
+                live._sizes[key] = storage.nbytes()
+                live.peak = max(live.peak, live.live)
+            return out
+
+        torch.UntypedStorage.resize_ = resize
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        torch.UntypedStorage.resize_ = self._resize
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if on_dtensors(types):
