@@ -7,6 +7,7 @@ import typer
 from .convert import convert_app
 from .data import data_app
 from .measure import measure
+from .plan import plan
 from .recipes import recipes_app
 from .render import render
 from .run import run
@@ -29,11 +30,12 @@ app = typer.Typer(
 app.add_typer(recipes_app, name="recipes")
 app.command()(validate)
 app.command()(schema)
+app.command()(plan)
+app.command()(measure)
 app.command()(run)
 app.command()(render)
 app.command()(submit)
 app.command()(sweep)
-app.command()(measure)
 app.command()(runs)
 app.add_typer(data_app, name="data")
 app.add_typer(convert_app, name="convert")

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .hardware import HARDWARE
+from .hardware import HardwareError, hardware_table
 from .pp_layout import LayoutError, parse_layout
 from .schema import DEEPSEEK_ONLY_FIELDS, MLA_FIELDS, Recipe
 
@@ -113,6 +113,9 @@ def _moe(r: Recipe) -> list[Problem]:
                 out.append(
                     _p("model.moe.top_k", f"{moe.top_k} exceeds the {reachable} experts in group_top_k groups")
                 )
+    if router.load_balancing == "all_layers_aux_loss" and r.parallel.pp > 1:
+        out.append(_p("model.moe.router.load_balancing", "all_layers_aux_loss needs every layer's counts before any "
+                      "backward, which pipeline stages (pp > 1) cannot share; use aux_loss or global_aux_loss"))
     if moe.pad_to_capacity and moe.capacity_factor is None:
         out.append(_p("model.moe.pad_to_capacity", "needs capacity_factor (dropless has no capacity)"))
     return out
@@ -247,9 +250,14 @@ def _train(r: Recipe) -> list[Problem]:
 
 def _launch(r: Recipe) -> list[Problem]:
     launch, out = r.launch, []
-    hardware = HARDWARE.get(launch.gpu)
+    try:
+        table = hardware_table()
+    except HardwareError as error:
+        return [_p("launch.gpu", str(error))]
+    hardware = table.get(launch.gpu)
     if hardware is None:
-        out.append(_p("launch.gpu", f"unknown '{launch.gpu}'; allowed: {', '.join(HARDWARE)}"))
+        out.append(_p("launch.gpu", f"unknown '{launch.gpu}'; allowed: {', '.join(table)} (or add it in a hardware "
+                      "file: docs/plan.md)"))
     else:
         if launch.device == "cpu" and launch.gpu != "cpu":
             out.append(_p("launch.gpu", f"'{launch.gpu}' with launch.device cpu; use gpu: cpu or device: cuda"))

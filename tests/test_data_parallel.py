@@ -1,0 +1,103 @@
+"""FSDP2 data parallelism against the single-process run of the same recipe, parameter by parameter.
+
+Each layout trains on real gloo ranks (tests/workers/train_layouts.py, several cases per job); the reference
+trains the same recipe in this process at world size 1. Compared: the loss of every step (relative 1e-5), every
+gradient of step 1 and every parameter and buffer (the expert bias included) after the last step (rtol 1e-4,
+atol 1e-6), the expert balance figures of every step, and the initial weights bit for bit (sharded
+initialisation draws each rank's shard, and each expert, by name).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from multirank import run_ranks
+from workers.record import record_run
+
+from moe_train.config import load_recipe
+from moe_train.models import build_model
+
+# Adam normalises each element's step: for a gradient element g near zero the step's sensitivity to g is about
+# lr / (4 * eps), so the rounding difference of another reduction order (a reduce-scatter of partial sums, not one
+# sum), ~1e-10 on a rare token's embedding row, became a 2e-6 step difference with eps 1e-8 (one element in 49k).
+# eps 1e-6 keeps that sensitivity 100x lower; every other element agrees to ~1e-8 either way.
+SHRINK = ["model.num_layers=2", "train.seq_length=32", "train.global_batch_size=8", "train.warmup_steps=1",
+          "train.lr=1e-3", "train.min_lr=1e-4", "train.adam_eps=1e-6", "train.eval_interval=null",
+          "checkpoint.interval=null", "logging.interval=1"]
+STEPS = 3
+
+FP32 = {
+    "qwen3-tiny": ["train.micro_batch_size=2", "train.precision=fp32"],
+    "qwen3-moe-tiny": ["train.micro_batch_size=1", "train.precision=fp32"],  # 4 (DP2) or 2 (DP4) micro-batches
+    "deepseek-v3-tiny": ["train.micro_batch_size=2", "train.precision=fp32"],  # MTP, expert bias, dense layer
+}
+BF16 = ["train.micro_batch_size=2", "train.precision=bf16"]
+# bf16 compute differs between layouts only through the order of fp32 reductions and per-rank batch shapes
+# (parameters stay fp32, gradients are reduced in fp32): losses within 1e-3, parameters within 1e-3 + 1e-2 rel.
+BF16_TOLERANCE = {"loss": 1e-3, "rtol": 1e-2, "atol": 1e-3}
+
+
+def case(case_id: str, recipe: str, overrides: list[str], **extra) -> dict:
+    return {"id": case_id, "recipe": recipe, "overrides": [*SHRINK, *overrides], "steps": STEPS, **extra}
+
+
+def reference(tmp_path: Path, recipe: str, overrides: list[str]) -> dict:
+    return record_run(recipe, [*SHRINK, *overrides], world=1, run_dir=tmp_path / f"ref-{recipe}", steps=STEPS)
+
+
+def assert_same_run(got: dict, want: dict, *, loss: float = 1e-5, rtol: float = 1e-4, atol: float = 1e-6) -> None:
+    assert got["losses"] == pytest.approx(want["losses"], rel=loss)
+    assert set(got["grads"]) == set(want["grads"])
+    for name, grad in want["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"gradient of {name}: {m}")
+    assert set(got["state"]) == set(want["state"])
+    for name, value in want["state"].items():
+        torch.testing.assert_close(got["state"][name], value, rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"{name} after {STEPS} steps: {m}")
+    for got_step, want_step in zip(got["moe"], want["moe"], strict=True):
+        if want_step is not None:  # the same routing: the same load figures, layer by layer
+            assert got_step.keys() == want_step.keys()
+            for layer, figures in want_step.items():
+                assert got_step[layer] == pytest.approx(figures, rel=1e-6), layer
+
+
+def test_fsdp2_dp2_equals_single_process(tmp_path: Path) -> None:
+    cases = [case(f"fp32-{name}", name, overrides) for name, overrides in FP32.items()]
+    cases.append(case("bf16-qwen3-moe-tiny", "qwen3-moe-tiny", BF16))
+    cases.append(case("resume-qwen3-moe-tiny", "qwen3-moe-tiny", FP32["qwen3-moe-tiny"], steps=4, stop_at=2))
+    cases.append(case("straight-qwen3-moe-tiny", "qwen3-moe-tiny", FP32["qwen3-moe-tiny"], steps=4))
+    saved = run_ranks("train_layouts", 2, {"cases": cases, "run_root": str(tmp_path / "dp2")}, tmp_path,
+                      timeout=300)
+    records = {key: torch.load(path, weights_only=True) for key, path in saved.items()}
+    for name, overrides in FP32.items():
+        want = reference(tmp_path, name, overrides)
+        assert_same_run(records[f"fp32-{name}"], want)
+        # Sharded initialisation equals the eager, unsharded build, bit for bit (one rank and two).
+        plain = build_model(load_recipe(name, [*SHRINK, *overrides]).model, seed=1234).state_dict()
+        for label, source in (("one rank", want), ("two ranks", records[f"fp32-{name}"])):
+            for key, value in plain.items():
+                assert torch.equal(source["initial"][key], value), f"{name} at {label}: {key}"
+    want = reference(tmp_path / "bf16", "qwen3-moe-tiny", BF16)
+    assert_same_run(records["bf16-qwen3-moe-tiny"], want, **BF16_TOLERANCE)
+
+    # Stop at step 2 and resume under FSDP2 at DP=2: bitwise the uninterrupted run, losses and state.
+    resumed, straight = records["resume-qwen3-moe-tiny"], records["straight-qwen3-moe-tiny"]
+    assert resumed["started"] == 2
+    for key, value in straight["state"].items():
+        assert torch.equal(resumed["state"][key], value), key
+    logged = [json.loads(line) for line in (tmp_path / "dp2" / "resume-qwen3-moe-tiny" / "metrics.jsonl").open()]
+    resumed_losses = [r["loss"] for r in logged if r["kind"] == "train"]
+    assert resumed_losses == straight["losses"]
+
+
+def test_fsdp2_dp4_equals_single_process(tmp_path: Path) -> None:
+    names = ("qwen3-tiny", "qwen3-moe-tiny")
+    cases = [case(f"fp32-{name}", name, FP32[name]) for name in names]
+    saved = run_ranks("train_layouts", 4, {"cases": cases, "run_root": str(tmp_path / "dp4")}, tmp_path,
+                      timeout=300)
+    for name in names:
+        assert_same_run(torch.load(saved[f"fp32-{name}"], weights_only=True), reference(tmp_path, name, FP32[name]))
