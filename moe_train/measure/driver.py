@@ -9,22 +9,24 @@ process at any world size, playing rank R with fake tensors and a fake process g
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from moe_train.config.schema import Recipe
 from moe_train.measure.activations import SavedTensorTracker
-from moe_train.measure.comm import CommCounter, mesh_group_namer
+from moe_train.measure.comm import CommCounter
 from moe_train.measure.dtensor import local_dtensor_ops
 from moe_train.measure.flops import PhaseFlopCounter
 from moe_train.measure.layers import LayerTracker
 from moe_train.measure.memory import LiveBytes, grad_bytes, optimizer_bytes, param_bytes
 from moe_train.measure.step import MicroBatch, train_step
+from moe_train.models.init import init_weights, materialize
 from moe_train.models.model import Transformer
-from moe_train.parallel.mesh import Meshes, MeshShape, build_meshes
+from moe_train.parallel import parallelize
+from moe_train.parallel.bootstrap import bootstrap, shutdown
+from moe_train.parallel.context import ParallelContext
+from moe_train.train.optimizer import build_optimizer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,17 +49,17 @@ def keep_layers(model: Transformer, layers: tuple[int, ...]) -> None:
             del model.mtp[name]
 
 
-def _build(recipe: Recipe, target: Target, device: torch.device) -> Transformer:
-    """The model cut to the target's layers: fake tensors (built directly under fake mode, shapes only), or
-    built on the meta device, cut, then materialised and initialised by name."""
-    from moe_train.models.init import materialize
-
-    with torch.device(device if target.fake else "meta"):
+def _build(recipe: Recipe, target: Target, ctx: ParallelContext) -> Transformer:
+    """The trainer's model, cut to the target's layers: built on the meta device (fake: directly as fake
+    tensors, shapes only), cut, parallelised, then (real) allocated and initialised by name."""
+    with torch.device(ctx.device if target.fake else "meta"):
         model = Transformer(recipe.model)
     if target.layers is not None:
         keep_layers(model, target.layers)
+    model = parallelize(model, recipe, ctx)
     if not target.fake:
-        materialize(model, device=device, seed=recipe.train.seed, init_std=recipe.model.init_std)
+        materialize(model, device=ctx.device)
+        init_weights(model, seed=recipe.train.seed, init_std=recipe.model.init_std)
     model.train()
     return model
 
@@ -84,25 +86,12 @@ def _micro_batches(recipe: Recipe, target: Target, device: torch.device, dp_rank
     return out
 
 
-def device_of(recipe: Recipe, target: Target) -> torch.device:
-    if recipe.launch.device == "cuda" and not target.fake:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def measure_step(recipe: Recipe, target: Target, meshes: Meshes | None) -> dict:
-    """Run one step on this rank and return the report dict; `meshes` exist when a process group does."""
-    from moe_train.train.optimizer import build_optimizer
-
-    device = device_of(recipe, target)
+def measure_step(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
+    """Run one step on this rank (every rank of the job calls it) and return the report dict."""
     torch.manual_seed(recipe.train.seed)
-    distributed = meshes is not None
-    dp_group = meshes.dense.get_group("dp") if meshes is not None else None
-    dp_rank, dp_size = (dp_group.rank(), dp_group.size()) if dp_group is not None else (0, 1)
-
-    model = _build(recipe, target, device)
+    model = _build(recipe, target, ctx)
     optimizer = build_optimizer(model, train=recipe.train)
-    micro_batches = _micro_batches(recipe, target, device, dp_rank, dp_size)
+    micro_batches = _micro_batches(recipe, target, ctx.device, ctx.coord("dp"), ctx.size("dp"))
     grads: dict[str, int] = {}
 
     def gradients_ready(*_) -> None:  # the gradients exist between backward and the update
@@ -112,21 +101,21 @@ def measure_step(recipe: Recipe, target: Target, meshes: Meshes | None) -> dict:
 
     layers = LayerTracker(model)
     saved = SavedTensorTracker(model, layers)
-    comm = CommCounter(mesh_group_namer([meshes.dense, meshes.expert]) if meshes is not None else str)
+    comm = CommCounter(ctx.group_name)
     flops = PhaseFlopCounter(layers)
     live = LiveBytes([*model.parameters(), *model.buffers()])
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
     with contextlib.ExitStack() as stack:
         for context in (local_dtensor_ops(), live, comm, flops, saved):
             stack.enter_context(context)
-        train_step(model, optimizer, micro_batches, recipe=recipe, device=device, dp_group=dp_group)
+        train_step(model, optimizer, micro_batches, recipe=recipe, ctx=ctx)
     layers.close()
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else live.peak
+    peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else live.peak
     per_layer = saved.per_layer()
     return {
-        "world_size": recipe.world_size,
-        "rank": dist.get_rank() if distributed else 0,
+        "world_size": ctx.world_size,
+        "rank": ctx.rank,
         "layers": sorted(layers.layers),
         "activation_bytes_per_layer": per_layer,
         "activation_bytes_total": sum(per_layer.values()),
@@ -145,19 +134,25 @@ def measure_step(recipe: Recipe, target: Target, meshes: Meshes | None) -> dict:
 
 
 def measure(recipe: Recipe, target: Target) -> dict:
-    """measure_step in this process: fake (any world size) or real at world size 1."""
+    """measure_step in this process: fake (any world size, playing `target.rank`) or real at world size 1.
+
+    Raises RecipeError for a recipe the engine cannot train yet (bootstrap checks), ValueError for a real
+    measurement of more than one rank (that needs torchrun: `--nproc`)."""
     if not target.fake:
-        if int(os.environ.get("WORLD_SIZE", "1")) != recipe.world_size:
+        if recipe.world_size != 1:
             raise ValueError(f"the recipe asks for {recipe.world_size} ranks; run it with --nproc or --fake")
-        return measure_step(recipe, target, None)
+        ctx = bootstrap(recipe)
+        try:
+            return measure_step(recipe, target, ctx)
+        finally:
+            shutdown(ctx)
     from moe_train.measure.fake import even_routing, fake_process_group, fake_tensors
 
-    with contextlib.ExitStack() as stack:
-        meshes = None
-        if recipe.world_size > 1:
-            stack.enter_context(fake_process_group(rank=target.rank, world_size=recipe.world_size))
-            meshes = build_meshes(MeshShape.from_recipe(recipe), "cpu")  # real mesh tensors: before fake mode
-        stack.enter_context(even_routing())
-        stack.enter_context(fake_tensors())
-        return measure_step(recipe, target, meshes)
-
+    # Fake tensors have CPU semantics whatever the recipe's device; the meshes are real (built before fake mode).
+    on_cpu = recipe.model_copy(update={"launch": recipe.launch.model_copy(update={"device": "cpu"})})
+    threads = torch.get_num_threads()  # bootstrap sets one thread per rank; this process is one rank of none
+    with fake_process_group(rank=target.rank, world_size=recipe.world_size):
+        ctx = bootstrap(on_cpu)
+        torch.set_num_threads(threads)
+        with even_routing(), fake_tensors():
+            return measure_step(on_cpu, target, ctx)

@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 
@@ -23,34 +22,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", default=None, help="Comma-separated layer indices; default: all.")
     args = parser.parse_args(argv)
 
-    import torch
     import torch.distributed as dist
 
     from moe_train.config import load_recipe
     from moe_train.measure.driver import Target, measure_step
-    from moe_train.parallel.mesh import MeshShape, build_meshes
+    from moe_train.parallel.bootstrap import bootstrap, shutdown
 
     rank = int(os.environ.get("RANK", "0"))
     recipe = load_recipe(args.recipe)
     layers = tuple(int(i) for i in args.layers.split(",")) if args.layers else None
-    cuda = recipe.launch.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    else:
-        torch.set_num_threads(1)  # ranks share the cores
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=recipe.launch.timeout_minutes))
     try:
-        meshes = build_meshes(MeshShape.from_recipe(recipe), "cuda" if cuda else "cpu")
-        report = measure_step(recipe, Target(rank=args.rank, layers=layers), meshes)
-        if rank == args.rank:
-            args.out.write_text(json.dumps(report), encoding="utf-8")
-        dist.barrier()
+        ctx = bootstrap(recipe)
+        try:
+            report = measure_step(recipe, Target(rank=args.rank, layers=layers), ctx)
+            if ctx.rank == args.rank:
+                args.out.write_text(json.dumps(report), encoding="utf-8")
+            dist.barrier()
+        finally:
+            shutdown(ctx)
     except Exception as error:  # one line naming the rank, never a traceback per rank
         reason = str(error).splitlines()[0] if str(error) else ""
         print(f"error: rank {rank}: {type(error).__name__}: {reason}", file=sys.stderr, flush=True)
         return 1
-    finally:
-        dist.destroy_process_group()
     return 0
 
 
