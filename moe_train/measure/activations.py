@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -28,13 +29,18 @@ from moe_train.measure.layers import LayerTracker, in_backward
 OTHER = "other"
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's memory is its local shard (tensor-parallel activations are saved as DTensors)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def storage_key(tensor: torch.Tensor) -> int:
     """Identity of a tensor's storage (the C++ StorageImpl), the same for every view of it."""
-    return tensor.untyped_storage()._cdata
+    return _local(tensor).untyped_storage()._cdata
 
 
 def storage_bytes(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().nbytes()
+    return _local(tensor).untyped_storage().nbytes()
 
 
 class ParameterCopies(TorchDispatchMode):
