@@ -70,10 +70,9 @@ class _Saved:
 
 
 class SavedTensorTracker:
-    """Context manager around the step; `per_layer()` and `total()` read the first micro-batch's figures."""
+    """Context manager around the step; `per_layer()` reads the first micro-batch's figures."""
 
     def __init__(self, model: nn.Module, layers: LayerTracker) -> None:
-        self.model = model
         self.layers = layers
         # Keyed by (micro-batch, storage): a storage freed by one micro-batch's backward may be reused by the next.
         self.saved: dict[tuple[int, int], _Saved] = {}
@@ -130,7 +129,3 @@ class SavedTensorTracker:
             (layer,) = entry.layers if len(entry.layers) == 1 else (None,)
             out[OTHER if layer is None or (micro_batch, key) in self.shared else str(layer)] += entry.bytes
         return dict(out)
-
-    def total(self) -> int:
-        """All bytes the first micro-batch's forward saves for backward (every layer plus `other`)."""
-        return sum(self.per_layer().values())

@@ -76,7 +76,7 @@ class PhaseFlopCounter(TorchDispatchMode):
         if on_dtensors(types):
             return NotImplemented
         out = func(*args, **kwargs)
-        formula = self.formulas.get(func._overloadpacket)
+        formula = self.formulas.get(getattr(func, "_overloadpacket", None))
         if formula is not None and not sharding_propagation():
             self.by_phase[self.layers.phase()] += int(formula(*args, **kwargs, out_val=out))
         return out
