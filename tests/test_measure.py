@@ -62,17 +62,31 @@ def executed_forward_flops_per_token(cfg, seq_length: int) -> float:
     return forward_flops_per_token(cfg, seq_length=seq_length) + extra
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe-tiny", "deepseek-v3-tiny"])
-def test_flops_of_a_step_equal_the_executed_formula(name):
-    report = measure_json(name, *SMALL)
-    cfg = load_recipe(name, ["model.num_layers=2"]).model
-    tokens = 4 * 128
-    assert report["tokens"] == tokens and report["micro_batches"] == 2
-    forward = tokens * executed_forward_flops_per_token(cfg, 128)
+# deepseek-v3-tiny cut to a dense layer, an MoE layer and its MTP module (index num_layers), one micro-batch.
+DEEPSEEK_TINY_CUT = ("--set", "train.global_batch_size=2", "--layers", "0,1,8")
+
+
+@pytest.fixture(scope="module")
+def deepseek_tiny_real() -> dict:
+    return measure_json("deepseek-v3-tiny", *DEEPSEEK_TINY_CUT)
+
+
+def assert_flops_match(report: dict, cfg, seq_length: int) -> None:
+    forward = report["tokens"] * executed_forward_flops_per_token(cfg, seq_length)
     flops = report["flops"]
     assert flops["forward"] == pytest.approx(forward, rel=0.01)
     assert flops["backward"] == pytest.approx(2 * forward, rel=0.01)  # data and weight gradients
     assert flops["recompute"] == 0  # no recomputation configured
+
+
+def test_flops_of_a_step_equal_the_executed_formula(deepseek_tiny_real):
+    report = measure_json("qwen3-moe-tiny", *SMALL)
+    assert report["tokens"] == 4 * 128 and report["micro_batches"] == 2
+    assert_flops_match(report, load_recipe("qwen3-moe-tiny", ["model.num_layers=2"]).model, 128)
+    # Layers 0 (dense) and 1 (MoE) and the MTP module run the matmuls of a 2-layer model with its MTP module.
+    cfg = load_recipe("deepseek-v3-tiny").model.model_copy(update={"num_layers": 2})
+    assert deepseek_tiny_real["tokens"] == 2 * 128
+    assert_flops_match(deepseek_tiny_real, cfg, 128)
 
 
 def test_activation_bytes_of_a_dense_layer_equal_a_hand_count():
@@ -100,12 +114,10 @@ def test_activation_bytes_of_a_dense_layer_equal_a_hand_count():
     assert report["activation_bytes_per_layer"]["0"] == 4 * kept
 
 
-def test_fake_measures_what_the_real_step_does():
-    """deepseek-v3-tiny cut to a dense layer, an MoE layer and its MTP module (index num_layers): shapes decide
-    FLOPs, saved bytes and memory (dropless routing: T*K expert rows whatever the routing)."""
-    args = ("--set", "train.global_batch_size=4", "--layers", "0,1,8")
-    real = measure_json("deepseek-v3-tiny", *args)
-    fake = measure_json("deepseek-v3-tiny", *args, "--fake")
+def test_fake_measures_what_the_real_step_does(deepseek_tiny_real):
+    """Shapes decide FLOPs, saved bytes and memory (dropless routing: T*K expert rows whatever the routing)."""
+    real = deepseek_tiny_real
+    fake = measure_json("deepseek-v3-tiny", *DEEPSEEK_TINY_CUT, "--fake")
     assert fake["fake"] and not real["fake"] and real["layers"] == [0, 1, 8]
     assert {k: v for k, v in fake.items() if k != "fake"} == {k: v for k, v in real.items() if k != "fake"}
     assert real["activation_bytes_per_layer"]["0"] < real["activation_bytes_per_layer"]["1"]  # routed copies
