@@ -240,12 +240,14 @@ class Trainer:
             [torch.stack([self.moe_layers[i].dropped_assignments, self.moe_layers[i].assignments]) for i in layers]
         )
         stacked = self._all_reduce(torch.cat([counts, drops], dim=1))
-        on_host = stacked.cpu()  # one transfer for every layer's figures
-        experts = counts.shape[1]
-        moe = {
-            str(index): expert_balance(on_host[row, :experts], on_host[row, experts].item() / on_host[row, -1].item())
-            for row, index in enumerate(layers)
-        }
+        entropy = self._all_reduce(torch.stack([self.moe_layers[i].router_entropy_sum for i in layers]))
+        on_host, entropy = stacked.cpu(), entropy.cpu()  # one transfer for every layer's figures
+        experts, top_k = counts.shape[1], self.recipe.model.moe.top_k
+        moe = {}
+        for row, index in enumerate(layers):
+            assignments = on_host[row, -1].item()
+            moe[str(index)] = expert_balance(on_host[row, :experts], on_host[row, experts].item() / assignments,
+                                             router_entropy=entropy[row].item() * top_k / assignments)
         return {index: stacked[row, :experts] for row, index in enumerate(layers)}, moe, aux.item() * share
 
     def _update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:

@@ -1,8 +1,13 @@
-"""Routed experts: E SwiGLU FFNs stored as two stacked weights, run over expert-sorted rows.
+"""Routed experts: E SwiGLU FFNs stored as three stacked weights, run over expert-sorted rows.
 
-The stacked layout is transformers' fused one (gate_up_proj [E, 2I, H] with the gate rows first, down_proj
-[E, H, I]), so checkpoints map 1:1. One `torch._grouped_mm` per projection runs all experts at once; where it
-cannot run (dtype, device, strides) a loop of per-expert matmuls gives the same result.
+gate_proj [E, I, H], up_proj [E, I, H] and down_proj [E, H, I] are separate parameters (not transformers'
+fused gate_up_proj [E, 2I, H]): expert tensor parallelism splits I, and a split of a fused [gate; up] tensor
+down the middle would hand one rank all the gate rows and the other all the up rows. Expert e of each stack is
+`<name>[e]`, so expert parallelism shards dim 0 and the initialisation can draw every expert by its own name.
+hf.py converts from and to transformers' per-expert and fused checkpoint layouts.
+
+One `torch._grouped_mm` per projection runs all experts at once; where it cannot run (dtype, device, strides)
+a loop of per-expert matmuls gives the same result.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts over rows already sorted by expert (see dispatcher.py).
+    """E SwiGLU experts over rows already sorted by expert (see dispatcher.py): down(silu(gate x) * up x).
 
     `use_grouped_mm` False forces the loop (benchmarks, and the equivalence test).
     """
@@ -58,22 +63,32 @@ class GroupedExperts(nn.Module):
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_hidden_size, hidden_size))
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.use_grouped_mm = True
 
     def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """rows [N, H] (expert e's rows contiguous, in expert order), tokens_per_expert [E] -> [N, H]."""
-        if self.use_grouped_mm and grouped_mm_supported(
-            rows.dtype, rows.device, hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size
+        """rows [N, H] (expert e's rows contiguous, in expert order), tokens_per_expert [E] -> [N, H].
+
+        N may be 0 (an expert-parallel rank that received no tokens): the loop then gives every weight a zero
+        gradient, which _grouped_mm's backward cannot (it rejects the empty strides), so the ranks' gradient
+        reductions still line up.
+        """
+        if (
+            self.use_grouped_mm
+            and rows.shape[0] > 0
+            and grouped_mm_supported(
+                rows.dtype, rows.device, hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size
+            )
         ):
             return self._grouped(rows, tokens_per_expert)
         return self._loop(rows, tokens_per_expert)
 
     def _grouped(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         offsets = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
-        gate_up = torch._grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offs=offsets)
-        gate, up = gate_up.chunk(2, dim=-1)
+        gate = torch._grouped_mm(rows, self.gate_proj.transpose(-2, -1), offs=offsets)
+        up = torch._grouped_mm(rows, self.up_proj.transpose(-2, -1), offs=offsets)
         out = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
         return _ContiguousGrad.apply(out)
 
@@ -82,9 +97,7 @@ class GroupedExperts(nn.Module):
         # zero) a gradient the size of all experts.
         outputs = []
         chunks = torch.split(rows, tokens_per_expert.tolist())
-        for chunk, gate_up_proj, down_proj in zip(
-            chunks, self.gate_up_proj.unbind(0), self.down_proj.unbind(0), strict=True
-        ):
-            gate, up = F.linear(chunk, gate_up_proj).chunk(2, dim=-1)
-            outputs.append(F.linear(F.silu(gate) * up, down_proj))
+        weights = zip(self.gate_proj.unbind(0), self.up_proj.unbind(0), self.down_proj.unbind(0), strict=True)
+        for chunk, (gate_proj, up_proj, down_proj) in zip(chunks, weights, strict=True):
+            outputs.append(F.linear(F.silu(F.linear(chunk, gate_proj)) * F.linear(chunk, up_proj), down_proj))
         return torch.cat(outputs)
