@@ -191,10 +191,10 @@ def test_measure_counts_what_the_trainer_runs_two_ranks(tmp_path):
     comm = report["comm_bytes"]
     for key in ("dp/all_gather", "dp/reduce_scatter"):
         assert comm[key] == trainer["comm_bytes"][key], key
-    # Telemetry: loss sums (2 fp64), the aux value (1 fp64), per MoE layer its expert counts and drop counts
-    # (8 + 2 int64).
-    telemetry = 2 * 8 + 8 + 2 * (8 + 2) * 8
-    assert trainer["comm_bytes"]["dp/all_reduce"] - comm["dp/all_reduce"] == telemetry
+    # The trainer's reductions of host figures (loss sums, MoE telemetry: counted by the worker as they pass
+    # through Trainer._all_reduce) are the only difference.
+    assert trainer["telemetry_bytes"] > 0
+    assert trainer["comm_bytes"]["dp/all_reduce"] - comm["dp/all_reduce"] == trainer["telemetry_bytes"]
     # The analytic FSDP2 count at dp 2, fp32: each rank's shard gathered in every micro-batch's forward and
     # backward (2 micro-batches of 2), the full gradient reduce-scattered once.
     cfg = load_recipe("qwen3-moe-tiny", ["model.num_layers=2"]).model

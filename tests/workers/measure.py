@@ -56,11 +56,20 @@ def trainer_step(recipe) -> dict:
 
     trainer = Trainer(recipe, bootstrap(recipe))
     comm, flops = CommCounter(trainer.ctx.group_name), PhaseFlopCounter(LayerTracker(trainer.model))
+    # The trainer's small reductions of host figures (loss sums, MoE telemetry) all go through _all_reduce.
+    telemetry = {"bytes": 0}
+    all_reduce = trainer._all_reduce
+
+    def counted(tensor, *args, **kwargs):
+        telemetry["bytes"] += tensor.numel() * tensor.element_size()
+        return all_reduce(tensor, *args, **kwargs)
+
+    trainer._all_reduce = counted
     with contextlib.ExitStack() as stack:
         for context in (local_dtensor_ops(), comm, flops):
             stack.enter_context(context)
         trainer.train_step(1)
-    return {"flops": flops.totals(), "comm_bytes": dict(comm.bytes)}
+    return {"flops": flops.totals(), "comm_bytes": dict(comm.bytes), "telemetry_bytes": telemetry["bytes"]}
 
 
 def main() -> None:
