@@ -35,6 +35,14 @@ DEEPSEEK_TODAY = (
 )
 
 
+@pytest.fixture(autouse=True)
+def no_default_process_group():
+    """In-process trainers of other test modules leave their one-rank process group behind; measure (and its
+    fake process group) needs the default group slot of this process."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def measure_json(*args: str) -> dict:
     result = run_cli("measure", *args, "--json")
     assert result.code == 0, (result.stdout, result.stderr)

@@ -148,6 +148,8 @@ def measure(recipe: Recipe, target: Target) -> dict:
             shutdown(ctx)
     from moe_train.measure.fake import even_routing, fake_process_group, fake_tensors
 
+    if torch.distributed.is_initialized():
+        raise RuntimeError("--fake plays one rank of its own fake process group; this process already has one")
     # Fake tensors have CPU semantics whatever the recipe's device; the meshes are real (built before fake mode).
     on_cpu = recipe.model_copy(update={"launch": recipe.launch.model_copy(update={"device": "cpu"})})
     threads = torch.get_num_threads()  # bootstrap sets one thread per rank; this process is one rank of none
