@@ -1,5 +1,6 @@
-"""Data-parallel scaling on this machine: FSDP2 at DP=2 (2 ranks x 1 thread) against 1 rank x 1 thread and
-1 rank x 2 threads, tokens/s side by side in one run.
+"""Data- and expert-parallel scaling on this machine: FSDP2 at DP=2 (2 ranks x 1 thread), and for the MoE model
+EP=2 (experts split over the 2 ranks), against 1 rank x 1 thread and 1 rank x 2 threads, tokens/s side by side
+in one run.
 
 Each configuration is a real `moe-train run` (torchrun for 2 ranks) of the same recipe and global batch; the
 figure is the median tokens/s of the steps after the first two (metrics.jsonl). The configurations run in
@@ -28,7 +29,9 @@ MODELS = {
                              "model.vocab_size=32000", "data.source=mock", "train.seq_length=128",
                              "train.global_batch_size=8", "train.micro_batch_size=4"]),
 }
-CONFIGS = {"1 rank x 1 thread": (1, 1), "1 rank x 2 threads": (1, 2), "DP=2, 2 ranks x 1 thread": (2, 1)}
+CONFIGS = {"1 rank x 1 thread": (1, 1, []), "1 rank x 2 threads": (1, 2, []), "DP=2, 2 ranks x 1 thread": (2, 1, [])}
+MOE_CONFIGS = {"EP=2 alltoall, 2 ranks x 1 thread": (2, 1, ["parallel.ep=2"]),
+               "EP=2 allgather, 2 ranks x 1 thread": (2, 1, ["parallel.ep=2", "model.moe.dispatcher=allgather"])}
 
 
 def tokens_per_s(run_dir: Path) -> float:
@@ -59,16 +62,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for key in args.models.split(","):
             recipe, overrides = MODELS[key]
-            results: dict[str, list[float]] = {name: [] for name in CONFIGS}
+            configs = {**CONFIGS, **(MOE_CONFIGS if key == "moe" else {})}
+            results: dict[str, list[float]] = {name: [] for name in configs}
             for round_index in range(args.rounds):
-                for name, (ranks, threads) in CONFIGS.items():
-                    run_dir = Path(tmp) / f"{key}-{round_index}-{ranks}x{threads}"
-                    results[name].append(run(recipe, overrides, ranks, threads, run_dir, args.steps))
+                for index, (name, (ranks, threads, extra)) in enumerate(configs.items()):
+                    run_dir = Path(tmp) / f"{key}-{round_index}-{index}"
+                    results[name].append(run(recipe, [*overrides, *extra], ranks, threads, run_dir, args.steps))
             base = statistics.median(results["1 rank x 1 thread"])
             print(f"{key} ({recipe}):")
             for name, rates in results.items():
                 rate = statistics.median(rates)
-                print(f"  {name:<28} {rate:>9,.0f} tokens/s  x{rate / base:.2f} of 1 rank x 1 thread  "
+                print(f"  {name:<36} {rate:>9,.0f} tokens/s  x{rate / base:.2f} of 1 rank x 1 thread  "
                       f"(rounds: {', '.join(f'{r:,.0f}' for r in rates)})")
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 _GROUPED_MM_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -35,21 +36,6 @@ def grouped_mm_supported(dtype: torch.dtype, device: torch.device, *, hidden_siz
     if device.type == "cuda":
         return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 9
     return False
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward materialises the incoming gradient.
-
-    _grouped_mm's backward rejects stride-0 gradients, which an `out.sum()` (or an expand) downstream produces.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
 
 
 class GroupedExperts(nn.Module):
@@ -75,29 +61,37 @@ class GroupedExperts(nn.Module):
         gradient, which _grouped_mm's backward cannot (it rejects the empty strides), so the ranks' gradient
         reductions still line up.
         """
+        local_ffn = self.local_weights()[0].shape[1]  # the FFN dimension this rank holds (I / etp)
         if (
             self.use_grouped_mm
             and rows.shape[0] > 0
-            and grouped_mm_supported(
-                rows.dtype, rows.device, hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size
-            )
+            and grouped_mm_supported(rows.dtype, rows.device, hidden_size=self.hidden_size, ffn_hidden_size=local_ffn)
         ):
             return self._grouped(rows, tokens_per_expert)
         return self._loop(rows, tokens_per_expert)
 
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate, up, down) of the experts this rank holds: all of them, or its shard under expert parallelism
+        (then DTensors sharded on dim 0, whose local tensors are the rank's experts in order)."""
+        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_proj, self.up_proj,
+                                                                               self.down_proj))
+
     def _grouped(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        gate_proj, up_proj, down_proj = self.local_weights()
         offsets = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
-        gate = torch._grouped_mm(rows, self.gate_proj.transpose(-2, -1), offs=offsets)
-        up = torch._grouped_mm(rows, self.up_proj.transpose(-2, -1), offs=offsets)
-        out = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
-        return _ContiguousGrad.apply(out)
+        gate = torch._grouped_mm(rows, gate_proj.transpose(-2, -1), offs=offsets)
+        up = torch._grouped_mm(rows, up_proj.transpose(-2, -1), offs=offsets)
+        out = torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offs=offsets)
+        if out.requires_grad:  # its backward rejects stride-0 gradients, which an out.sum() downstream gives
+            out.register_hook(torch.Tensor.contiguous)
+        return out
 
     def _loop(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         # unbind once: indexing the stacked weight per expert would make each expert's backward allocate (and
         # zero) a gradient the size of all experts.
         outputs = []
         chunks = torch.split(rows, tokens_per_expert.tolist())
-        weights = zip(self.gate_proj.unbind(0), self.up_proj.unbind(0), self.down_proj.unbind(0), strict=True)
+        weights = zip(*(w.unbind(0) for w in self.local_weights()), strict=True)
         for chunk, (gate_proj, up_proj, down_proj) in zip(chunks, weights, strict=True):
             outputs.append(F.linear(F.silu(F.linear(chunk, gate_proj)) * F.linear(chunk, up_proj), down_proj))
         return torch.cat(outputs)
