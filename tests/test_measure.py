@@ -43,6 +43,14 @@ def no_default_process_group():
         torch.distributed.destroy_process_group()
 
 
+def assert_same_step(fake: dict, real: dict) -> None:
+    """Every figure equal, except the live-bytes peak: when Python frees a real run's tensors can vary a
+    little (reference cycles wait for the garbage collector), so it agrees within 2%."""
+    exact = set(real) - {"fake", "peak_memory_bytes"}
+    assert {k: fake[k] for k in exact} == {k: real[k] for k in exact}
+    assert fake["peak_memory_bytes"] == pytest.approx(real["peak_memory_bytes"], rel=0.02)
+
+
 def measure_json(*args: str) -> dict:
     result = run_cli("measure", *args, "--json")
     assert result.code == 0, (result.stdout, result.stderr)
@@ -127,7 +135,7 @@ def test_fake_measures_what_the_real_step_does(deepseek_tiny_real):
     real = deepseek_tiny_real
     fake = measure_json("deepseek-v3-tiny", *DEEPSEEK_TINY_CUT, "--fake")
     assert fake["fake"] and not real["fake"] and real["layers"] == [0, 1, 8]
-    assert {k: v for k, v in fake.items() if k != "fake"} == {k: v for k, v in real.items() if k != "fake"}
+    assert_same_step(fake, real)
     assert real["activation_bytes_per_layer"]["0"] < real["activation_bytes_per_layer"]["1"]  # routed copies
 
 
@@ -214,7 +222,7 @@ def test_measure_counts_what_the_trainer_runs_two_ranks(tmp_path):
     # --fake playing rank 0 of 2 in this process reports what the real rank 0 measured, collectives included.
     fake = measure_json("qwen3-moe-tiny", *(arg for o in overrides[:3] for arg in ("--set", o)), "--fake",
                         "--layers", "0,1")
-    assert {k: v for k, v in fake.items() if k != "fake"} == {k: v for k, v in report.items() if k != "fake"}
+    assert_same_step(fake, report)
 
 
 def test_nproc_runs_the_ranks_with_torchrun():
