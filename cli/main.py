@@ -6,6 +6,7 @@ import typer
 
 from .convert import convert_app
 from .data import data_app
+from .measure import measure
 from .plan import plan
 from .recipes import recipes_app
 from .render import render
@@ -31,6 +32,7 @@ app.add_typer(recipes_app, name="recipes")
 app.command()(validate)
 app.command()(schema)
 app.command()(plan)
+app.command()(measure)
 app.command()(run)
 app.command()(render)
 app.command()(submit)

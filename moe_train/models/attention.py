@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from moe_train.config.schema import ModelConfig
 from moe_train.models.norm import RMSNorm
@@ -25,9 +26,10 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
 def document_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
     """Block-diagonal causal mask [b, 1, s, s] (True: attend), or None when no document starts after token 0.
 
-    On the meta device (shape-only runs) the values are unknown: plain causal attention is assumed.
+    On the meta device or as fake tensors (shape-only runs: `moe-train measure --fake`) the values are unknown:
+    plain causal attention is assumed.
     """
-    if position_ids.device.type == "meta" or not bool((position_ids[..., 1:] == 0).any()):
+    if position_ids.device.type == "meta" or is_fake(position_ids) or not bool((position_ids[..., 1:] == 0).any()):
         return None
     docs = document_ids(position_ids)
     seq = position_ids.shape[-1]
