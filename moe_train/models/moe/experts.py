@@ -70,11 +70,15 @@ class GroupedExperts(nn.Module):
             return self._grouped(rows, tokens_per_expert)
         return self._loop(rows, tokens_per_expert)
 
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up: the region `parallel.recompute`'s moe_act policy recomputes."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
     def _grouped(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         offsets = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
         gate_up = torch._grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offs=offsets)
-        gate, up = gate_up.chunk(2, dim=-1)
-        out = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
+        out = torch._grouped_mm(self.activation(gate_up), self.down_proj.transpose(-2, -1), offs=offsets)
         return _ContiguousGrad.apply(out)
 
     def _loop(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -85,6 +89,5 @@ class GroupedExperts(nn.Module):
         for chunk, gate_up_proj, down_proj in zip(
             chunks, self.gate_up_proj.unbind(0), self.down_proj.unbind(0), strict=True
         ):
-            gate, up = F.linear(chunk, gate_up_proj).chunk(2, dim=-1)
-            outputs.append(F.linear(F.silu(gate) * up, down_proj))
+            outputs.append(F.linear(self.activation(F.linear(chunk, gate_up_proj)), down_proj))
         return torch.cat(outputs)
