@@ -27,7 +27,7 @@ TP4 = ["parallel.tp=4", "parallel.sequence_parallel=true"]
 # a gradient row of scale 2e-3. Where such an element is itself near zero (7e-8), Adam's step moves by about
 # lr / eps times that difference (test_data_parallel explains it): 1.4e-6 after three steps at eps 1e-6, one
 # element in 5k. eps 1e-5 keeps it 10x under the 1e-6 tolerance; every other element agrees to ~1e-8 either way.
-FP32 = ["train.precision=fp32", "train.adam_eps=1e-5"]
+FP32 = ["train.precision=fp32", "train.adam_eps=1e-5", "train.global_batch_size=4"]
 Z_LOSS = ["model.moe.router.z_loss_coeff=1e-3"]  # with DeepSeek's seq_aux_loss: both losses on sequence shards
 MODEL = {"qwen3-tiny": FP32, "qwen3-moe-tiny": FP32, "deepseek-v3-tiny": [*FP32, *Z_LOSS]}
 
@@ -88,7 +88,6 @@ def _check_layouts(tmp_path: Path, table: list[tuple], records: dict, cache: dic
     for case_id, name, _, mbs, _ in table:
         got = records[case_id]
         assert got["differing_across_ranks"] == [], case_id
-        print(f"checking {case_id}")
         assert_same_run(got, _reference(tmp_path, cache, name, mbs))
 
 
