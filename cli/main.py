@@ -9,6 +9,7 @@ from .data import data_app
 from .plan import plan
 from .recipes import recipes_app
 from .render import render
+from .report import report
 from .run import run
 from .runs import runs
 from .schema import schema
@@ -35,6 +36,7 @@ app.command()(render)
 app.command()(submit)
 app.command()(sweep)
 app.command()(runs)
+app.command()(report)
 app.add_typer(data_app, name="data")
 app.add_typer(convert_app, name="convert")
 

@@ -150,6 +150,9 @@ def _layout(r: Recipe) -> list[Problem]:
             )
         if m.moe.num_experts % p.ep:
             out.append(_p("parallel.ep", f"{p.ep} must divide model.moe.num_experts {m.moe.num_experts}"))
+        if p.etp > 1 and m.moe.dispatcher != "allgather":
+            out.append(_p("parallel.etp", f"{p.etp} needs model.moe.dispatcher allgather (it gathers tokens over the "
+                          "ep x etp ranks and sums the experts' partial outputs)"))
         if m.moe.ffn_hidden_size % p.etp:
             out.append(_p("parallel.etp", f"{p.etp} must divide model.moe.ffn_hidden_size {m.moe.ffn_hidden_size}"))
     if m.num_attention_heads % p.tp:
