@@ -53,6 +53,8 @@ WORLD2 = [
     ("moe-sp2-mbs2-none", "qwen3-moe-tiny", SP2, 2, []),
     ("dsv3-tp2-mbs2-selective", "deepseek-v3-tiny", TP2, 2, selective("mla_up_proj", "moe_act", "shared_experts")),
     ("dsv3-sp2-mbs1-none", "deepseek-v3-tiny", SP2, 1, []),
+    # experts over the same two ranks as tp (alltoall over ep): each tp rank's token slice goes to its experts
+    ("moe-tp2ep2-mbs1-none", "qwen3-moe-tiny", [*TP2, "parallel.ep=2"], 1, []),
     # the same layout under each policy: identical numbers, counts and bias
     ("dsv3-sp2-mbs2-none", "deepseek-v3-tiny", SP2, 2, []),
     ("dsv3-sp2-mbs2-selective", "deepseek-v3-tiny", SP2, 2, ALL_SELECTIVE),
@@ -91,8 +93,25 @@ def _check_layouts(tmp_path: Path, table: list[tuple], records: dict, cache: dic
         assert_same_run(got, _reference(tmp_path, cache, name, mbs))
 
 
+def _activation_cases(tp: int) -> list[dict]:
+    """One micro-batch's forward of each layer kind, with and without SP, for `activation_bytes_match`."""
+    shape = ["model.num_layers=2", "train.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=8",
+             "train.precision=fp32", f"parallel.tp={tp}"]
+    return [{"id": f"bytes-{name}-tp{tp}-sp{sp}", "recipe": name, "layers": [0, 1],
+             "overrides": [*shape, f"parallel.sequence_parallel={str(sp).lower()}", *(Z_LOSS if name == "deepseek-v3-tiny" else [])]}
+            for name in MODEL for sp in (False, True)]
+
+
+def _assert_activation_bytes_match(result: dict, tp: int) -> None:
+    """Bytes each layer's forward saves for backward on rank 0 (autograd's saved tensors, each storage once)
+    equal the plan's formula (moe_train/plan/activations.py) for this tp, with and without SP."""
+    for case in _activation_cases(tp):
+        for layer, (measured, formula) in result[case["id"]].items():
+            assert measured == formula, f"{case['id']} layer {layer}: saved {measured} bytes, formula {formula}"
+
+
 def _load(saved: dict) -> dict:
-    return {key: torch.load(path, weights_only=True) for key, path in saved.items()}
+    return {key: torch.load(path, weights_only=True) for key, path in saved.items() if not key.startswith("bytes-")}
 
 
 def test_tensor_parallel_two_ranks_equals_single_process(tmp_path: Path) -> None:
@@ -100,8 +119,10 @@ def test_tensor_parallel_two_ranks_equals_single_process(tmp_path: Path) -> None
     one_expert = [*SHRINK, *MODEL["deepseek-v3-tiny"], "train.micro_batch_size=2", *ONE_EXPERT]
     cases.append({"id": "dsv3-sp2-one-expert", "recipe": "deepseek-v3-tiny", "steps": STEPS, "force_expert": 3,
                   "overrides": [*one_expert, *SP2]})
-    records = _load(run_ranks("tensor_parallel", 2, {"cases": cases, "run_root": str(tmp_path / "w2")}, tmp_path,
-                              timeout=300))
+    result = run_ranks("tensor_parallel", 2, {"cases": cases, "activations": _activation_cases(2),
+                                              "run_root": str(tmp_path / "w2")}, tmp_path, timeout=300)
+    _assert_activation_bytes_match(result, 2)
+    records = _load(result)
     cache: dict = {}
     _check_layouts(tmp_path, WORLD2, records, cache)
 
@@ -127,6 +148,8 @@ def test_tensor_parallel_two_ranks_equals_single_process(tmp_path: Path) -> None
 
 
 def test_tensor_parallel_four_ranks_equals_single_process(tmp_path: Path) -> None:
-    records = _load(run_ranks("tensor_parallel", 4, {"cases": _cases(WORLD4), "run_root": str(tmp_path / "w4")},
-                              tmp_path, timeout=360))
+    result = run_ranks("tensor_parallel", 4, {"cases": _cases(WORLD4), "activations": _activation_cases(4),
+                                              "run_root": str(tmp_path / "w4")}, tmp_path, timeout=360)
+    _assert_activation_bytes_match(result, 4)
+    records = _load(result)
     _check_layouts(tmp_path, WORLD4, records, {})

@@ -39,6 +39,53 @@ def differing_across_ranks(state: dict) -> list[str]:
     return differing
 
 
+def layer_saved_bytes(recipe_name: str, overrides: list[str], *, world: int, layers: list[int]) -> dict:
+    """{layer index: (bytes this rank's forward of the layer saves for backward, the plan's formula)}.
+
+    The model is tensor-parallelised (no FSDP: its gathered weights would be saved storages to tell apart from
+    activations); each storage counts once, parameters and the rotary tables every layer shares excluded."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from moe_train.config import load_recipe
+    from moe_train.models import build_model
+    from moe_train.models.init import init_weights, materialize
+    from moe_train.parallel.bootstrap import bootstrap
+    from moe_train.parallel.tensor import apply_tensor_parallel
+    from moe_train.plan.activations import ActivationLayout, layer_activation_bytes
+
+    recipe = load_recipe(recipe_name, [*overrides, f"launch.gpus_per_node={world}"])
+    ctx = bootstrap(recipe)
+    cfg, train, tp = recipe.model, recipe.train, ctx.size("tp")
+    model = build_model(cfg, device="meta")
+    apply_tensor_parallel(model, recipe, ctx)
+    materialize(model, device="cpu")
+    init_weights(model, seed=train.seed, init_std=cfg.init_std)
+    params = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr() for p in model.parameters()}
+    seq = train.seq_length
+    cos, sin = model.rope(torch.arange(seq).unsqueeze(0))
+    params |= {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
+    rows = seq // tp if recipe.parallel.sequence_parallel else seq
+    torch.manual_seed(ctx.coord("tp"))
+    out = {}
+    for index in layers:
+        x = torch.randn(train.micro_batch_size, rows, cfg.hidden_size, requires_grad=True)
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, seen=seen) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                seen[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.layers[str(index)](x, cos, sin, None)
+        lay = ActivationLayout(micro_batch=train.micro_batch_size, seq_length=seq, act_bytes=4, tp=tp,
+                               sequence_parallel=recipe.parallel.sequence_parallel)
+        out[index] = (sum(seen.values()), layer_activation_bytes(cfg, lay, layer_index=index))
+    return out
+
+
 def main() -> None:
     spec, result_path, rank, world = start()
     import torch
@@ -46,6 +93,10 @@ def main() -> None:
 
     saved = {}
     Path(spec["run_root"]).mkdir(parents=True, exist_ok=True)
+    for case in spec.get("activations", []):
+        measured = layer_saved_bytes(case["recipe"], case["overrides"], world=world, layers=case["layers"])
+        if rank == 0:
+            saved[case["id"]] = measured
     for case in spec["cases"]:
         prepare = force_expert(case["force_expert"]) if case.get("force_expert") is not None else None
         record = record_run(case["recipe"], case["overrides"], world=world, run_dir=Path(spec["run_root"]) / case["id"],
