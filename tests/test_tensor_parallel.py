@@ -20,6 +20,12 @@ from test_data_parallel import SHRINK, STEPS, assert_same_run
 from workers.record import record_run
 from workers.tensor_parallel import force_expert
 
+from moe_train.config import load_recipe
+from moe_train.config.support import unsupported
+from moe_train.models import build_model
+from moe_train.models.mlp import MLP
+from moe_train.parallel.tensor import _submodule
+
 TP2 = ["parallel.tp=2"]
 SP2 = ["parallel.tp=2", "parallel.sequence_parallel=true"]
 TP4 = ["parallel.tp=4", "parallel.sequence_parallel=true"]
@@ -98,7 +104,8 @@ def _activation_cases(tp: int) -> list[dict]:
     shape = ["model.num_layers=2", "train.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=8",
              "train.precision=fp32", f"parallel.tp={tp}"]
     return [{"id": f"bytes-{name}-tp{tp}-sp{sp}", "recipe": name, "layers": [0, 1],
-             "overrides": [*shape, f"parallel.sequence_parallel={str(sp).lower()}", *(Z_LOSS if name == "deepseek-v3-tiny" else [])]}
+             "overrides": [*shape, f"parallel.sequence_parallel={str(sp).lower()}",
+                           *(Z_LOSS if name == "deepseek-v3-tiny" else [])]}
             for name in MODEL for sp in (False, True)]
 
 
@@ -153,3 +160,17 @@ def test_tensor_parallel_four_ranks_equals_single_process(tmp_path: Path) -> Non
     _assert_activation_bytes_match(result, 4)
     records = _load(result)
     _check_layouts(tmp_path, WORLD4, records, {})
+
+
+def test_tp_sp_and_recompute_are_accepted_and_a_plan_must_name_real_modules() -> None:
+    layout = ["launch.gpus_per_node=2", *SP2, *full("uniform", 2)]
+    assert unsupported(load_recipe("deepseek-v3-tiny", layout)) == []
+    all_layers = "model.moe.router.load_balancing=all_layers_aux_loss"
+    refused = unsupported(load_recipe("qwen3-moe-tiny", [*layout, all_layers]))
+    assert refused == ["model.moe.router.load_balancing: all_layers_aux_loss with tensor parallelism (tp > 1) is "
+                       "not supported yet"]
+    model = build_model(load_recipe("qwen3-moe-tiny").model, device="meta")
+    with pytest.raises(ValueError, match="DecoderBlock has no MLP named 'mlp'"):
+        _submodule(model.layers["0"], "mlp", MLP)  # a MoE layer's mlp is not a dense MLP
+    with pytest.raises(ValueError, match="Attention has no Linear named 'q_b_proj'"):
+        _submodule(model.layers["0"].self_attn, "q_b_proj", torch.nn.Linear)
