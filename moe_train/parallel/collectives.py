@@ -33,7 +33,7 @@ def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     size = dist.get_world_size(group)
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
-    dist.all_gather_into_tensor(out, moved, group=group)
+    dist.all_gather_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 
@@ -41,7 +41,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     size = dist.get_world_size(group)
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
-    dist.reduce_scatter_tensor(out, moved, group=group)
+    dist.reduce_scatter_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 
