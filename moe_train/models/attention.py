@@ -42,6 +42,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **kwargs)
 
 
+class CoreAttention(nn.Module):
+    """`attend` as a module (no parameters): the region `parallel.recompute`'s core_attn policy recomputes."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                **kwargs) -> torch.Tensor:
+        return attend(q, k, v, mask, **kwargs)
+
+
 class Attention(nn.Module):
     """Multi-head attention with num_query_groups key/value heads and RMSNorm over head_dim on q and k."""
 
@@ -54,6 +62,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(heads * self.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.core_attention = CoreAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         # Head counts come from the projections' outputs (-1), so tensor parallelism can shard heads.
@@ -65,5 +74,5 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
-        out = attend(q, k, v, mask, enable_gqa=q.shape[1] != k.shape[1])
+        out = self.core_attention(q, k, v, mask, enable_gqa=q.shape[1] != k.shape[1])
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))

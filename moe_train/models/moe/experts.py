@@ -70,6 +70,10 @@ class GroupedExperts(nn.Module):
             return self._grouped(rows, tokens_per_expert)
         return self._loop(rows, tokens_per_expert)
 
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up: the region `parallel.recompute`'s moe_act policy recomputes."""
+        return F.silu(gate) * up
+
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate, up, down) of the experts this rank holds: all of them, or its shard under expert parallelism
         (then DTensors sharded on dim 0, whose local tensors are the rank's experts in order)."""
@@ -81,7 +85,7 @@ class GroupedExperts(nn.Module):
         offsets = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
         gate = torch._grouped_mm(rows, gate_proj.transpose(-2, -1), offs=offsets)
         up = torch._grouped_mm(rows, up_proj.transpose(-2, -1), offs=offsets)
-        out = torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offs=offsets)
+        out = torch._grouped_mm(self.activation(gate, up), down_proj.transpose(-2, -1), offs=offsets)
         if out.requires_grad:  # its backward rejects stride-0 gradients, which an out.sum() downstream gives
             out.register_hook(torch.Tensor.contiguous)
         return out
@@ -93,5 +97,5 @@ class GroupedExperts(nn.Module):
         chunks = torch.split(rows, tokens_per_expert.tolist())
         weights = zip(*(w.unbind(0) for w in self.local_weights()), strict=True)
         for chunk, (gate_proj, up_proj, down_proj) in zip(chunks, weights, strict=True):
-            outputs.append(F.linear(F.silu(F.linear(chunk, gate_proj)) * F.linear(chunk, up_proj), down_proj))
+            outputs.append(F.linear(self.activation(F.linear(chunk, gate_proj), F.linear(chunk, up_proj)), down_proj))
         return torch.cat(outputs)
