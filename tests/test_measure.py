@@ -264,7 +264,7 @@ def test_even_routing_spreads_every_token_over_distinct_experts():
         (("--layers", "8"), "out of range"),
         (("--rank", "2"), "--rank"),
         (("--fake", "--nproc", "2"), "exclude each other"),
-        (("--set", "parallel.tp=2", "--set", "launch.gpus_per_node=2", "--fake"), "not supported yet"),
+        (("--set", "parallel.pp=2", "--set", "launch.gpus_per_node=2", "--fake"), "not supported yet"),
         (("--set", "model.hidden_size=oops"), "model.hidden_size"),
     ],
 )
