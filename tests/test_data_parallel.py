@@ -163,13 +163,16 @@ def test_expert_parallel_layouts_equal_single_process(tmp_path: Path) -> None:
 def test_expert_parallel_on_four_ranks_equals_single_process(tmp_path: Path) -> None:
     """EP equal to the world size (edp 1: the reported FSDP2 divide-factor trap), dense DP4 with experts
     EP2 x EDP2 (FSDP2 over edp on top of the expert shards), and expert tensor parallelism: EP2 x ETP2 and
-    ETP2 x EDP2 (each expert's FFN split over two ranks, partial outputs summed by the allgather dispatcher)."""
+    ETP2 x EDP2 (each expert's FFN split over two ranks, partial outputs summed by the allgather dispatcher),
+    and parallel folding: dense TP2 x DP2 with experts EP4 over the same ranks."""
     allgather = "model.moe.dispatcher=allgather"
     cases = [
         case("ep4-qwen3-moe-tiny", "qwen3-moe-tiny", [*EP_MOE, "parallel.ep=4"]),
         case("ep2-edp2-qwen3-moe-tiny", "qwen3-moe-tiny", [*EP_MOE, "parallel.ep=2", allgather]),
         case("ep2-etp2-qwen3-moe-tiny", "qwen3-moe-tiny", [*EP_MOE, "parallel.ep=2", "parallel.etp=2", allgather]),
         case("etp2-edp2-qwen3-moe-tiny", "qwen3-moe-tiny", [*EP_MOE, "parallel.etp=2", allgather]),
+        # Parallel folding: attention TP2 x DP2 while the experts span all four ranks (EP4), tp != ep.
+        case("tp2-dp2-ep4-qwen3-moe-tiny", "qwen3-moe-tiny", [*EP_MOE, "parallel.tp=2", "parallel.ep=4"]),
     ]
     saved = run_ranks("train_layouts", 4, {"cases": cases, "run_root": str(tmp_path / "ep4")}, tmp_path, timeout=300)
     qwen = reference(tmp_path, "qwen3-moe-tiny", EP_MOE)
