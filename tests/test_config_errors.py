@@ -140,6 +140,16 @@ RULES = [
         ["parallel.sequence_parallel=true", "parallel.tp=4", "launch.gpus_per_node=4", "train.seq_length=126"],
         "train.seq_length: 126 must be divisible by tp*cp = 4",
     ),
+    (
+        "qwen3-tiny",
+        ["model.make_vocab_size_divisible_by=1", "parallel.tp=2", "launch.gpus_per_node=2"],
+        "parallel.tp: 2 must divide the padded vocabulary 257",
+    ),
+    (
+        "qwen3-moe-tiny",
+        ["parallel.tp=4", "launch.gpus_per_node=4", "train.seq_length=126"],
+        "train.seq_length: 126 must be divisible by tp = 4: MoE layers route",
+    ),
     ("qwen3-tiny", ["model.q_lora_rank=64"], "model.q_lora_rank: only for family deepseek_v3"),
     ("deepseek-v3-tiny", ["model.kv_lora_rank=null"], "model.kv_lora_rank: required for family deepseek_v3"),
     ("qwen3-tiny", ["model.moe={num_experts: 8, top_k: 2, ffn_hidden_size: 8}"], "model.moe: family qwen3 is dense"),

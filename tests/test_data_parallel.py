@@ -101,3 +101,80 @@ def test_fsdp2_dp4_equals_single_process(tmp_path: Path) -> None:
                       timeout=300)
     for name in names:
         assert_same_run(torch.load(saved[f"fp32-{name}"], weights_only=True), reference(tmp_path, name, FP32[name]))
+
+
+def test_global_aux_loss_counts_loads_over_the_data_parallel_group(tmp_path: Path) -> None:
+    """global_aux_loss on 2 ranks x 2 micro-batches: each rank's loss at micro-batch m uses the loads of every
+    rank's micro-batches 0..m (Megatron-Core's definition), recomputed here in fp64 from the gathered routing and
+    router inputs; the recorded values and the attached router gradients (last MoE layer: nothing downstream
+    adds to it) match it, and differ from a count over this rank's tokens alone."""
+    result = run_ranks("global_aux", 2, {"micro_batches": 2}, tmp_path, timeout=120)
+    ranks = result["ranks"]
+    coeff, experts = 0.1, 8
+
+    def counts(r: int, micro: int, layer: int) -> torch.Tensor:
+        indices = torch.tensor(ranks[r]["indices"][layer][micro])
+        return torch.bincount(indices.flatten(), minlength=experts).double()
+
+    for rank, record in enumerate(ranks):
+        for m in range(2):
+            for layer in range(2):
+                union = sum(counts(r, k, layer) for r in range(2) for k in range(m + 1))
+                rows = sum(len(ranks[r]["indices"][layer][k]) for r in range(2) for k in range(m + 1))
+                weight = torch.tensor(record["weights"][layer], dtype=torch.float64, requires_grad=True)
+                inputs = torch.tensor(record["inputs"][layer][m], dtype=torch.float64)
+                scores = (inputs @ weight.T).softmax(-1)
+                loss = coeff * experts * (union / rows * scores.mean(0)).sum()
+                assert record["values"][m][layer] == pytest.approx(loss.item(), rel=1e-5)
+                local = coeff * experts * (counts(rank, m, layer) / scores.shape[0] * scores.mean(0)).sum()
+                assert abs(local.item() - loss.item()) > 1e-6  # the group's loads, not this rank's alone
+                got = torch.tensor(record["grads"][m][layer], dtype=torch.float64)
+                if layer == 1:
+                    (want,) = torch.autograd.grad(loss, weight)
+                    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())  # fp32
+                else:
+                    assert got.abs().sum() > 0
+
+
+# ------------------------------------------------------------------------------------------ expert parallelism
+
+EP_MOE = ["train.micro_batch_size=1", "train.precision=fp32"]  # micro-batch accumulation on every rank
+
+
+def test_expert_parallel_layouts_equal_single_process(tmp_path: Path) -> None:
+    """EP=2 on 2 ranks (edp 1), both dispatchers, qwen3-moe-tiny and deepseek-v3-tiny (expert bias, shared
+    expert, MTP's MoE block): the single process's losses, gradients (expert stacks gathered whole), parameters
+    and expert bias after three steps."""
+    cases = [
+        case("ep2-alltoall-qwen3-moe-tiny", "qwen3-moe-tiny", [*EP_MOE, "parallel.ep=2"]),
+        case("ep2-allgather-qwen3-moe-tiny", "qwen3-moe-tiny",
+             [*EP_MOE, "parallel.ep=2", "model.moe.dispatcher=allgather"]),
+        case("ep2-alltoall-deepseek-v3-tiny", "deepseek-v3-tiny", ["train.micro_batch_size=2", "train.precision=fp32",
+                                                                    "parallel.ep=2"]),
+    ]
+    saved = run_ranks("train_layouts", 2, {"cases": cases, "run_root": str(tmp_path / "ep2")}, tmp_path, timeout=300)
+    qwen = reference(tmp_path, "qwen3-moe-tiny", EP_MOE)
+    assert_same_run(torch.load(saved["ep2-alltoall-qwen3-moe-tiny"], weights_only=True), qwen)
+    assert_same_run(torch.load(saved["ep2-allgather-qwen3-moe-tiny"], weights_only=True), qwen)
+    deepseek = reference(tmp_path, "deepseek-v3-tiny", ["train.micro_batch_size=2", "train.precision=fp32"])
+    assert_same_run(torch.load(saved["ep2-alltoall-deepseek-v3-tiny"], weights_only=True), deepseek)
+
+
+def test_expert_parallel_on_four_ranks_equals_single_process(tmp_path: Path) -> None:
+    """EP equal to the world size (edp 1: the reported FSDP2 divide-factor trap), dense DP4 with experts
+    EP2 x EDP2 (FSDP2 over edp on top of the expert shards), and expert tensor parallelism: EP2 x ETP2 and
+    ETP2 x EDP2 (each expert's FFN split over two ranks, partial outputs summed by the allgather dispatcher),
+    and parallel folding: dense TP2 x DP2 with experts EP4 over the same ranks."""
+    allgather = "model.moe.dispatcher=allgather"
+    cases = [
+        case("ep4-qwen3-moe-tiny", "qwen3-moe-tiny", [*EP_MOE, "parallel.ep=4"]),
+        case("ep2-edp2-qwen3-moe-tiny", "qwen3-moe-tiny", [*EP_MOE, "parallel.ep=2", allgather]),
+        case("ep2-etp2-qwen3-moe-tiny", "qwen3-moe-tiny", [*EP_MOE, "parallel.ep=2", "parallel.etp=2", allgather]),
+        case("etp2-edp2-qwen3-moe-tiny", "qwen3-moe-tiny", [*EP_MOE, "parallel.etp=2", allgather]),
+        # Parallel folding: attention TP2 x DP2 while the experts span all four ranks (EP4), tp != ep.
+        case("tp2-dp2-ep4-qwen3-moe-tiny", "qwen3-moe-tiny", [*EP_MOE, "parallel.tp=2", "parallel.ep=4"]),
+    ]
+    saved = run_ranks("train_layouts", 4, {"cases": cases, "run_root": str(tmp_path / "ep4")}, tmp_path, timeout=300)
+    qwen = reference(tmp_path, "qwen3-moe-tiny", EP_MOE)
+    for key in saved:
+        assert_same_run(torch.load(saved[key], weights_only=True), qwen)

@@ -163,3 +163,29 @@ def test_gradient_accumulation_matches_one_big_micro_batch(tmp_path: Path) -> No
     # And the parameters after both updates (lr 3e-3: a wrong accumulation moves weights by ~lr; fp32 order ~1e-5).
     for name, value in models[1].items():
         torch.testing.assert_close(value, models[4][name], rtol=0, atol=1e-4, msg=name)
+
+
+def test_expert_counts_and_bias_do_not_depend_on_micro_batching(tmp_path: Path) -> None:
+    """deepseek-v3-tiny (expert bias, seq_aux_loss, MTP): 4 micro-batches of 1 and 1 of 4 route the same tokens,
+    so each step's per-expert loads, the bias after each update and the losses agree; the bias moves once per
+    optimizer step (by at most bias_update_rate per expert), not once per micro-batch."""
+    runs = {}
+    for mbs in (1, 4):
+        t = trainer("deepseek-v3-tiny", tmp_path / str(mbs), "train.steps=3", f"train.micro_batch_size={mbs}")
+        steps, biases = [], []
+        for step in (1, 2, 3):
+            before = {i: layer.router.expert_bias.clone() for i, layer in t.moe_layers.items()}
+            steps.append(t.train_step(step))
+            biases.append({i: layer.router.expert_bias.clone() for i, layer in t.moe_layers.items()})
+            rate = t.recipe.model.moe.router.bias_update_rate
+            moved = [(bias - before[i]).abs().max().item() for i, bias in biases[-1].items()]
+            assert 0 < max(moved) <= rate + 1e-9  # one update per optimizer step, not one per micro-batch
+        runs[mbs] = (steps, biases)
+    for small, big in zip(runs[1][0], runs[4][0], strict=True):
+        assert small.loss == pytest.approx(big.loss, rel=1e-5)
+        assert small.moe.keys() == big.moe.keys() == {"1", "2"}
+        for layer in small.moe:
+            assert small.moe[layer]["load"] == pytest.approx(big.moe[layer]["load"], abs=1e-6)
+    for small, big in zip(runs[1][1], runs[4][1], strict=True):
+        for i in small:
+            assert torch.equal(small[i], big[i]), i

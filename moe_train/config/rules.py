@@ -150,6 +150,9 @@ def _layout(r: Recipe) -> list[Problem]:
             )
         if m.moe.num_experts % p.ep:
             out.append(_p("parallel.ep", f"{p.ep} must divide model.moe.num_experts {m.moe.num_experts}"))
+        if p.etp > 1 and m.moe.dispatcher != "allgather":
+            out.append(_p("parallel.etp", f"{p.etp} needs model.moe.dispatcher allgather (it gathers tokens over the "
+                          "ep x etp ranks and sums the experts' partial outputs)"))
         if m.moe.ffn_hidden_size % p.etp:
             out.append(_p("parallel.etp", f"{p.etp} must divide model.moe.ffn_hidden_size {m.moe.ffn_hidden_size}"))
     if m.num_attention_heads % p.tp:
@@ -158,6 +161,15 @@ def _layout(r: Recipe) -> list[Problem]:
         out.append(_p("parallel.tp", f"{p.tp} must divide model.num_query_groups {m.kv_heads}"))
     if m.ffn_hidden_size % p.tp:
         out.append(_p("parallel.tp", f"{p.tp} must divide model.ffn_hidden_size {m.ffn_hidden_size}"))
+    if m.padded_vocab_size() % p.tp:
+        out.append(_p("parallel.tp", f"{p.tp} must divide the padded vocabulary {m.padded_vocab_size()} (vocab_size "
+                      f"{m.vocab_size} padded to a multiple of make_vocab_size_divisible_by)"))
+    if m.moe is not None and m.moe.shared_expert_ffn_hidden_size % p.tp:
+        out.append(_p("parallel.tp", f"{p.tp} must divide model.moe.shared_expert_ffn_hidden_size "
+                      f"{m.moe.shared_expert_ffn_hidden_size}"))
+    if m.moe is not None and p.tp > 1 and not p.sequence_parallel and r.train.seq_length % p.tp:
+        out.append(_p("train.seq_length", f"{r.train.seq_length} must be divisible by tp = {p.tp}: MoE layers route "
+                      "each tp rank's slice of the sequence"))
     if p.sequence_parallel and p.tp == 1:
         out.append(_p("parallel.sequence_parallel", "needs tp > 1 (it shards the tensor-parallel region)"))
     if (p.sequence_parallel or p.cp > 1) and r.train.seq_length % (p.tp * p.cp):

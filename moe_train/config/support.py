@@ -20,17 +20,14 @@ class Unsupported:
 
 
 NOT_SUPPORTED_YET: tuple[Unsupported, ...] = (
-    Unsupported("parallel.tp", lambda r: r.parallel.tp > 1, "tensor parallelism (tp > 1)"),
-    Unsupported("parallel.sequence_parallel", lambda r: r.parallel.sequence_parallel, "sequence parallelism"),
+    Unsupported(
+        "model.moe.router.load_balancing",
+        lambda r: r.parallel.tp > 1 and r.model.moe is not None
+        and r.model.moe.router.load_balancing == "all_layers_aux_loss",
+        "all_layers_aux_loss with tensor parallelism (tp > 1)",
+    ),
     Unsupported("parallel.pp", lambda r: r.parallel.pp > 1, "pipeline parallelism (pp > 1)"),
     Unsupported("parallel.cp", lambda r: r.parallel.cp > 1, "context parallelism (cp > 1)"),
-    Unsupported("parallel.ep", lambda r: r.parallel.ep > 1, "expert parallelism (ep > 1)"),
-    Unsupported("parallel.etp", lambda r: r.parallel.etp > 1, "expert tensor parallelism (etp > 1)"),
-    Unsupported(
-        "parallel.recompute.granularity",
-        lambda r: r.parallel.recompute.granularity != "none",
-        "activation recomputation",
-    ),
     Unsupported("train.precision", lambda r: r.train.precision == "fp8", "fp8 training"),
 )
 

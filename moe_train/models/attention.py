@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from moe_train.config.schema import ModelConfig
 from moe_train.models.norm import RMSNorm
@@ -25,9 +26,10 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
 def document_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
     """Block-diagonal causal mask [b, 1, s, s] (True: attend), or None when no document starts after token 0.
 
-    On the meta device (shape-only runs) the values are unknown: plain causal attention is assumed.
+    On the meta device or as fake tensors (shape-only runs: `moe-train measure --fake`) the values are unknown:
+    plain causal attention is assumed.
     """
-    if position_ids.device.type == "meta" or not bool((position_ids[..., 1:] == 0).any()):
+    if position_ids.device.type == "meta" or is_fake(position_ids) or not bool((position_ids[..., 1:] == 0).any()):
         return None
     docs = document_ids(position_ids)
     seq = position_ids.shape[-1]
@@ -38,6 +40,14 @@ def document_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, **kwargs) -> torch.Tensor:
     """SDPA over [b, heads, s, d]: causal, or restricted by a document mask."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **kwargs)
+
+
+class CoreAttention(nn.Module):
+    """`attend` as a module (no parameters): the region `parallel.recompute`'s core_attn policy recomputes."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                **kwargs) -> torch.Tensor:
+        return attend(q, k, v, mask, **kwargs)
 
 
 class Attention(nn.Module):
@@ -52,6 +62,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(heads * self.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.core_attention = CoreAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         # Head counts come from the projections' outputs (-1), so tensor parallelism can shard heads.
@@ -63,5 +74,5 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
-        out = attend(q, k, v, mask, enable_gqa=q.shape[1] != k.shape[1])
+        out = self.core_attention(q, k, v, mask, enable_gqa=q.shape[1] != k.shape[1])
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))

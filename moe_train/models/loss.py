@@ -27,7 +27,22 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size
     return F.cross_entropy(logits, targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def cross_entropy_mean(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int) -> torch.Tensor:
-    """Mean over the targets that are not IGNORE_INDEX (0 when there are none)."""
-    total = cross_entropy_sum(logits, targets, vocab_size=vocab_size)
-    return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
+class LanguageModelLoss:
+    """The loss a model computes from its head's logits. This single-device version sees the whole (padded)
+    vocabulary; tensor parallelism swaps in a vocabulary-parallel one (moe_train/parallel/vocab_parallel.py)
+    whose logits are this rank's vocabulary slice, so the model never needs to know which it has."""
+
+    def __init__(self, *, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """fp32 sum of the cross-entropy over the targets that are not IGNORE_INDEX."""
+        return cross_entropy_sum(logits, targets, vocab_size=self.vocab_size)
+
+    def mean(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean over the targets that are not IGNORE_INDEX (0 when there are none)."""
+        return self.sum(logits, targets) / (targets != IGNORE_INDEX).sum().clamp(min=1)
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's output as the Python API returns it: [..., vocab_size], padding stripped."""
+        return logits[..., : self.vocab_size]

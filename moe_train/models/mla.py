@@ -10,12 +10,14 @@ mscale_all_dim)^2. SDPA's fused kernels need one head size for q, k and v, so th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moe_train.config.schema import ModelConfig
-from moe_train.models.attention import attend
+from moe_train.models.attention import CoreAttention
 from moe_train.models.norm import RMSNorm
 from moe_train.models.rope import apply_rotary, yarn_mscale
 
@@ -42,27 +44,38 @@ class MLA(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=False)
 
+        self.core_attention = CoreAttention()
+        # The shared rope key enters the heads' region here: tensor parallelism sets this to a gather of the
+        # sequence (or a copy whose gradient is summed over ranks); identity on one device.
+        self.rope_key_to_heads: Callable[[torch.Tensor], torch.Tensor] = _identity
+
         self.scale = qk_dim**-0.5
         yarn = cfg.rope.scaling
         if yarn is not None and yarn.mscale_all_dim:
             self.scale *= yarn_mscale(yarn.factor, yarn.mscale_all_dim) ** 2
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        b, s, _ = x.shape
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        # Head counts come from the projections' outputs (-1), so tensor parallelism can shard heads.
+        # Under sequence parallelism x is this rank's slice of the sequence: the low-rank down projections and
+        # their norms run on it, and the sequence is gathered where the heads begin (parallel/tensor.py).
+        q_latent = x if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        out = self.up_attend(q_latent, self.kv_a_layernorm(latent), self.rope_key_to_heads(k_rot), cos, sin, mask)
+        return self.o_proj(out)
+
+    def up_attend(self, q_latent: torch.Tensor, kv_latent: torch.Tensor, k_rot: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Up projections, rotary embeddings and attention: [b, s, heads * v_dim] (the mla_up_proj region)."""
+        q = self.q_proj(q_latent) if self.q_lora_rank is None else self.q_b_proj(q_latent)
+        # Batch, sequence and head counts come from the projections' outputs, so tensor parallelism can shard
+        # heads and sequence parallelism can hand in a slice of the sequence.
+        b, s = q.shape[:2]
         q = q.view(b, s, -1, self.nope_dim + self.rope_dim).transpose(1, 2)
         q_nope, q_rot = q.split([self.nope_dim, self.rope_dim], dim=-1)
-
-        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, s, -1, self.nope_dim + self.v_dim).transpose(1, 2)
+        kv = self.kv_b_proj(kv_latent).view(b, s, -1, self.nope_dim + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
 
         q_rot = apply_rotary(q_rot, cos, sin, interleaved=True)
-        k_rot = apply_rotary(k_rot.view(b, 1, s, self.rope_dim), cos, sin, interleaved=True)
+        k_rot = apply_rotary(k_rot.reshape(b, 1, s, self.rope_dim), cos, sin, interleaved=True)
         q = torch.cat((q_nope, q_rot), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
 
@@ -71,5 +84,9 @@ class MLA(nn.Module):
             v = F.pad(v, (0, pad))
         elif pad < 0:
             q, k = F.pad(q, (0, -pad)), F.pad(k, (0, -pad))
-        out = attend(q, k, v, mask, scale=self.scale)[..., : self.v_dim]
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        out = self.core_attention(q, k, v, mask, scale=self.scale)[..., : self.v_dim]
+        return out.transpose(1, 2).reshape(b, s, -1)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x

@@ -11,6 +11,7 @@ balancing losses.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 from moe_train.config.schema import ModelConfig
 from moe_train.models.attention import document_ids, document_mask
 from moe_train.models.decoder import DecoderBlock
-from moe_train.models.loss import IGNORE_INDEX, cross_entropy_mean, cross_entropy_sum
+from moe_train.models.loss import IGNORE_INDEX, LanguageModelLoss
 from moe_train.models.moe.layer import RoutingRecord, RoutingRecords
 from moe_train.models.mtp import MTPModule
 from moe_train.models.norm import RMSNorm
@@ -51,6 +52,10 @@ class Transformer(nn.Module):
         )
         # all_layers_aux_loss's weighted value, summed over the forwards of a step (telemetry, like the layers').
         self.register_buffer("aux_loss_value", torch.zeros((), dtype=torch.float64), persistent=False)
+        # Set from outside by `moe_train.parallel.parallelize`: tensor parallelism swaps in a vocabulary-parallel
+        # loss; full recomputation runs the decoder stack in checkpointed groups of layers.
+        self.lm_loss = LanguageModelLoss(vocab_size=cfg.vocab_size)
+        self.run_layers: Callable[..., torch.Tensor] = run_layers
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -74,8 +79,7 @@ class Transformer(nn.Module):
         moe = self.cfg.moe
         records = RoutingRecords() if moe is not None and moe.router.load_balancing == "all_layers_aux_loss" else None
         hidden = self.embed_tokens(input_ids)
-        for layer in self.layers.values():
-            hidden = layer(hidden, cos, sin, mask, records)
+        hidden = self.run_layers(list(self.layers.values()), hidden, cos, sin, mask, records)
         hidden = self.norm(hidden)
         mtp = torch.zeros((), device=hidden.device)
         if labels is not None and self.training and len(self.mtp) > 0:
@@ -84,8 +88,8 @@ class Transformer(nn.Module):
             self._all_layers_aux_loss(records.items)
         logits = self.lm_head(hidden)
         if labels is None:
-            return logits[..., : self.cfg.vocab_size]
-        return LossTerms(cross_entropy_sum(logits, labels, vocab_size=self.cfg.vocab_size), mtp)
+            return self.lm_loss.full_logits(logits)
+        return LossTerms(self.lm_loss.sum(logits, labels), mtp)
 
     def _forward_mtp(
         self,
@@ -109,7 +113,7 @@ class Transformer(nn.Module):
             target_docs = shift_left(target_docs, fill=-1)
             targets = labels.masked_fill(target_docs != docs, IGNORE_INDEX)
             hidden = module(hidden, self.embed_tokens(input_ids), cos, sin, mask, records)
-            losses.append(cross_entropy_mean(self.lm_head(hidden), targets, vocab_size=self.cfg.vocab_size))
+            losses.append(self.lm_loss.mean(self.lm_head(hidden), targets))
         return self.cfg.mtp_loss_weight * torch.stack(losses).mean()
 
     @torch.no_grad()
@@ -123,6 +127,13 @@ class Transformer(nn.Module):
         for record in records:
             record.gradient.per_expert = router.aux_loss_coeff * experts * load / rows
         self.aux_loss_value += router.aux_loss_coeff * experts * (load * importance).sum().double()
+
+
+def run_layers(layers: list[DecoderBlock], hidden: torch.Tensor, *args) -> torch.Tensor:
+    """The decoder stack, layer after layer (args: cos, sin, mask, records)."""
+    for layer in layers:
+        hidden = layer(hidden, *args)
+    return hidden
 
 
 def shift_left(x: torch.Tensor, *, fill: int) -> torch.Tensor:

@@ -23,7 +23,11 @@ def parallelize(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> Tra
     """Apply the recipe's layout to `model` (built on the meta device) for this rank; returns the model."""
     from moe_train.parallel.data_parallel import apply_fsdp
     from moe_train.parallel.expert import apply_expert_parallel
+    from moe_train.parallel.recompute import apply_recompute
+    from moe_train.parallel.tensor import apply_tensor_parallel
 
+    apply_tensor_parallel(model, recipe, ctx)
     apply_expert_parallel(model, recipe, ctx)
+    apply_recompute(model, recipe)
     apply_fsdp(model, recipe, ctx)
     return model

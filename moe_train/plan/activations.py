@@ -133,14 +133,15 @@ def _attention(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
     items = [Saved("attn_input", "attention.input", a * ts * h)]  # the input norm's output, kept by q/k/v
     if cfg.family == "deepseek_v3":
         qk, v, r = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
-        # The latent projections are replicated over tp: their outputs hold every token.
+        # The latent projections are replicated over tp and run on the sequence region (sharded under SP); the
+        # up projections after the all-gather keep only that shard (parallel/tensor.py).
         if cfg.q_lora_rank:
-            items += _norm("mla_latent", "q_a_layernorm", t, cfg.q_lora_rank, a)
-            items.append(Saved("mla_latent", "q_b_proj.input", a * t * cfg.q_lora_rank))
+            items += _norm("mla_latent", "q_a_layernorm", ts, cfg.q_lora_rank, a)
+            items.append(Saved("mla_latent", "q_b_proj.input", a * ts * cfg.q_lora_rank))
         kvl = cfg.kv_lora_rank
         # In fp32 the norm's input is a view of kv_a_proj's whole output (latent + rope key): that storage.
-        items += _norm("mla_latent", "kv_a_layernorm", t, kvl, a, fp32_input_width=kvl + (r if a == FP32 else 0))
-        items.append(Saved("mla_latent", "kv_b_proj.input", a * t * kvl))
+        items += _norm("mla_latent", "kv_a_layernorm", ts, kvl, a, fp32_input_width=kvl + (r if a == FP32 else 0))
+        items.append(Saved("mla_latent", "kv_b_proj.input", a * ts * kvl))
         items += _rope_casts(cfg, lay, r)
         width = max(qk, v)
         items += [
@@ -219,7 +220,8 @@ def _moe(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
         # The shared expert's input is the norm's output: the router's fp32 input itself in an fp32 run.
         if a != FP32:
             items.append(Saved("shared_experts_input", "shared_experts.input", a * t * h))
-        items += _swiglu("shared_experts", "shared_experts", t, moe.shared_expert_ffn_hidden_size / lay.tp, a)
+        # Tensor-parallel like a dense MLP: the tp ranks' token shares gathered, the ffn sharded.
+        items += _swiglu("shared_experts", "shared_experts", lay.tokens, moe.shared_expert_ffn_hidden_size / lay.tp, a)
     return items
 
 

@@ -10,8 +10,9 @@ of `seq_length`:
   attention, so measured and predicted figures agree;
 - SwiGLU MLPs (3 matrices): dense layers, and on MoE layers the router, the `top_k` active routed experts
   and the shared expert;
-- the output head over the real vocabulary (the model never computes logits of the padding rows; embedding
-  lookups are gathers, not FLOPs);
+- the output head over the real vocabulary (model FLOPs: the model also computes the padding columns, masked in
+  the loss, which executed FLOPs count as 2 * h * (padded - vocab) per token per head; embedding lookups are
+  gathers, not FLOPs);
 - each MTP module: its projection of [hidden; embedding] (2h -> h), one more decoder layer of the model's
   last kind, and the shared output head.
 Norms, activations, softmax and rotary embeddings are elementwise and left out (a few percent at most).

@@ -46,6 +46,7 @@ from moe_train.models.moe import MoELayer, update_expert_bias
 from moe_train.models.moe.aux_loss import set_aux_loss_scale
 from moe_train.parallel import parallelize
 from moe_train.parallel.context import ParallelContext
+from moe_train.parallel.tensor import reduce_replicated_gradients
 from moe_train.plan.flops import training_flops_per_token
 from moe_train.train.errors import TrainingError
 from moe_train.train.grad_norm import clip_grad_norm
@@ -160,10 +161,12 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ one step
 
-    def _all_reduce(self, tensor: torch.Tensor, dim: str = "dp") -> torch.Tensor:
-        """Sum a small tensor over mesh dimension `dim` in place; a host tensor goes through the device (NCCL)."""
+    def _all_reduce(self, tensor: torch.Tensor, dims: tuple[str, ...] = ("dp",)) -> torch.Tensor:
+        """Sum a small tensor over mesh dimensions `dims` in place; a host tensor goes through the device (NCCL)."""
         on_device = tensor.to(self.device)
-        dist.all_reduce(on_device, group=self.ctx.group(dim))
+        for dim in dims:
+            if self.ctx.size(dim) > 1:
+                dist.all_reduce(on_device, group=self.ctx.group(dim))
         if on_device is not tensor:
             tensor.copy_(on_device)
         return tensor
@@ -203,7 +206,8 @@ class Trainer:
             mtp = terms.mtp * share
             (lm + mtp).backward()
             sums += torch.stack([lm.detach(), mtp.detach()]).double()
-        self._all_reduce(sums)
+        reduce_replicated_gradients(self.model, self.ctx.group("tp"))
+        self._all_reduce(sums)  # every tp rank computed the same loss: summed over dp only
         counts, moe, aux_loss = self._telemetry(share)
         grad_norm = clip_grad_norm(self.model.parameters(), train.grad_clip, stage_group=self.ctx.group("pp"))
         lm_loss, mtp_loss = sums.tolist()
@@ -232,15 +236,17 @@ class Trainer:
         the per-layer balance figures, and the weighted balancing loss averaged over the global batch."""
         layers = sorted(self.moe_layers)
         values = [self.moe_layers[i].aux_loss_value for i in layers] + [self.model.aux_loss_value]
-        aux = self._all_reduce(torch.stack(values).sum().view(1))
+        # Each tp rank routes (and counts) its own slice of the micro-batch's tokens: MoE figures sum over dp and tp.
+        tokens = ("dp", "tp")
+        aux = self._all_reduce(torch.stack(values).sum().view(1), tokens)
         if not layers:
             return {}, None, aux.item() * share
         counts = torch.stack([self.moe_layers[i].tokens_per_expert for i in layers])
         drops = torch.stack(
             [torch.stack([self.moe_layers[i].dropped_assignments, self.moe_layers[i].assignments]) for i in layers]
         )
-        stacked = self._all_reduce(torch.cat([counts, drops], dim=1))
-        entropy = self._all_reduce(torch.stack([self.moe_layers[i].router_entropy_sum for i in layers]))
+        stacked = self._all_reduce(torch.cat([counts, drops], dim=1), tokens)
+        entropy = self._all_reduce(torch.stack([self.moe_layers[i].router_entropy_sum for i in layers]), tokens)
         on_host, entropy = stacked.cpu(), entropy.cpu()  # one transfer for every layer's figures
         experts, top_k = counts.shape[1], self.recipe.model.moe.top_k
         moe = {}

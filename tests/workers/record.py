@@ -3,6 +3,7 @@ every gradient of the first step, every parameter and buffer after the last, as 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,14 +23,17 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().cpu().clone()
 
 
-def record_run(recipe_name: str, overrides: list[str], *, world: int, run_dir: Path, steps: int, ctx=None) -> dict:
+def record_run(recipe_name: str, overrides: list[str], *, world: int, run_dir: Path, steps: int, ctx=None,
+               prepare: Callable | None = None) -> dict:
     """{"losses", "grads" (step 1), "state" (after `steps`), "moe" (balance figures per step)}; every rank
-    must call it (the full tensors are gathered collectively)."""
+    must call it (the full tensors are gathered collectively). `prepare(trainer)` runs before the first step."""
     from moe_train.train.loop import Trainer
 
     recipe = load_recipe(recipe_name, [*overrides, f"launch.gpus_per_node={world}", f"run_dir={run_dir}",
                                        f"train.steps={steps}"])
     trainer = Trainer(recipe, ctx)
+    if prepare is not None:
+        prepare(trainer)
     initial = {k: full(v) for k, v in trainer.model.state_dict().items()}
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     grads: dict[str, torch.Tensor] = {}

@@ -8,6 +8,7 @@ scores alone, as in the Switch Transformer and DeepSeek-V3 papers.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from moe_train.models.moe.router import count_per_expert
 
@@ -37,27 +38,44 @@ def switch_aux_loss(probs: torch.Tensor, topk_indices: torch.Tensor, num_experts
     return global_aux_loss(probs, counts, probs.shape[0])
 
 
-def seq_aux_loss(scores: torch.Tensor, topk_indices: torch.Tensor, top_k: int) -> torch.Tensor:
+def seq_aux_loss(
+    scores: torch.Tensor, topk_indices: torch.Tensor, top_k: int, *, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss, averaged over sequences.
 
     scores [b, s, E] (sigmoid or softmax), topk_indices [b, s, K]. Per sequence of T tokens:
     f_i = E / (K * T) * (times expert i is in a top-k), P_i = mean_t s_i,t / sum_j s_j,t; loss = sum_i f_i P_i
     (1 at perfect balance).
+
+    `group`: ranks that each hold an equal slice of every sequence (sequence parallelism). The counts are summed
+    over it and P sums this rank's tokens over the whole sequence length, so the result is this rank's share of
+    the loss: the shares add up to the single-device loss, and each rank's gradient reaches its own tokens.
     """
     batch, seq, num_experts = scores.shape
     counts = torch.zeros(batch, num_experts, dtype=torch.float32, device=scores.device)
     counts.scatter_add_(
         1, topk_indices.reshape(batch, -1), torch.ones_like(topk_indices.reshape(batch, -1), dtype=torch.float32)
     )
-    f = counts * (num_experts / (top_k * seq))
     scores = scores.float()
-    p = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=1)
-    return (f * p).sum(dim=-1).mean()
+    normalised = scores / scores.sum(dim=-1, keepdim=True)
+    if group is None or dist.get_world_size(group) == 1:
+        f = counts * (num_experts / (top_k * seq))
+        return (f * normalised.mean(dim=1)).sum(dim=-1).mean()
+    dist.all_reduce(counts, group=group)
+    full_seq = seq * dist.get_world_size(group)
+    f = counts * (num_experts / (top_k * full_seq))
+    return (f * (normalised.sum(dim=1) / full_seq)).sum(dim=-1).mean()
 
 
-def z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """Router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2; keeps router logits small and stable."""
-    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+def z_loss(logits: torch.Tensor, *, token_shards: int = 1) -> torch.Tensor:
+    """Router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2; keeps router logits small and stable.
+
+    token_shards: the number of ranks holding an equal share of the token set (sequence parallelism); each
+    returns its share of the mean (its tokens' sum over the whole set's count)."""
+    squares = torch.logsumexp(logits.float(), dim=-1).square()
+    if token_shards == 1:
+        return squares.mean()
+    return squares.sum() / (squares.shape[0] * token_shards)
 
 
 # ---------------------------------------------------------------------------------- attaching to activations

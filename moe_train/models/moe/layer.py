@@ -142,16 +142,20 @@ class MoELayer(nn.Module):
         return out.view(batch, seq, hidden_size)
 
     def _attach_balancing_losses(self, out, routing, counts, batch, seq, records, recomputing) -> torch.Tensor:
+        """Each loss over its token set. With a `token_group` (sequence parallelism) the set spans equal shards
+        on several ranks: each rank's loss is its share (its tokens over the whole set), the shares sum to the
+        single-device loss and each rank's gradient reaches its own router scores."""
         cfg = self.moe.router
         experts = self.moe.num_experts
+        shards = 1 if self.token_group is None else dist.get_world_size(self.token_group)
         value = torch.zeros((), dtype=torch.float32, device=out.device)
         graph_loss = None  # losses that are functions of this forward alone: differentiated by autograd
         if cfg.load_balancing == "seq_aux_loss" and cfg.aux_loss_coeff > 0:
             scores = routing.scores.view(batch, seq, -1)
             graph_loss = cfg.aux_loss_coeff * seq_aux_loss(scores, routing.topk_indices.view(batch, seq, -1),
-                                                           self.moe.top_k)
+                                                           self.moe.top_k, group=self.token_group)
         if cfg.z_loss_coeff > 0:
-            z = cfg.z_loss_coeff * z_loss(routing.logits)
+            z = cfg.z_loss_coeff * z_loss(routing.logits, token_shards=shards)
             graph_loss = z if graph_loss is None else graph_loss + z
         if graph_loss is not None:
             out = attach_loss(out, graph_loss)
@@ -160,14 +164,16 @@ class MoELayer(nn.Module):
         collected = cfg.load_balancing != "all_layers_aux_loss" or records is not None
         if cfg.load_balancing in SWITCH_LOSSES and cfg.aux_loss_coeff > 0 and collected:
             holder = ScoreGradient()
-            rows = routing.scores.shape[0]
+            rows = routing.scores.shape[0] * shards  # of the token set (equal shards)
             if cfg.load_balancing == "all_layers_aux_loss":
                 if not recomputing:
                     records.items.append(RoutingRecord(routing.scores.detach(), counts, holder))
             elif not recomputing:  # a recomputed forward's holder is never read: skip its collectives
-                load = self._switch_load(counts, rows, cfg.load_balancing)
+                load = self._switch_load(counts, routing.scores.shape[0], cfg.load_balancing)
                 holder.per_expert = cfg.aux_loss_coeff * experts * load / rows
                 importance = routing.scores.detach().float().mean(dim=0)
+                if shards > 1:  # this rank's share of the set's mean
+                    importance = importance / shards
                 value = value + cfg.aux_loss_coeff * experts * (load * importance).sum()
             out = attach_score_gradient(out, routing.scores, holder)
         if not recomputing:

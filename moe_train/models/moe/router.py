@@ -32,7 +32,14 @@ class Router(nn.Module):
 
     `expert_bias` only changes which experts are chosen, never the weights, and never receives a gradient: the
     trainer moves it with `update_expert_bias` after each optimizer step.
+
+    `force_even_routing` (class-wide, off in training) replaces the top-k choice by an even round-robin spread:
+    token t goes to experts (t*K + j) mod E, j < K. `moe-train measure --fake` sets it: fake tensors carry no
+    values to route on, and an even spread makes the expert loads and dispatch volumes defined. The weights
+    are still the scores of the chosen experts, so the forward and backward run the same operations.
     """
+
+    force_even_routing: bool = False
 
     def __init__(self, *, hidden_size: int, moe: MoEConfig):
         super().__init__()
@@ -59,10 +66,13 @@ class Router(nn.Module):
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.softmax(dim=-1) if self.score_function == "softmax" else logits.sigmoid()
         with torch.no_grad():
-            choice = scores if self.expert_bias is None else scores + self.expert_bias
-            if self.num_groups is not None:
-                choice = self._mask_groups(choice)
-            topk_indices = torch.topk(choice, self.top_k, dim=-1).indices
+            if Router.force_even_routing:
+                topk_indices = even_topk_indices(x.shape[0], self.top_k, self.num_experts, device=x.device)
+            else:
+                choice = scores if self.expert_bias is None else scores + self.expert_bias
+                if self.num_groups is not None:
+                    choice = self._mask_groups(choice)
+                topk_indices = torch.topk(choice, self.top_k, dim=-1).indices
         weights = scores.gather(1, topk_indices)
         if self.normalize_topk:
             # The 1e-20 guards all-zero sigmoid scores (as transformers' DeepSeek-V3); it cannot change a sum >= 1e-12.
@@ -81,6 +91,13 @@ class Router(nn.Module):
         group_idx = torch.topk(group_scores, self.group_top_k, dim=-1).indices
         group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
         return grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(tokens, -1)
+
+
+def even_topk_indices(tokens: int, top_k: int, num_experts: int, *, device: torch.device) -> torch.Tensor:
+    """[T, K] int64: token t's experts are (t*K + j) mod E, distinct for K <= E; every expert gets T*K/E slots
+    (+-1) without reading any tensor value."""
+    slots = torch.arange(tokens, device=device).unsqueeze(1) * top_k + torch.arange(top_k, device=device)
+    return slots % num_experts
 
 
 def count_per_expert(indices: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -1,0 +1,160 @@
+"""Measure one training step of one rank: build the model (or the layers asked for), run the step under the
+FLOP counter, the saved-tensor tracker, the comm counter and the live-bytes tracker, and report.
+
+Three ways to run: in this process at world size 1; on every rank of a torchrun job (`--nproc N`, see
+moe_train/measure/rank.py), where rank R writes the report; or `fake` (moe_train/measure/fake.py), in this
+process at any world size, playing rank R with fake tensors and a fake process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from moe_train.config.schema import Recipe
+from moe_train.measure.activations import SavedTensorTracker
+from moe_train.measure.comm import CommCounter
+from moe_train.measure.dtensor import local_dtensor_ops
+from moe_train.measure.flops import PhaseFlopCounter
+from moe_train.measure.layers import LayerTracker
+from moe_train.measure.memory import LiveBytes, grad_bytes, optimizer_bytes, param_bytes
+from moe_train.measure.step import MicroBatch, train_step
+from moe_train.models.init import init_weights, materialize
+from moe_train.models.model import Transformer
+from moe_train.parallel import parallelize
+from moe_train.parallel.bootstrap import bootstrap, shutdown
+from moe_train.parallel.context import ParallelContext
+from moe_train.train.optimizer import build_optimizer
+
+
+@dataclass(frozen=True, kw_only=True)
+class Target:
+    """What to measure: which rank, which layers (None: all), fake or real."""
+
+    rank: int = 0
+    layers: tuple[int, ...] | None = None
+    fake: bool = False
+
+
+def keep_layers(model: Transformer, layers: tuple[int, ...]) -> None:
+    """Drop every other layer (and MTP module) from the model, as a pipeline stage does."""
+    num_layers = model.cfg.num_layers
+    for name in list(model.layers):
+        if int(name) not in layers:
+            del model.layers[name]
+    for name in list(model.mtp):
+        if num_layers + int(name) not in layers:
+            del model.mtp[name]
+
+
+def _build(recipe: Recipe, target: Target, ctx: ParallelContext) -> Transformer:
+    """The trainer's model, cut to the target's layers: built on the meta device (fake: directly as fake
+    tensors, shapes only), cut, parallelised, then (real) allocated and initialised by name."""
+    with torch.device(ctx.device if target.fake else "meta"):
+        model = Transformer(recipe.model)
+    if target.layers is not None:
+        keep_layers(model, target.layers)
+    model = parallelize(model, recipe, ctx)
+    if not target.fake:
+        materialize(model, device=ctx.device)
+        init_weights(model, seed=recipe.train.seed, init_std=recipe.model.init_std)
+    model.train()
+    return model
+
+
+def _micro_batches(recipe: Recipe, target: Target, device: torch.device, dp_rank: int, dp_size: int) -> list:
+    train = recipe.train
+    count = train.global_batch_size // (train.micro_batch_size * dp_size)
+    if target.fake:  # as the trainer lays them out: micro-batches are views of this rank's [B, s + 1] samples
+        samples = torch.randint(recipe.model.vocab_size, (count * train.micro_batch_size, train.seq_length + 1),
+                                device=device)
+        return [MicroBatch(inputs=t[:, :-1], labels=t[:, 1:], positions=None)
+                for t in samples.split(train.micro_batch_size)]
+    from moe_train.data import build_datasets, global_batch, position_ids
+
+    datasets = build_datasets(recipe)
+    tokens = global_batch(
+        datasets.train, step=0, global_batch_size=train.global_batch_size, dp_rank=dp_rank, dp_size=dp_size
+    ).to(device)
+    out = []
+    for micro in tokens.split(train.micro_batch_size):
+        inputs, labels = micro[:, :-1], micro[:, 1:]
+        positions = position_ids(inputs, datasets.eod) if recipe.data.reset_at_eod else None
+        out.append(MicroBatch(inputs=inputs, labels=labels, positions=positions))
+    return out
+
+
+def measure_step(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
+    """Run one step on this rank (every rank of the job calls it) and return the report dict."""
+    torch.manual_seed(recipe.train.seed)
+    model = _build(recipe, target, ctx)
+    optimizer = build_optimizer(model, train=recipe.train)
+    micro_batches = _micro_batches(recipe, target, ctx.device, ctx.coord("dp"), ctx.size("dp"))
+    grads: dict[str, int] = {}
+
+    def gradients_ready(*_) -> None:  # the gradients exist between backward and the update
+        grads["bytes"] = grad_bytes(model)
+
+    optimizer.register_step_pre_hook(gradients_ready)
+
+    layers = LayerTracker(model)
+    saved = SavedTensorTracker(model, layers)
+    comm = CommCounter(ctx.group_name)
+    flops = PhaseFlopCounter(layers)
+    live = LiveBytes([*model.parameters(), *model.buffers()])
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    with contextlib.ExitStack() as stack:
+        for context in (local_dtensor_ops(), live, comm, flops, saved):
+            stack.enter_context(context)
+        train_step(model, optimizer, micro_batches, recipe=recipe, ctx=ctx)
+    layers.close()
+    peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else live.peak
+    per_layer = saved.per_layer()
+    return {
+        "world_size": ctx.world_size,
+        "rank": ctx.rank,
+        "layers": sorted(layers.layers),
+        "activation_bytes_per_layer": per_layer,
+        "activation_bytes_total": sum(per_layer.values()),
+        "param_bytes": param_bytes(model),
+        "grad_bytes": grads.get("bytes", 0),
+        "optimizer_bytes": optimizer_bytes(optimizer),
+        "flops": flops.totals(),
+        "comm_bytes": dict(sorted(comm.bytes.items())),
+        "peak_memory_bytes": peak,
+        # Extras (docs/measure.md): how the step was run.
+        "fake": target.fake,
+        "micro_batches": len(micro_batches),
+        "tokens": len(micro_batches) * recipe.train.micro_batch_size * recipe.train.seq_length,
+        "comm_calls": dict(sorted(comm.calls.items())),
+    }
+
+
+def measure(recipe: Recipe, target: Target) -> dict:
+    """measure_step in this process: fake (any world size, playing `target.rank`) or real at world size 1.
+
+    Raises RecipeError for a recipe the engine cannot train yet (bootstrap checks), ValueError for a real
+    measurement of more than one rank (that needs torchrun: `--nproc`)."""
+    if not target.fake:
+        if recipe.world_size != 1:
+            raise ValueError(f"the recipe asks for {recipe.world_size} ranks; run it with --nproc or --fake")
+        ctx = bootstrap(recipe)
+        try:
+            return measure_step(recipe, target, ctx)
+        finally:
+            shutdown(ctx)
+    from moe_train.measure.fake import even_routing, fake_process_group, fake_tensors
+
+    if torch.distributed.is_initialized():
+        raise RuntimeError("--fake plays one rank of its own fake process group; this process already has one")
+    # Fake tensors have CPU semantics whatever the recipe's device; the meshes are real (built before fake mode).
+    on_cpu = recipe.model_copy(update={"launch": recipe.launch.model_copy(update={"device": "cpu"})})
+    threads = torch.get_num_threads()  # bootstrap sets one thread per rank; this process is one rank of none
+    with fake_process_group(rank=target.rank, world_size=recipe.world_size):
+        ctx = bootstrap(on_cpu)
+        torch.set_num_threads(threads)
+        with even_routing(), fake_tensors():
+            return measure_step(on_cpu, target, ctx)

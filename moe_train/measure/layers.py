@@ -1,0 +1,73 @@
+"""Which decoder layer's forward is running, and whether autograd is running a backward pass.
+
+The FLOP counter and the saved-tensor tracker both attribute work to a layer and a phase. Layers are the
+model's `layers[i]` and its MTP modules (index num_layers + k, the index their decoder block carries); a
+forward pre-hook pushes the index and an always-called forward hook pops it. A forward that runs while the
+autograd engine executes a backward (`_current_graph_task_id() != -1`) is a recomputation: activation
+checkpointing calls the region's forward again from inside backward.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from functools import partial
+
+import torch
+from torch import nn
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass on this thread (recomputation included)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def tracked_layers(model: nn.Module) -> dict[int, nn.Module]:
+    """{layer index: module}: the decoder layers this model (or pipeline stage) holds, then its MTP modules."""
+    layers = {int(name): module for name, module in model.layers.items()}
+    for name, module in getattr(model, "mtp", {}).items():
+        layers[model.cfg.num_layers + int(name)] = module
+    return layers
+
+
+class LayerTracker:
+    """Hooks on every tracked layer; `current` is the innermost running layer (None outside every layer).
+
+    `forwards[i]` counts layer i's forward calls outside backward (one per micro-batch), `model_forwards` the
+    model's; `phase()` is forward, backward or recompute for the op running now.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.layers = tracked_layers(model)
+        self.stack: list[int] = []
+        self.forwards: Counter[int] = Counter()
+        self.model_forwards = 0
+        self._handles = [model.register_forward_pre_hook(self._model_forward)]
+        for index, module in self.layers.items():
+            self._handles.append(module.register_forward_pre_hook(partial(self._enter, index)))
+            self._handles.append(module.register_forward_hook(partial(self._exit, index), always_call=True))
+
+    def _model_forward(self, module: nn.Module, args: tuple) -> None:
+        if not in_backward():
+            self.model_forwards += 1
+
+    def _enter(self, index: int, module: nn.Module, args: tuple) -> None:
+        self.stack.append(index)
+        if not in_backward():
+            self.forwards[index] += 1
+
+    def _exit(self, index: int, module: nn.Module, args: tuple, output: object) -> None:
+        self.stack.pop()
+
+    @property
+    def current(self) -> int | None:
+        return self.stack[-1] if self.stack else None
+
+    def phase(self) -> str:
+        if not in_backward():
+            return "forward"
+        return "recompute" if self.stack else "backward"
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

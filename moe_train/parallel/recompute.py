@@ -1,0 +1,94 @@
+"""Activation recomputation (`parallel.recompute`): keep a region's input instead of what it saves for
+backward, and run the region again in backward (torch.utils.checkpoint, non-reentrant).
+
+- selective: the named modules of every decoder block (MTP blocks included), Megatron-Core's names:
+  core_attn (SDPA), layernorm (the block's two norms), mla_up_proj (MLA's up projections, rotary embeddings and
+  attention: q, k and v are never stored), mlp (dense MLPs), moe_act (the routed experts' SwiGLU), moe (the whole
+  MoE layer: routing, dispatch, experts, shared experts), shared_experts. A region inside another selected
+  one is not wrapped again.
+- full: the decoder stack of this model chunk (DECISIONS: `num_layers` counts per chunk), `uniform` in groups of
+  `num_layers` consecutive layers (each group keeps only its input), `block` the first `num_layers` layers one by
+  one and the rest not at all. MTP blocks are not part of the stack.
+
+A recomputed region gives the same numbers as its first run (the same ops on the same inputs; collectives of
+tensor parallelism run again on every rank in the same order). Nothing is counted twice: MoE telemetry and
+the balancing-loss collectives are skipped while recomputing (`models.moe.layer.in_recompute`), and the
+gradient attached in the first forward is the one the backward uses. Non-reentrant checkpointing does not
+re-run a region's last op (its output is already known): docs/parallel.md counts the recompute FLOPs so.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from moe_train.models.decoder import DecoderBlock
+from moe_train.models.mla import MLA
+from moe_train.models.model import run_layers
+
+if TYPE_CHECKING:
+    from moe_train.config import Recipe
+    from moe_train.models.model import Transformer
+
+
+def checkpointed(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`fn` whose saved tensors are dropped after forward and recomputed in backward."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def _recompute_forward(module: torch.nn.Module) -> None:
+    module.forward = checkpointed(module.forward)
+
+
+def _selective(block: DecoderBlock, modules: set[str]) -> None:
+    attn = block.self_attn
+    if isinstance(attn, MLA) and "mla_up_proj" in modules:
+        attn.up_attend = checkpointed(attn.up_attend)
+    elif "core_attn" in modules:
+        _recompute_forward(attn.core_attention)
+    if "layernorm" in modules:
+        _recompute_forward(block.input_layernorm)
+        _recompute_forward(block.post_attention_layernorm)
+    if not block.is_moe:
+        if "mlp" in modules:
+            _recompute_forward(block.mlp)
+        return
+    if "moe" in modules:
+        _recompute_forward(block.mlp)
+        return
+    if "moe_act" in modules:
+        block.mlp.experts.activation = checkpointed(block.mlp.experts.activation)
+    if "shared_experts" in modules and block.mlp.shared_experts is not None:
+        _recompute_forward(block.mlp.shared_experts)
+
+
+def run_layers_recomputed(layers: list[DecoderBlock], hidden: torch.Tensor, *args, method: str,
+                          num_layers: int) -> torch.Tensor:
+    """The decoder stack under full recomputation (see the module docstring for the two methods)."""
+    if method == "uniform":
+        for start in range(0, len(layers), num_layers):
+            hidden = checkpoint(run_layers, layers[start: start + num_layers], hidden, *args, use_reentrant=False)
+        return hidden
+    for index, layer in enumerate(layers):
+        hidden = checkpoint(layer, hidden, *args, use_reentrant=False) if index < num_layers else layer(hidden, *args)
+    return hidden
+
+
+def apply_recompute(model: Transformer, recipe: Recipe) -> None:
+    policy = recipe.parallel.recompute
+    if policy.granularity == "full":
+        model.run_layers = functools.partial(run_layers_recomputed, method=policy.method,
+                                             num_layers=policy.num_layers)
+    elif policy.granularity == "selective":
+        for block in model.modules():
+            if isinstance(block, DecoderBlock):
+                _selective(block, set(policy.modules))

@@ -1,0 +1,304 @@
+"""`moe-train measure`: FLOPs, activation bytes, collective bytes and memory of one training step, held to
+independent counts; `--fake` at full size; the JSON contract; bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import assert_bad_input, run_cli
+from multirank import run_ranks
+
+from moe_train.config import load_recipe
+from moe_train.models.moe.router import Router, count_per_expert, even_topk_indices
+from moe_train.plan.flops import forward_flops_per_token
+from moe_train.plan.params import attention_matrices, count_parameters, ffn_matrices
+
+REPO = Path(__file__).resolve().parents[1]
+# INTERFACES.md's keys, then the documented extras (docs/measure.md).
+CONTRACT_KEYS = {
+    "world_size", "rank", "layers", "activation_bytes_per_layer", "activation_bytes_total", "param_bytes",
+    "grad_bytes", "optimizer_bytes", "flops", "comm_bytes", "peak_memory_bytes",
+}
+EXTRA_KEYS = {"fake", "micro_batches", "tokens", "comm_calls"}
+SMALL = ("--set", "model.num_layers=2", "--set", "train.global_batch_size=4")  # 2 micro-batches of 2
+# deepseek-v3 at full size, in a layout the engine trains today (no pipeline, EP or recompute yet).
+DEEPSEEK_TODAY = (
+    "parallel.pp=1", "parallel.vpp=1", "parallel.pp_schedule=1f1b", "parallel.pp_layout=null", "parallel.ep=1",
+    "parallel.recompute.granularity=none",
+)
+
+
+@pytest.fixture(autouse=True)
+def no_default_process_group():
+    """In-process trainers of other test modules leave their one-rank process group behind; measure (and its
+    fake process group) needs the default group slot of this process."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def assert_same_step(fake: dict, real: dict) -> None:
+    """Every figure equal, except the live-bytes peak: when Python frees a real run's tensors can vary a
+    little (reference cycles wait for the garbage collector), so it agrees within 2%."""
+    exact = set(real) - {"fake", "peak_memory_bytes"}
+    assert {k: fake[k] for k in exact} == {k: real[k] for k in exact}
+    assert fake["peak_memory_bytes"] == pytest.approx(real["peak_memory_bytes"], rel=0.02)
+
+
+def measure_json(*args: str) -> dict:
+    result = run_cli("measure", *args, "--json")
+    assert result.code == 0, (result.stdout, result.stderr)
+    report = json.loads(result.stdout)
+    assert set(report) == CONTRACT_KEYS | EXTRA_KEYS
+    assert set(report["flops"]) == {"forward", "backward", "recompute", "total"}
+    assert report["flops"]["total"] == sum(report["flops"][k] for k in ("forward", "backward", "recompute"))
+    assert report["activation_bytes_total"] == sum(report["activation_bytes_per_layer"].values())
+    assert set(report["activation_bytes_per_layer"]) == {*map(str, report["layers"]), "other"}
+    return report
+
+
+def executed_forward_flops_per_token(cfg, seq_length: int) -> float:
+    """The FLOPs formula (model FLOPs) plus what runs beyond them:
+    - the output head computes logits over the padded vocabulary (the loss masks the padding), for the main
+      head and each MTP depth;
+    - MLA zero-pads V to the q/k head size for SDPA, so PV runs over qk_dim columns (in every MLA layer, the
+      MTP block's included)."""
+    heads = 1 + cfg.mtp_layers
+    extra = 2.0 * cfg.hidden_size * (cfg.padded_vocab_size() - cfg.vocab_size) * heads
+    if cfg.family == "deepseek_v3":
+        qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        padded_v = max(qk_dim - cfg.v_head_dim, 0)
+        extra += 2.0 * seq_length * cfg.num_attention_heads * padded_v * (cfg.num_layers + cfg.mtp_layers)
+    return forward_flops_per_token(cfg, seq_length=seq_length) + extra
+
+
+# deepseek-v3-tiny cut to a dense layer, an MoE layer and its MTP module (index num_layers), one micro-batch.
+DEEPSEEK_TINY_CUT = ("--set", "train.global_batch_size=2", "--layers", "0,1,8")
+
+
+@pytest.fixture(scope="module")
+def deepseek_tiny_real() -> dict:
+    return measure_json("deepseek-v3-tiny", *DEEPSEEK_TINY_CUT)
+
+
+def assert_flops_match(report: dict, cfg, seq_length: int) -> None:
+    forward = report["tokens"] * executed_forward_flops_per_token(cfg, seq_length)
+    flops = report["flops"]
+    assert flops["forward"] == pytest.approx(forward, rel=0.01)
+    assert flops["backward"] == pytest.approx(2 * forward, rel=0.01)  # data and weight gradients
+    assert flops["recompute"] == 0  # no recomputation configured
+
+
+def test_flops_of_a_step_equal_the_executed_formula(deepseek_tiny_real):
+    report = measure_json("qwen3-moe-tiny", *SMALL)
+    assert report["tokens"] == 4 * 128 and report["micro_batches"] == 2
+    assert_flops_match(report, load_recipe("qwen3-moe-tiny", ["model.num_layers=2"]).model, 128)
+    # Layers 0 (dense) and 1 (MoE) and the MTP module run the matmuls of a 2-layer model with its MTP module.
+    cfg = load_recipe("deepseek-v3-tiny").model.model_copy(update={"num_layers": 2})
+    assert deepseek_tiny_real["tokens"] == 2 * 128
+    assert_flops_match(deepseek_tiny_real, cfg, 128)
+
+
+def test_activation_bytes_of_a_dense_layer_equal_a_hand_count():
+    """One qwen3 layer, fp32, one sequence of T = 128 tokens: h 128, H 8 query heads, K 4 kv heads, d 16,
+    f 384. What autograd keeps (parameters and tensors an op needs no gradient from aside):
+    - input_layernorm: its input x, rsqrt r [T,1], x*r [T,h]; q/k/v projections: the norm's output [T,h];
+    - q_norm: q [T,H*d], its rsqrt [T,H], q*r; k_norm: the same over K heads; (the norms' outputs are not kept:
+      the rotary muls need only cos/sin, shared under `other`); rotated q and k (SDPA's inputs), v [T,K*d];
+    - SDPA (flash, CPU): its output [T,H*d] and logsumexp [T,H]; o_proj: the output made contiguous [T,H*d];
+    - post_attention_layernorm: the residual sum, rsqrt, x*r; gate/up: the norm's output;
+    - SwiGLU: gate output g (silu's input), silu(g), up output u, and silu(g)*u (down's input), each [T,f].
+    """
+    T, h, H, K, d, f = 128, 128, 8, 4, 16, 384
+    kept = (
+        6 * T * h  # x, x*r, norm out; residual sum, x*r, norm out
+        + 2 * T  # two rsqrt
+        + 5 * T * H * d  # q, q*r, rotated q, SDPA out, contiguous out
+        + 2 * T * H  # q_norm rsqrt, logsumexp
+        + 4 * T * K * d  # k, k*r, rotated k, v
+        + T * K  # k_norm rsqrt
+        + 4 * T * f  # g, silu(g), u, silu(g)*u
+    )
+    report = measure_json("qwen3-tiny", "--set", "model.num_layers=1", "--set", "train.global_batch_size=1",
+                          "--set", "train.micro_batch_size=1")
+    assert report["activation_bytes_per_layer"]["0"] == 4 * kept
+
+
+def test_fake_measures_what_the_real_step_does(deepseek_tiny_real):
+    """Shapes decide FLOPs, saved bytes and memory (dropless routing: T*K expert rows whatever the routing)."""
+    real = deepseek_tiny_real
+    fake = measure_json("deepseek-v3-tiny", *DEEPSEEK_TINY_CUT, "--fake")
+    assert fake["fake"] and not real["fake"] and real["layers"] == [0, 1, 8]
+    assert_same_step(fake, real)
+    assert real["activation_bytes_per_layer"]["0"] < real["activation_bytes_per_layer"]["1"]  # routed copies
+
+
+def fsdp_shard_elements(model: torch.nn.Module, dp: int) -> int:
+    """Elements of rank 0's FSDP2 shards: each parameter is chunked along dim 0 into dp pieces of
+    ceil(dim0 / dp) rows (the last ones padded), rank 0 holding a full chunk."""
+    return sum(math.ceil(p.shape[0] / dp) * (p.numel() // p.shape[0]) for p in model.parameters())
+
+
+def test_fake_full_size_deepseek_v3_layers():
+    from moe_train.measure.driver import keep_layers
+    from moe_train.models.model import Transformer
+
+    start = time.monotonic()
+    args = [arg for item in DEEPSEEK_TODAY for arg in ("--set", item)]
+    report = measure_json("deepseek-v3", "--fake", *args)
+    elapsed = time.monotonic() - start
+    assert elapsed < 180, elapsed  # ~25 s alone on this machine
+    recipe = load_recipe("deepseek-v3", DEEPSEEK_TODAY, check_files=False)
+    cfg, dp, micro_batches = recipe.model, recipe.dp, 8
+    assert report["layers"] == [0, 3]  # one dense layer, one MoE layer
+    assert report["world_size"] == 256 == dp and report["rank"] == 0 and report["micro_batches"] == micro_batches
+    # Parameters: embedding and head (padded vocabulary), final norm, layer 0 (dense) and layer 3 (MoE).
+    norms = 2 * cfg.hidden_size + cfg.q_lora_rank + cfg.kv_lora_rank
+    layers = 2 * (attention_matrices(cfg) + norms) + ffn_matrices(cfg, moe_layer=False, active=False)
+    layers += ffn_matrices(cfg, moe_layer=True, active=False)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    keep_layers(model, (0, 3))
+    assert sum(p.numel() for p in model.parameters()) == 2 * cfg.padded_vocab_size() * cfg.hidden_size + (
+        cfg.hidden_size + layers)
+    # FSDP2 over dp = 256: fp32 shards; gradients the same; AdamW's two moments plus a step scalar per tensor.
+    shard = fsdp_shard_elements(model, dp)
+    tensors = len(list(model.parameters()))
+    assert report["param_bytes"] == report["grad_bytes"] == 4 * shard
+    assert report["optimizer_bytes"] == 2 * 4 * shard + 4 * tensors
+    # Every FSDP unit is gathered (bf16) in each micro-batch's forward and again in its backward; gradients
+    # are reduce-scattered once (fp32 input: the padded full gradient, dp shards).
+    comm = report["comm_bytes"]
+    assert comm["dp/all_gather"] == micro_batches * 2 * 2 * shard
+    assert comm["dp/reduce_scatter"] == 4 * dp * shard
+    # FLOPs: a 2-layer model with one dense-first layer has the same matmuls as layers 0 and 3.
+    two = cfg.model_copy(update={"num_layers": 2, "first_k_dense": 1, "mtp_layers": 0})
+    forward = report["tokens"] * executed_forward_flops_per_token(two, recipe.train.seq_length)
+    assert report["flops"]["forward"] == pytest.approx(forward, rel=0.01)
+    # Activations of one micro-batch (1 x 4096 tokens, bf16 compute, fp32 residual stream and norms): bytes per
+    # token and hidden unit between Korthikanti's bf16 GPT layer (34, SDPA storing no s x s scores) and 10x it.
+    per_element = {k: v / (recipe.train.seq_length * cfg.hidden_size) for k, v in
+                   report["activation_bytes_per_layer"].items()}
+    assert 34 <= per_element["0"] <= 340, per_element
+    assert per_element["0"] < per_element["3"] <= 340, per_element  # routed rows: top-8 copies of each token
+    assert report["peak_memory_bytes"] >= report["param_bytes"] + report["grad_bytes"] + report["optimizer_bytes"]
+
+
+def test_measure_counts_what_the_trainer_runs_two_ranks(tmp_path):
+    """On 2 gloo ranks: the comm counter on known collectives, exactly; then `measure_step` and the trainer's
+    own `Trainer.train_step` under the same counters: the same FLOPs and FSDP2 traffic, the trainer adding
+    only its telemetry all-reduces over dp, which measure leaves out (docs/measure.md)."""
+    overrides = ["model.num_layers=2", "train.global_batch_size=8", "launch.gpus_per_node=2",
+                 f"run_dir={tmp_path / 'run'}"]
+    out = run_ranks("measure", 2, {"recipe": "qwen3-moe-tiny", "overrides": overrides}, tmp_path, timeout=240)
+    shared = {"ep/all_reduce": 40 + 12 + 12, "ep/all_gather": 24 + 8, "ep/reduce_scatter": 24, "ep/broadcast": 40}
+    assert out["known"][0] == {**shared, "ep/all_to_all": 3 * 16, "ep/send": 28}
+    assert out["known"][1] == {**shared, "ep/all_to_all": 2 * 16, "ep/recv": 28}
+
+    report, trainer = out["measure"], out["trainer"]
+    assert set(report) == CONTRACT_KEYS | EXTRA_KEYS
+    assert report["flops"] == trainer["flops"]
+    comm = report["comm_bytes"]
+    for key in ("dp/all_gather", "dp/reduce_scatter"):
+        assert comm[key] == trainer["comm_bytes"][key], key
+    # The trainer's reductions of host figures (loss sums, MoE telemetry: counted by the worker as they pass
+    # through Trainer._all_reduce) are the only difference.
+    assert trainer["telemetry_bytes"] > 0
+    assert trainer["comm_bytes"]["dp/all_reduce"] - comm["dp/all_reduce"] == trainer["telemetry_bytes"]
+    # The analytic FSDP2 count at dp 2, fp32: each rank's shard gathered in every micro-batch's forward and
+    # backward (2 micro-batches of 2), the full gradient reduce-scattered once.
+    cfg = load_recipe("qwen3-moe-tiny", ["model.num_layers=2"]).model
+    full = count_parameters(cfg, padded=True).total
+    assert report["param_bytes"] == 4 * full // 2  # every dim 0 of qwen3-moe-tiny is even: no padding
+    assert comm["dp/all_gather"] == 2 * 2 * 4 * full // 2
+    assert comm["dp/reduce_scatter"] == 4 * full
+    assert report["micro_batches"] == 2 and report["tokens"] == 2 * 2 * 128
+    # --fake playing rank 0 of 2 in this process reports what the real rank 0 measured, collectives included.
+    fake = measure_json("qwen3-moe-tiny", *(arg for o in overrides[:3] for arg in ("--set", o)), "--fake",
+                        "--layers", "0,1")
+    assert_same_step(fake, report)
+
+
+def test_nproc_runs_the_ranks_with_torchrun():
+    """`--nproc 2` starts both ranks; rank 1 writes the report."""
+    argv = [str(Path(sys.executable).parent / "moe-train"), "measure", "qwen3-tiny", "--nproc", "2", "--rank", "1",
+            "--json", *SMALL]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=180, start_new_session=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert set(report) == CONTRACT_KEYS | EXTRA_KEYS
+    assert report["rank"] == 1 and report["world_size"] == 2 and report["micro_batches"] == 1
+    assert set(report["comm_bytes"]) >= {"dp/all_gather", "dp/reduce_scatter"}
+
+
+def test_even_routing_spreads_every_token_over_distinct_experts():
+    indices = even_topk_indices(12, 4, 16, device=torch.device("cpu"))
+    assert all(len(set(row.tolist())) == 4 for row in indices)
+    assert count_per_expert(indices, 16).tolist() == [3] * 16
+    recipe = load_recipe("deepseek-v3-tiny")
+    router = Router(hidden_size=128, moe=recipe.model.moe)
+    torch.nn.init.normal_(router.weight)
+    torch.nn.init.zeros_(router.expert_bias)
+    x = torch.randn(32, 128)
+    assert not torch.equal(router(x).topk_indices, even_topk_indices(32, 4, 16, device=x.device))
+    Router.force_even_routing = True
+    try:
+        routing = router(x)
+    finally:
+        Router.force_even_routing = False
+    assert torch.equal(routing.topk_indices, even_topk_indices(32, 4, 16, device=x.device))
+    assert torch.equal(routing.topk_weights * 0 + 1, torch.ones(32, 4))
+    assert routing.topk_weights.requires_grad  # the scores of the chosen experts still carry the gradient
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (("--layers", "0,x"), "--layers"),
+        (("--layers", "8"), "out of range"),
+        (("--rank", "2"), "--rank"),
+        (("--fake", "--nproc", "2"), "exclude each other"),
+        (("--set", "parallel.pp=2", "--set", "launch.gpus_per_node=2", "--fake"), "not supported yet"),
+        (("--set", "model.hidden_size=oops"), "model.hidden_size"),
+    ],
+)
+def test_bad_input_exits_2(args, fragment):
+    assert_bad_input(run_cli("measure", "qwen3-tiny", *args), fragment)
+
+
+def test_command_module_does_not_import_torch():
+    code = "import sys, moe_train.cli.measure; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_dtensor_ops_are_counted_on_this_ranks_shards():
+    """A column-sharded matmul costs each of 2 ranks half; a partial norm's implicit all-reduce is seen."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from moe_train.measure.comm import CommCounter, mesh_group_namer
+    from moe_train.measure.dtensor import local_dtensor_ops
+    from moe_train.measure.fake import fake_process_group
+    from moe_train.measure.flops import PhaseFlopCounter
+    from moe_train.measure.layers import LayerTracker
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict()
+    with fake_process_group(rank=1, world_size=2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        weight = distribute_tensor(torch.randn(8, 16), mesh, [Shard(0)])
+        x = distribute_tensor(torch.randn(4, 16), mesh, [Replicate()])
+        flops, comm = PhaseFlopCounter(LayerTracker(model)), CommCounter(mesh_group_namer([mesh]))
+        with local_dtensor_ops(), comm, flops:
+            y = x @ weight.t()  # local [4, 16] x [16, 4]
+            torch.linalg.vector_norm(weight).full_tensor()  # partial sums of squares, all-reduced
+    assert y.to_local().shape == (4, 4)
+    assert flops.totals()["forward"] == 2 * 4 * 16 * 4
+    assert dict(comm.bytes) == {"tp/all_reduce": 4}
