@@ -14,6 +14,7 @@ import pytest
 import torch
 from cli_helpers import assert_bad_input, run_cli
 from multirank import run_ranks
+from processes import run_bounded
 
 from moe_train.config import load_recipe
 from moe_train.models.moe.router import Router, count_per_expert, even_topk_indices
@@ -229,7 +230,7 @@ def test_nproc_runs_the_ranks_with_torchrun():
     """`--nproc 2` starts both ranks; rank 1 writes the report."""
     argv = [str(Path(sys.executable).parent / "moe-train"), "measure", "qwen3-tiny", "--nproc", "2", "--rank", "1",
             "--json", *SMALL]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=180, start_new_session=True)
+    done = run_bounded(argv, timeout=180)  # a hang kills the CLI, torchrun and both ranks
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout)
     assert set(report) == CONTRACT_KEYS | EXTRA_KEYS
