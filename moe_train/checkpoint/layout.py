@@ -12,6 +12,8 @@ import os
 import shutil
 from pathlib import Path
 
+from moe_train.atomic import write_atomic
+
 LATEST = "latest"
 _PREFIX = "step-"
 _TMP_PREFIX = ".tmp-"
@@ -45,22 +47,13 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     return path if is_complete(path) else None
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{_TMP_PREFIX}{path.name}")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def publish(tmp: Path, *, step: int) -> Path:
     """Rename a finished `.tmp-` folder to its final name, then point `latest` at it."""
     final = tmp.parent / step_dir_name(step)
     if final.exists():  # the same step saved again (a resumed run re-reaching it): the new one wins
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _write_atomically(tmp.parent / LATEST, final.name + "\n")
+    write_atomic(tmp.parent / LATEST, final.name + "\n")
     return final
 
 
