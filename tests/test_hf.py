@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers", reason="the HF comparison nee
 from moe_train.checkpoint.hf import HFConversionError, export_hf, import_hf  # noqa: E402
 from moe_train.config.schema import ModelConfig  # noqa: E402
 from moe_train.models import build_model  # noqa: E402
+from moe_train.models.moe.aux_loss import set_aux_loss_scale  # noqa: E402
 
 TOL = 1e-4
 
@@ -96,13 +97,27 @@ def tokens(batch: int = 2, seq: int = 24, vocab: int = 200, seed: int = 1) -> to
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-def assert_routing_margins(model, min_gap: float = 1e-4) -> None:
+def routings(model, ids: torch.Tensor) -> dict[int, object]:
+    """{layer index: Routing} of each MoE layer in a forward over ids (router outputs observed by hooks)."""
+    seen, hooks = {}, []
+    for block in model.modules():
+        if getattr(block, "is_moe", False):
+            hooks.append(block.mlp.router.register_forward_hook(
+                lambda mod, args, out, index=block.layer_index: seen.__setitem__(index, out)))
+    with torch.no_grad():
+        model(ids)
+    for hook in hooks:
+        hook.remove()
+    return seen
+
+
+def assert_routing_margins(model, ids: torch.Tensor, min_gap: float = 1e-4) -> None:
     """The k-th and (k+1)-th choice scores differ by more than rounding can move them, in every MoE layer."""
     cfg = model.cfg.moe
-    for index, stats in model.moe_stats().items():
+    for index, routing in routings(model, ids).items():
         if cfg.router.num_groups:
             continue  # group masking decides first; its scores are checked through the logits comparison
-        choice = stats.router_probs.detach()
+        choice = routing.scores.detach()
         bias = model.layers[str(index)].mlp.router.expert_bias
         if bias is not None:
             choice = choice + bias
@@ -129,7 +144,7 @@ def test_import_export_matches_transformers(case, tmp_path):
     assert ours.shape == expected.shape
     assert (ours - expected).abs().max().item() < TOL
     if model_cfg.moe is not None:
-        assert_routing_margins(model)
+        assert_routing_margins(model, ids)
 
     export_hf(model_cfg, model.state_dict(), tmp_path / "export")
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", attn_implementation="sdpa")
@@ -189,12 +204,14 @@ def test_qwen3_moe_aux_loss_equals_transformers(tmp_path):
     model_cfg, state = import_hf(tmp_path)
     model = build_model(model_cfg)
     model.load_state_dict(state)
-    model(ids)
+    assert model_cfg.moe.router.load_balancing == "all_layers_aux_loss"  # transformers' loss, under its own name
+    out = model(ids, labels=ids)
     coeff = model_cfg.moe.router.aux_loss_coeff
     assert coeff == 0.01
-    aux = model.aux_loss()
-    assert aux.requires_grad
+    aux = model.aux_loss_value  # the weighted value, completed once every layer had routed
     assert abs(aux.item() / coeff - expected.item()) < 1e-5
+    (out.lm_sum * 0).backward()  # its gradient reaches every layer's router through the attached scores
+    assert all(b.mlp.router.weight.grad.abs().sum() > 0 for b in model.layers.values())
     assert expected.item() > 2.0  # top-2: 2 at perfect balance, so a non-trivial value was compared
 
 
@@ -330,8 +347,19 @@ def test_gradients_match_transformers(case, tmp_path):
     model = build_model(model_cfg)
     model.load_state_dict(state, strict=True)
     ids, labels = tokens(seed=2), tokens(seed=3)
-    F.cross_entropy(reference(ids).logits.flatten(0, 1), labels.flatten()).backward()
-    F.cross_entropy(model(ids).flatten(0, 1), labels.flatten()).backward()
+    # Qwen3-MoE: transformers' loss with its all-layers balancing loss, ours attached to the layers. DeepSeek-V3
+    # has no balancing loss in transformers: ours (seq_aux_loss) is scaled to 0 for the comparison.
+    with_aux = model_cfg.moe is not None and model_cfg.moe.router.load_balancing == "all_layers_aux_loss"
+    out = reference(ids, output_router_logits=with_aux)
+    loss = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+    if with_aux:
+        loss = loss + reference.config.router_aux_loss_coef * out.aux_loss
+    loss.backward()
+    set_aux_loss_scale(1.0 if with_aux else 0.0)
+    try:
+        F.cross_entropy(model(ids).flatten(0, 1), labels.flatten()).backward()
+    finally:
+        set_aux_loss_scale(1.0)
     theirs = dict(reference.named_parameters())
     compared = 0
     for name, param in model.named_parameters():

@@ -1,4 +1,4 @@
-"""The model zoo on its own: name-seeded init, document restarts, the MTP loss by hand, the side channel."""
+"""The model zoo on its own: name-seeded init, document restarts, the MTP loss by hand, attached balancing losses."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from moe_train.config.schema import ModelConfig, MoEConfig, RopeConfig, RouterConfig, YarnScaling
 from moe_train.models import build_model
 from moe_train.models.attention import document_mask
-from moe_train.models.moe.aux_loss import seq_aux_loss
+from moe_train.models.moe.aux_loss import seq_aux_loss, set_aux_loss_scale
 
 QWEN3 = ModelConfig(family="qwen3", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                     head_dim=16, ffn_hidden_size=96, vocab_size=100, init_std=0.1)
@@ -138,6 +138,20 @@ def main_hidden(model, tokens):
     return model.norm(hidden)
 
 
+def capture_routing(model) -> dict[int, list]:
+    """{layer index: [Routing of each forward]} of every MoE layer, MTP blocks included (observed, not changed)."""
+    seen: dict[int, list] = {}
+    for module in model.modules():
+        if getattr(module, "is_moe", False):
+            module.mlp.router.register_forward_hook(
+                lambda mod, args, out, index=module.layer_index: seen.setdefault(index, []).append(out))
+    return seen
+
+
+def moe_layers(model) -> dict:
+    return {m.layer_index: m.mlp for m in model.modules() if getattr(m, "is_moe", False)}
+
+
 @pytest.mark.parametrize("depths", [1, 2])
 def test_mtp_loss_by_hand(depths):
     """Depth k at position i sees h_i and token i+k and predicts token i+k+1; positions without a target drop out.
@@ -148,7 +162,7 @@ def test_mtp_loss_by_hand(depths):
     model = build_model(cfg, seed=2)
     tokens = ids(2, 12, seed=3)
     labels = torch.cat((tokens[:, 1:], torch.full((2, 1), -100)), dim=1)
-    model(tokens, labels=labels)
+    terms = model(tokens, labels=labels)
 
     seq = tokens.shape[1]
     weight = model.lm_head.weight[: cfg.vocab_size]
@@ -164,68 +178,131 @@ def test_mtp_loss_by_hand(depths):
         targets = tokens[:, k + 1 :]
         losses.append(-logprobs.gather(-1, targets.unsqueeze(-1)).mean())
     expected = cfg.mtp_loss_weight * sum(losses) / depths
-    assert abs(model.mtp_loss().item() - expected.item()) < 1e-5
-    assert model.mtp_loss().item() > 0.5  # a real cross-entropy, not an empty mean
+    assert abs(terms.mtp.item() - expected.item()) < 1e-5
+    assert terms.mtp.item() > 0.5  # a real cross-entropy, not an empty mean
 
-    model.mtp_loss().backward()
+    terms.mtp.backward()
     assert model.mtp["0"].eh_proj.weight.grad.abs().sum() > 0
     assert model.embed_tokens.weight.grad.abs().sum() > 0
 
 
-def test_mtp_targets_stay_inside_documents_and_need_labels():
+def test_mtp_targets_stay_inside_documents_and_run_only_in_training():
     model = build_model(DEEPSEEK, seed=2)
     tokens = ids(1, 12, seed=4)
     labels = torch.cat((tokens[:, 1:], torch.full((1, 1), -100)), dim=1)
     positions = torch.cat((torch.arange(6), torch.arange(6))).unsqueeze(0)
-    model(tokens, positions, labels=labels)
-    packed = model.mtp_loss()
+    packed = model(tokens, positions, labels=labels).mtp
     # The same two documents alone: per-document mean losses, weighted by their 4 valid positions each.
-    alone = []
-    for doc in (tokens[:, :6], tokens[:, 6:]):
-        model(doc, labels=torch.cat((doc[:, 1:], torch.full((1, 1), -100)), dim=1))
-        alone.append(model.mtp_loss())
+    alone = [model(doc, labels=torch.cat((doc[:, 1:], torch.full((1, 1), -100)), dim=1)).mtp
+             for doc in (tokens[:, :6], tokens[:, 6:])]
     assert abs(packed.item() - (alone[0].item() + alone[1].item()) / 2) < 1e-5
 
-    model(tokens)
-    assert model.mtp_loss().item() == 0.0
-    assert sorted(model.moe_stats()) == [1]  # the MTP block did not run
-    model(tokens, labels=labels)
-    assert sorted(model.moe_stats()) == [1, 2]  # MTP block = layer index num_layers + k
+    layers = moe_layers(model)
+    for layer in layers.values():
+        layer.reset_telemetry()
+    model(tokens)  # no labels: logits, no MTP
+    assert [int(layers[i].tokens_per_expert.sum()) for i in (1, 2)] == [12 * 2, 0]
+    model.eval()  # evaluation: the language-model loss only
+    assert model(tokens, labels=labels).mtp.item() == 0.0
+    assert int(layers[2].tokens_per_expert.sum()) == 0  # the MTP block (layer num_layers + k) never ran
 
 
-# ------------------------------------------------------------------------------------------- side channel
+# --------------------------------------------------------------------------------- balancing losses attached
 
 
-def test_seq_aux_loss_sums_layers_including_mtp():
+def aux_gradients(model, tokens, labels=None) -> dict[str, torch.Tensor]:
+    """Gradients of the attached balancing losses alone: the training loss terms times 0, then backward."""
+    model.zero_grad()
+    out = model(tokens, labels=labels if labels is not None else tokens)
+    (out.lm_sum * 0 + out.mtp * 0).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def reference_routing(model, batches, labels=None) -> dict[int, list]:
+    """Routing of each batch's forward with attached gradients scaled to 0, so that differentiating a loss
+    written out on the captured scores is not mixed with the attached losses of the layers it passes through."""
+    set_aux_loss_scale(0.0)
+    try:
+        routing = capture_routing(model)
+        for tokens in batches:
+            model(tokens, labels=labels if labels is not None else tokens)
+    finally:
+        set_aux_loss_scale(1.0)
+    for module in moe_layers(model).values():
+        module.router._forward_hooks.clear()
+        module.reset_telemetry()
+    model.aux_loss_value.zero_()
+    return routing
+
+
+def test_seq_aux_loss_is_attached_per_layer_including_mtp():
     model = build_model(DEEPSEEK, seed=2)
     tokens = ids(3, 10, seed=5)
     labels = torch.cat((tokens[:, 1:], torch.full((3, 1), -100)), dim=1)
-    model(tokens, labels=labels)
-    expected = 0.0
-    for stats in model.moe_stats().values():
-        scores = stats.router_probs.view(3, 10, -1)
-        expected += 1e-2 * seq_aux_loss(scores, stats.topk_indices.view(3, 10, -1), 2).item()
-    aux = model.aux_loss()
-    assert aux.requires_grad and abs(aux.item() - expected) < 1e-7 and expected > 0
+    routing = reference_routing(model, [tokens], labels)
+    assert sorted(routing) == [1, 2]
+    losses = [1e-2 * seq_aux_loss(r.scores.view(3, 10, -1), r.topk_indices.view(3, 10, -1), 2)
+              for r in (routing[i][0] for i in (1, 2))]
+    routers = {"layers.1.mlp.router.weight": model.layers["1"].mlp.router.weight,
+               "mtp.0.block.mlp.router.weight": model.mtp["0"].block.mlp.router.weight}
+    expected = dict(zip(routers, torch.autograd.grad(sum(losses), list(routers.values())), strict=True))
+    grads = aux_gradients(model, tokens, labels)
+    recorded = sum(layer.aux_loss_value.item() for layer in moe_layers(model).values())
+    assert abs(recorded - sum(loss.item() for loss in losses)) < 1e-7 and recorded > 0
+    for name, want in expected.items():
+        assert want.abs().sum() > 0 and torch.allclose(grads[name], want, atol=1e-9), name
 
 
-def test_dense_model_side_channel_is_zero():
+def test_dense_model_has_no_balancing_loss():
     model = build_model(QWEN3)
-    model(ids(1, 4), labels=ids(1, 4))
-    assert model.moe_stats() == {} and model.aux_loss().item() == 0.0 and model.mtp_loss().item() == 0.0
+    grads = aux_gradients(model, ids(1, 4))
+    assert all(g.abs().sum() == 0 for g in grads.values())
+    assert model.aux_loss_value.item() == 0.0
 
 
-def test_global_aux_loss_is_per_layer_switch_loss():
+@pytest.mark.parametrize("kind", ["aux_loss", "global_aux_loss", "all_layers_aux_loss"])
+def test_switch_losses_over_their_token_sets(kind):
+    """aux_loss: each layer over its micro-batch; global_aux_loss: each layer over the step's micro-batches so
+    far (one rank here); all_layers_aux_loss: all layers' rows together. Values and router gradients against
+    the loss written out directly on the captured router scores."""
     cfg = QWEN3_MOE.model_copy(update={"moe": QWEN3_MOE.moe.model_copy(update={
-        "router": RouterConfig(load_balancing="global_aux_loss", aux_loss_coeff=0.1)})})
+        "router": RouterConfig(load_balancing=kind, aux_loss_coeff=0.1)})})
     model = build_model(cfg, seed=4)
-    model(ids(2, 9))
-    expected = 0.0
-    for stats in model.moe_stats().values():
-        probs = stats.router_probs
-        counts = F.one_hot(stats.topk_indices, 8).sum((0, 1)).float()
-        expected += 0.1 * 8 * (counts / probs.shape[0] * probs.mean(0)).sum().item()
-    assert abs(model.aux_loss().item() - expected) < 1e-6
+    batches = [ids(2, 9, seed=6), ids(2, 9, seed=7)]  # two micro-batches of one step
+    routing = reference_routing(model, batches)
+    grads = [aux_gradients(model, tokens) for tokens in batches]
+    layers = moe_layers(model)
+    total_value = sum(layer.aux_loss_value.item() for layer in layers.values()) + model.aux_loss_value.item()
+
+    def switch(scores, counts, rows):
+        return 0.1 * 8 * ((counts.float() / rows) * scores.mean(0)).sum()
+
+    def counts_of(r):
+        return F.one_hot(r.topk_indices, 8).sum((0, 1))
+
+    expected_value = 0.0
+    for micro in range(2):
+        if kind == "all_layers_aux_loss":
+            scores = torch.cat([routing[i][micro].scores for i in (0, 1)])
+            counts = sum(counts_of(routing[i][micro]) for i in (0, 1))
+            losses = [switch(scores, counts, scores.shape[0])]
+        else:
+            losses = []
+            for i in (0, 1):
+                counts = counts_of(routing[i][micro])
+                rows = 18
+                if kind == "global_aux_loss":  # loads over micro-batches 0..micro
+                    counts = sum(counts_of(routing[i][m]) for m in range(micro + 1))
+                    rows = 18 * (micro + 1)
+                losses.append(switch(routing[i][micro].scores, counts, rows))
+        loss = sum(losses)
+        expected_value += loss.item()
+        routers = [layers[i].router.weight for i in (0, 1)]
+        for index, want in zip((0, 1), torch.autograd.grad(loss, routers), strict=True):
+            got = grads[micro][f"layers.{index}.mlp.router.weight"]
+            assert want.abs().sum() > 0 and torch.allclose(got, want, atol=1e-8), (micro, index)
+    # The two steps' values accumulated in the telemetry buffers (the trainer resets them per step).
+    assert abs(total_value - expected_value) < 1e-6
 
 
 # ---------------------------------------------------------------------------------------- sharded parameters
@@ -236,7 +313,7 @@ def _fsdp_init_rank(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from moe_train.models.init import materialize
+    from moe_train.models.init import init_weights, materialize
 
     mesh = init_device_mesh("cpu", (world,))
     plain = build_model(DEEPSEEK, seed=9)
@@ -244,7 +321,8 @@ def _fsdp_init_rank(rank: int, world: int) -> None:
     for block in sharded.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(sharded, mesh=mesh)
-    materialize(sharded, device="cpu", seed=9, init_std=DEEPSEEK.init_std)
+    materialize(sharded, device="cpu")
+    init_weights(sharded, seed=9, init_std=DEEPSEEK.init_std)
     expected = dict(plain.named_parameters())
     for name, param in sharded.named_parameters():
         if not torch.equal(param.full_tensor(), expected[name]):
@@ -256,7 +334,7 @@ def _tensor_parallel_rank(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from moe_train.models.init import materialize
+    from moe_train.models.init import init_weights, materialize
 
     mesh = init_device_mesh("cpu", (world,))
     for cfg in (QWEN3, DEEPSEEK.model_copy(update={"q_lora_rank": None})):
@@ -266,7 +344,8 @@ def _tensor_parallel_rank(rank: int, world: int) -> None:
         plan = {**{name: ColwiseParallel() for name in colwise}, "o_proj": RowwiseParallel()}
         for block in model.layers.values():
             parallelize_module(block.self_attn, mesh, plan)
-        materialize(model, device="cpu", seed=4, init_std=cfg.init_std)
+        materialize(model, device="cpu")
+        init_weights(model, seed=4, init_std=cfg.init_std)
         tokens = ids(2, 10, seed=1)
         positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]] * 2)
         with torch.no_grad():

@@ -19,6 +19,7 @@ from moe_train.models.moe import (
 )
 from moe_train.models.moe.capacity import capacity_keep_mask, expert_capacity
 from moe_train.models.moe.experts import GroupedExperts, grouped_mm_supported
+from moe_train.models.moe.router import count_per_expert
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -49,7 +50,18 @@ def make_layer(hidden_size: int, moe: MoEConfig, seed: int = 0, std: float = 0.5
             param.copy_(torch.randn(param.shape, generator=generator) * std)
         if layer.router.expert_bias is not None:
             layer.router.expert_bias.zero_()
+    layer.reset_telemetry()  # to_empty leaves buffers uninitialised
     return layer
+
+
+def routed(layer: MoELayer, x: torch.Tensor):
+    """The routing the layer's forward computes for x (the router is deterministic): indices, weights, scores."""
+    return layer.router(x.reshape(-1, x.shape[-1]))
+
+
+def dropped_fraction(layer: MoELayer) -> float:
+    """The layer's telemetry since its last reset: the share of token->expert assignments dropped."""
+    return layer.dropped_assignments.item() / layer.assignments.item()
 
 
 def set_router_logits(layer: MoELayer, logits: torch.Tensor) -> torch.Tensor:
@@ -180,8 +192,9 @@ def test_qwen3_moe_block_matches_transformers(use_grouped_mm: bool, normalize: b
     expected = block(x)
     _, hf_weights, hf_indices = block.gate(x.view(-1, 64))
     out = layer(x)
-    assert torch.equal(layer.stats.topk_indices, hf_indices)
-    assert torch.allclose(layer.stats.topk_weights, hf_weights, atol=1e-6)
+    routing = routed(layer, x)
+    assert torch.equal(routing.topk_indices, hf_indices)
+    assert torch.allclose(routing.topk_weights, hf_weights, atol=1e-6)
     assert (out - expected).abs().max().item() < 1e-5
 
 
@@ -211,10 +224,11 @@ def test_deepseek_v3_moe_block_matches_transformers(groups: tuple[int, int]):
     expected = block(x)
     _, hf_weights, hf_indices = block.gate(x)
     out = layer(x)
-    ours = layer.stats.topk_indices.sort(dim=-1)
+    routing = routed(layer, x)
+    ours = routing.topk_indices.sort(dim=-1)
     theirs = hf_indices.sort(dim=-1)
     assert torch.equal(ours.values, theirs.values)
-    assert torch.allclose(layer.stats.topk_weights.gather(1, ours.indices), hf_weights.gather(1, theirs.indices))
+    assert torch.allclose(routing.topk_weights.gather(1, ours.indices), hf_weights.gather(1, theirs.indices))
     assert (out - expected).abs().max().item() < 1e-5
 
 
@@ -226,17 +240,15 @@ def test_switch_aux_loss_equals_transformers_over_layers():
     layers = [make_layer(32, moe, seed=s, std=0.2) for s in range(3)]
     logits, probs, indices = [], [], []
     for layer in layers:
-        layer(torch.randn(2, 10, 32, generator=generator))
-        logits.append(layer.stats.router_logits)
-        probs.append(layer.stats.router_probs)
-        indices.append(layer.stats.topk_indices)
+        routing = routed(layer, torch.randn(2, 10, 32, generator=generator))
+        logits.append(routing.logits)
+        probs.append(routing.scores)
+        indices.append(routing.topk_indices)
     expected = load_balancing_loss_func(tuple(logits), num_experts=8, top_k=2)
     ours = switch_aux_loss(torch.cat(probs), torch.cat(indices), num_experts=8)
     assert abs(ours.item() - expected.item()) < 1e-6
     ours.backward()  # the gradient reaches every layer's router through the probabilities
     assert all(layer.router.weight.grad.abs().sum() > 0 for layer in layers)
-    # The layers' own aux_loss is zero for load_balancing aux_loss: the model owns the cross-layer sum.
-    assert layers[0].stats.aux_loss.item() == 0.0
 
 
 # ---------------------------------------------------------------------------------------------- aux losses
@@ -281,13 +293,14 @@ def test_layer_aux_loss_is_seq_aux_plus_z_loss():
         },
     )
     layer = make_layer(32, moe)
-    layer(torch.randn(3, 5, 32))
-    stats = layer.stats
+    x = torch.randn(3, 5, 32)
+    layer(x)
+    routing = routed(layer, x)
     expected = 0.1 * seq_aux_loss(
-        stats.router_probs.view(3, 5, 8), stats.topk_indices.view(3, 5, 2), top_k=2
-    ) + 0.01 * z_loss(stats.router_logits)
-    assert stats.aux_loss.item() > 0
-    assert torch.allclose(stats.aux_loss, expected)
+        routing.scores.view(3, 5, 8), routing.topk_indices.view(3, 5, 2), top_k=2
+    ) + 0.01 * z_loss(routing.logits)
+    assert layer.aux_loss_value.item() > 0
+    assert math.isclose(layer.aux_loss_value.item(), expected.item(), rel_tol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------ gradients
@@ -309,7 +322,7 @@ def test_gradients_reach_router_through_weights_and_aux_loss_never_the_bias():
     out = layer(x)
     (grad_out,) = torch.autograd.grad(out.sum(), [layer.router.weight], retain_graph=True)
     assert grad_out.abs().sum() > 0
-    (grad_aux,) = torch.autograd.grad(layer.stats.aux_loss, [layer.router.weight])
+    (grad_aux,) = torch.autograd.grad((out * 0).sum(), [layer.router.weight])  # the attached loss alone
     assert grad_aux.abs().sum() > 0
     assert not layer.router.expert_bias.requires_grad
     layer(x).sum().backward()
@@ -355,7 +368,7 @@ def test_grouped_mm_refuses_unaligned_shapes():
 
 def reference_moe(layer: MoELayer, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
     """Token by token: sum over kept assignments of weight * SwiGLU_e(x)."""
-    stats = layer.stats
+    stats = routed(layer, x)
     flat = x.reshape(-1, x.shape[-1])
     out = torch.zeros_like(flat)
     experts = layer.experts
@@ -402,22 +415,22 @@ def test_capacity_layer_drops_and_reports(policy: str, pad: bool):
     layer = make_layer(32, moe, std=0.3)
     x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(7))
     out = layer(x)
-    stats = layer.stats
-    assert stats.capacity == 4  # ceil(16 * 2 / 4 * 0.5)
+    stats = routed(layer, x)
+    assert expert_capacity(num_tokens=16, top_k=2, num_experts=4, capacity_factor=0.5) == 4
     keep = capacity_keep_mask(stats.topk_indices, stats.topk_weights, num_experts=4, capacity=4, policy=policy)
     kept_per_expert = torch.bincount(stats.topk_indices[keep], minlength=4)
     assert kept_per_expert.max() <= 4
-    assert math.isclose(stats.dropped_fraction, 1 - keep.sum().item() / 32)
-    assert stats.dropped_fraction >= 0.5  # at most 16 of the 32 assignments fit
+    assert math.isclose(dropped_fraction(layer), 1 - keep.sum().item() / 32)
+    assert dropped_fraction(layer) >= 0.5  # at most 16 of the 32 assignments fit
     assert torch.allclose(out, reference_moe(layer, x, keep), atol=1e-5)
-    assert stats.tokens_per_expert.sum().item() == 32  # loads are counted before drops
+    assert layer.tokens_per_expert.sum().item() == 32  # loads are counted before drops
 
 
 def test_dropless_by_default():
     layer = make_layer(32, moe_config(num_experts=4, top_k=2), std=0.3)
     x = torch.randn(2, 8, 32)
     out = layer(x)
-    assert layer.stats.dropped_fraction == 0.0 and layer.stats.capacity is None
+    assert dropped_fraction(layer) == 0.0
     assert torch.allclose(out, reference_moe(layer, x), atol=1e-5)
 
 
@@ -437,13 +450,10 @@ def test_bias_update_moves_selection_towards_balance():
     moe = moe_config(num_experts=8, top_k=2, router={"score_function": "sigmoid", "expert_bias": True})
     layer = make_layer(32, moe, std=0.3)
     x = torch.randn(4, 32, 32, generator=torch.Generator().manual_seed(8))
-    layer(x)
-    first = layer.stats.tokens_per_expert.float()
+    first = count_per_expert(routed(layer, x).topk_indices, 8).float()
     for _ in range(200):
-        layer(x)
-        update_expert_bias(layer.router.expert_bias, layer.stats.tokens_per_expert, rate=0.01)
-    layer(x)
-    last = layer.stats.tokens_per_expert.float()
+        update_expert_bias(layer.router.expert_bias, count_per_expert(routed(layer, x).topk_indices, 8), rate=0.01)
+    last = count_per_expert(routed(layer, x).topk_indices, 8).float()
     assert last.max() / last.mean() < first.max() / first.mean()
 
 
@@ -489,6 +499,6 @@ def test_bf16_layer_grouped_equals_loop_and_tracks_fp32():
         layer.experts.use_grouped_mm = grouped
         outputs[grouped] = layer(x.to(torch.bfloat16))
         assert outputs[grouped].dtype == torch.bfloat16
-        assert layer.stats.router_probs.dtype == torch.float32  # router math stays fp32
+        assert routed(layer, x.to(torch.bfloat16)).scores.dtype == torch.float32  # router math stays fp32
     assert torch.allclose(outputs[True].float(), outputs[False].float(), atol=2e-2 * expected.abs().max().item())
     assert (outputs[True].float() - expected).abs().max() < 3e-2 * expected.abs().max()

@@ -30,10 +30,12 @@ def records(run_dir: Path) -> list[dict]:
 
 
 def poison(t: Trainer, steps: set[int]) -> None:
-    """Make the model's logits NaN during the given steps: a real non-finite loss and gradients."""
+    """Make the model's loss terms NaN during the given steps: a real non-finite loss and gradients."""
 
     def hook(module, args, output):
-        return output * float("nan") if t.progress.step + 1 in steps else output
+        if t.progress.step + 1 not in steps:
+            return output
+        return type(output)(*(term * float("nan") for term in output))
 
     t.model.register_forward_hook(hook)
 

@@ -183,7 +183,7 @@ def config_from_hf(hf: dict[str, Any], *, mtp_layers: int = 0) -> ModelConfig:
             router=RouterConfig(
                 score_function="softmax",
                 normalize_topk=bool(hf.get("norm_topk_prob", False)),
-                load_balancing="aux_loss",
+                load_balancing="all_layers_aux_loss",
                 aux_loss_coeff=hf.get("router_aux_loss_coef", 1e-3),
             ),
         )

@@ -113,6 +113,9 @@ def _moe(r: Recipe) -> list[Problem]:
                 out.append(
                     _p("model.moe.top_k", f"{moe.top_k} exceeds the {reachable} experts in group_top_k groups")
                 )
+    if router.load_balancing == "all_layers_aux_loss" and r.parallel.pp > 1:
+        out.append(_p("model.moe.router.load_balancing", "all_layers_aux_loss needs every layer's counts before any "
+                      "backward, which pipeline stages (pp > 1) cannot share; use aux_loss or global_aux_loss"))
     if moe.pad_to_capacity and moe.capacity_factor is None:
         out.append(_p("model.moe.pad_to_capacity", "needs capacity_factor (dropless has no capacity)"))
     return out

@@ -44,7 +44,12 @@ class RouterConfig(Section):
     topk_scaling_factor: float = Field(1.0, gt=0)
     expert_bias: bool = Field(False, description="Aux-loss-free balancing: a bias used for selection only.")
     bias_update_rate: float = Field(1e-3, ge=0)
-    load_balancing: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
+    load_balancing: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "all_layers_aux_loss", "none"] = Field(
+        "aux_loss",
+        description="aux_loss: per layer over each micro-batch; seq_aux_loss: per sequence; global_aux_loss: over "
+        "the data-parallel group's micro-batches so far; all_layers_aux_loss: transformers' Qwen3-MoE loss over "
+        "all layers together (one pipeline stage only).",
+    )
     aux_loss_coeff: float = Field(1e-3, ge=0)
     z_loss_coeff: float = Field(0.0, ge=0)
 
@@ -134,6 +139,9 @@ class ParallelConfig(Section):
     dp: int | None = Field(None, ge=1, description="null: derived from the world size.")
     sequence_parallel: bool = False
     recompute: RecomputeConfig = RecomputeConfig()
+    reshard_after_forward: bool = Field(
+        True, description="FSDP2: free gathered parameters after each forward (less memory, one more all-gather)."
+    )
 
 
 # --------------------------------------------------------------------------------------------------- train

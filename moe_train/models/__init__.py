@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 from moe_train.config.schema import ModelConfig
-from moe_train.models.init import materialize
-from moe_train.models.model import Transformer
+from moe_train.models.init import init_weights, materialize
+from moe_train.models.model import LossTerms, Transformer
 
-__all__ = ["Transformer", "build_model"]
+__all__ = ["LossTerms", "Transformer", "build_model"]
 
 
 def build_model(model_cfg: ModelConfig, *, device: torch.device | str = "cpu", seed: int = 0) -> Transformer:
@@ -20,5 +20,6 @@ def build_model(model_cfg: ModelConfig, *, device: torch.device | str = "cpu", s
     with torch.device("meta"):
         model = Transformer(model_cfg)
     if torch.device(device).type != "meta":
-        materialize(model, device=device, seed=seed, init_std=model_cfg.init_std)
+        materialize(model, device=device)
+        init_weights(model, seed=seed, init_std=model_cfg.init_std)
     return model

@@ -10,6 +10,7 @@ from moe_train.models.attention import Attention
 from moe_train.models.mla import MLA
 from moe_train.models.mlp import MLP
 from moe_train.models.moe import MoELayer
+from moe_train.models.moe.layer import RoutingRecords
 from moe_train.models.norm import RMSNorm
 
 
@@ -26,11 +27,21 @@ class DecoderBlock(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.self_attn = MLA(cfg) if cfg.family == "deepseek_v3" else Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        if cfg.is_moe_layer(layer_index):
+        self.is_moe = cfg.is_moe_layer(layer_index)
+        if self.is_moe:
             self.mlp = MoELayer(hidden_size=cfg.hidden_size, moe=cfg.moe)
         else:
             self.mlp = MLP(hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        records: RoutingRecords | None = None,
+    ) -> torch.Tensor:
+        """records: the model's collection of routings for all_layers_aux_loss (MoE layers only)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, records) if self.is_moe else self.mlp(h))

@@ -1,31 +1,37 @@
 """The decoder-only Transformer of every family: embedding, blocks, final norm, output head, optional MTP.
 
-forward(input_ids, position_ids=None, *, labels=None) returns logits [b, s, vocab_size] only. What a trainer
-needs besides the logits travels through a side channel read after the forward:
-- `moe_stats()`: {layer index: MoEStats} of every MoE layer that ran (MTP blocks use indices num_layers + k);
-- `aux_loss()`: the weighted load-balancing (+ z-) loss, a scalar with grad, 0 for dense models;
-- `mtp_loss()`: mtp_loss_weight * mean over MTP depths of the cross-entropy on tokens shifted one more
-  position per depth; computed by forward when labels are given (inside forward so that FSDP's unshard
-  hooks cover the shared embedding and head), 0 otherwise.
-The optimised loss is CE(logits, labels) + aux_loss() + mtp_loss().
+forward(input_ids, position_ids=None) returns logits [b, s, vocab_size] (the Python API); given `labels` it
+returns the training loss terms instead (`LossTerms`): the summed language-model cross-entropy and, in training
+mode, the weighted MTP loss. Both are computed inside forward so that FSDP's unshard hooks cover the embedding
+and head they use. Balancing losses never appear here: each MoE layer attaches its loss's gradient to its own
+output and counts its telemetry in buffers (models/moe/layer.py); only transformers' all-layers loss is
+completed here, once every layer has routed. The optimised loss is lm_sum / tokens + mtp, plus the attached
+balancing losses.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe_train.config.schema import ModelConfig
 from moe_train.models.attention import document_ids, document_mask
 from moe_train.models.decoder import DecoderBlock
-from moe_train.models.moe import MoEStats
-from moe_train.models.moe.aux_loss import global_aux_loss, switch_aux_loss
+from moe_train.models.loss import IGNORE_INDEX, cross_entropy_mean, cross_entropy_sum
+from moe_train.models.moe.layer import RoutingRecord, RoutingRecords
 from moe_train.models.mtp import MTPModule
 from moe_train.models.norm import RMSNorm
 from moe_train.models.rope import RotaryEmbedding
 
-IGNORE_INDEX = -100
+
+class LossTerms(NamedTuple):
+    """One forward's loss terms: `lm_sum` the fp32 cross-entropy summed over the labelled tokens, `mtp` the
+    weighted MTP loss averaged over depths (0 without MTP or outside training mode)."""
+
+    lm_sum: torch.Tensor
+    mtp: torch.Tensor
 
 
 class Transformer(nn.Module):
@@ -43,8 +49,9 @@ class Transformer(nn.Module):
         self.mtp = nn.ModuleDict(
             {str(k): MTPModule(cfg, layer_index=cfg.num_layers + k) for k in range(cfg.mtp_layers)}
         )
+        # all_layers_aux_loss's weighted value, summed over the forwards of a step (telemetry, like the layers').
+        self.register_buffer("aux_loss_value", torch.zeros((), dtype=torch.float64), persistent=False)
         self.tie_weights()
-        self._mtp_loss: torch.Tensor | None = None
 
     def tie_weights(self) -> None:
         """Share the embedding with the head (tie_embeddings); re-run after materialising, which unties."""
@@ -57,25 +64,28 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         *,
         labels: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """input_ids [b, s] -> logits [b, s, vocab_size]. position_ids [b, s] or [1, s]: default 0..s-1;
-        attention restarts wherever they fall back to 0. labels [b, s] (-100: ignored) only feed the MTP loss."""
+    ) -> torch.Tensor | LossTerms:
+        """input_ids [b, s] -> logits [b, s, vocab_size], or LossTerms when labels [b, s] (-100: ignored) are
+        given. position_ids [b, s] or [1, s]: default 0..s-1; attention restarts wherever they fall back to 0."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         mask = document_mask(position_ids)
         cos, sin = self.rope(position_ids)
+        moe = self.cfg.moe
+        records = RoutingRecords() if moe is not None and moe.router.load_balancing == "all_layers_aux_loss" else None
         hidden = self.embed_tokens(input_ids)
         for layer in self.layers.values():
-            hidden = layer(hidden, cos, sin, mask)
+            hidden = layer(hidden, cos, sin, mask, records)
         hidden = self.norm(hidden)
-        self._mtp_loss = None
-        if labels is not None and len(self.mtp) > 0:
-            self._mtp_loss = self._forward_mtp(hidden, input_ids, position_ids, labels, cos, sin, mask)
-        return self.logits(hidden)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The head over the real vocabulary only: padded rows never produce logits (nor receive gradient)."""
-        return F.linear(hidden, self.lm_head.weight[: self.cfg.vocab_size])
+        mtp = torch.zeros((), device=hidden.device)
+        if labels is not None and self.training and len(self.mtp) > 0:
+            mtp = self._forward_mtp(hidden, input_ids, position_ids, labels, cos, sin, mask, records)
+        if records is not None and records.items:
+            self._all_layers_aux_loss(records.items)
+        logits = self.lm_head(hidden)
+        if labels is None:
+            return logits[..., : self.cfg.vocab_size]
+        return LossTerms(cross_entropy_sum(logits, labels, vocab_size=self.cfg.vocab_size), mtp)
 
     def _forward_mtp(
         self,
@@ -86,7 +96,9 @@ class Transformer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | None,
+        records: RoutingRecords | None,
     ) -> torch.Tensor:
+        """mtp_loss_weight * mean over depths of each depth's mean cross-entropy on tokens one more ahead."""
         # The depth-k target at position i is token i+k+1: it counts only inside position i's document.
         docs = document_ids(position_ids).expand_as(labels)
         target_docs = shift_left(docs, fill=-1)
@@ -96,55 +108,23 @@ class Transformer(nn.Module):
             labels = shift_left(labels, fill=IGNORE_INDEX)
             target_docs = shift_left(target_docs, fill=-1)
             targets = labels.masked_fill(target_docs != docs, IGNORE_INDEX)
-            hidden = module(hidden, self.embed_tokens(input_ids), cos, sin, mask)
-            losses.append(cross_entropy(self.logits(hidden), targets))
+            hidden = module(hidden, self.embed_tokens(input_ids), cos, sin, mask, records)
+            losses.append(cross_entropy_mean(self.lm_head(hidden), targets, vocab_size=self.cfg.vocab_size))
         return self.cfg.mtp_loss_weight * torch.stack(losses).mean()
 
-    def mtp_loss(self) -> torch.Tensor:
-        """Weighted MTP loss of the last forward that had labels (a scalar with grad); 0 without MTP."""
-        if self._mtp_loss is None:
-            return torch.zeros((), device=self.embed_tokens.weight.device)
-        return self._mtp_loss
-
-    def moe_stats(self) -> dict[int, MoEStats]:
-        """{layer index: MoEStats} of the MoE layers that ran in the last forward."""
-        blocks = list(self.layers.values())
-        if self._mtp_loss is not None:
-            blocks += [module.block for module in self.mtp.values()]
-        return {b.layer_index: b.mlp.stats for b in blocks if self.cfg.is_moe_layer(b.layer_index)}
-
-    def aux_loss(self) -> torch.Tensor:
-        """Weighted auxiliary loss of the last forward, as the recipe's router.load_balancing says.
-
-        aux_loss: transformers' Qwen3-MoE loss over all layers' tokens together, E * sum_e f_e * P_e, times
-        aux_loss_coeff. global_aux_loss: the same per layer, with the loads counted over this forward's tokens
-        (a trainer that wants loads over the global batch all-reduces `moe_stats()` counts itself), summed over
-        layers. seq_aux_loss and z-loss are per layer and come weighted in each layer's stats.
-        """
-        stats = list(self.moe_stats().values())
-        total = torch.zeros((), device=self.embed_tokens.weight.device)
-        for layer_stats in stats:
-            total = total + layer_stats.aux_loss
-        if not stats:
-            return total
-        router, num_experts = self.cfg.moe.router, self.cfg.moe.num_experts
-        if router.load_balancing == "aux_loss":
-            probs = torch.cat([s.router_probs for s in stats])
-            indices = torch.cat([s.topk_indices for s in stats])
-            total = total + router.aux_loss_coeff * switch_aux_loss(probs, indices, num_experts)
-        elif router.load_balancing == "global_aux_loss":
-            for s in stats:
-                loss = global_aux_loss(s.router_probs, s.tokens_per_expert, s.router_probs.shape[0])
-                total = total + router.aux_loss_coeff * loss
-        return total
+    @torch.no_grad()
+    def _all_layers_aux_loss(self, records: list[RoutingRecord]) -> None:
+        """transformers' Qwen3-MoE load-balancing loss over every layer's rows together, E * sum_e f_e * P_e:
+        each layer's router gets d(loss)/d(scores) = coeff * E * f_e / N through its record's holder."""
+        router, experts = self.cfg.moe.router, self.cfg.moe.num_experts
+        rows = sum(record.scores.shape[0] for record in records)
+        load = torch.stack([record.tokens_per_expert for record in records]).sum(0).float() / rows
+        importance = torch.cat([record.scores for record in records]).float().sum(0) / rows
+        for record in records:
+            record.gradient.per_expert = router.aux_loss_coeff * experts * load / rows
+        self.aux_loss_value += router.aux_loss_coeff * experts * (load * importance).sum().double()
 
 
 def shift_left(x: torch.Tensor, *, fill: int) -> torch.Tensor:
     """x[:, i] <- x[:, i + 1]; the last column takes `fill`."""
     return torch.cat((x[:, 1:], torch.full_like(x[:, :1], fill)), dim=1)
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean fp32 cross-entropy over the targets that are not IGNORE_INDEX (0 when there are none)."""
-    total = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-    return total / (targets != IGNORE_INDEX).sum().clamp(min=1)

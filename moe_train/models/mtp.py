@@ -14,6 +14,7 @@ from torch import nn
 
 from moe_train.config.schema import ModelConfig
 from moe_train.models.decoder import DecoderBlock
+from moe_train.models.moe.layer import RoutingRecords
 from moe_train.models.norm import RMSNorm
 
 
@@ -33,7 +34,8 @@ class MTPModule(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | None,
+        records: RoutingRecords | None = None,
     ) -> torch.Tensor:
         """hidden [b, s, h] from the previous depth, next_embeds [b, s, h] of the tokens k ahead -> [b, s, h]."""
         x = self.eh_proj(torch.cat((self.enorm(next_embeds), self.hnorm(hidden)), dim=-1))
-        return self.norm(self.block(x, cos, sin, mask))
+        return self.norm(self.block(x, cos, sin, mask, records))

@@ -1,8 +1,9 @@
 """The trainer loop, optimizer and LR schedules, metrics and preemption.
 
 `run_from_recipe` is the one entry: `moe-train run` calls it in-process at world size 1, and entry.py calls it
-on every rank under torchrun/srun. It raises RecipeError, DataError or CheckpointError for bad input (exit 2)
-and TrainingError for a runtime failure (exit 1); `input_errors()` lists the former for callers to map.
+on every rank under torchrun/srun with the context it bootstrapped. It raises RecipeError, DataError or
+CheckpointError for bad input (exit 2) and TrainingError for a runtime failure (exit 1); `input_errors()` lists
+the former for callers to map.
 `train_and_report` wraps it for command lines: one `error:` line per problem, the summary, an exit code.
 """
 
@@ -10,11 +11,11 @@ from __future__ import annotations
 
 import os
 import sys
-from datetime import timedelta
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from moe_train.config.schema import Recipe
+    from moe_train.parallel.context import ParallelContext
     from moe_train.train.loop import Summary
 
 
@@ -27,51 +28,32 @@ def input_errors() -> tuple[type[Exception], ...]:
     return (RecipeError, DataError, CheckpointError)
 
 
-def run_from_recipe(recipe: Recipe) -> Summary:
-    """Train `recipe` on this process's rank; creates (and destroys) the process group when WORLD_SIZE > 1."""
-    import torch
-    import torch.distributed as dist
-
-    from moe_train.config import RecipeError, unsupported
+def run_from_recipe(recipe: Recipe, ctx: ParallelContext | None = None) -> Summary:
+    """Train `recipe` on this process's rank. Without a context (the entry passes its own), this goes through
+    the one start-up path, `parallel.bootstrap`: launch checks, the process group and the meshes. The process
+    group is destroyed at the end when bootstrap made it."""
+    from moe_train.parallel.bootstrap import bootstrap, shutdown
     from moe_train.train.loop import Trainer
 
-    problems = unsupported(recipe)
-    if problems:
-        raise RecipeError(problems)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size != recipe.world_size:
-        raise RecipeError(
-            [f"launch: the recipe asks for {recipe.world_size} ranks but this job has WORLD_SIZE={world_size}"]
-        )
-    created = False
-    if world_size > 1 and not dist.is_initialized():
-        torch.set_num_threads(1)  # ranks share the cores; oversubscription is many times slower
-        if recipe.launch.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(
-            backend="nccl" if recipe.launch.device == "cuda" else "gloo",
-            timeout=timedelta(minutes=recipe.launch.timeout_minutes),
-        )
-        created = True
+    ctx = ctx or bootstrap(recipe)
     try:
-        return Trainer(recipe).train()
+        return Trainer(recipe, ctx).train()
     finally:
-        if created:
-            dist.destroy_process_group()
+        shutdown(ctx)
 
 
-
-def train_and_report(recipe: Recipe) -> int:
+def train_and_report(recipe: Recipe, ctx: ParallelContext | None = None) -> int:
     """Run `recipe`, print the summary (rank 0) or the error (one line, no traceback); return the exit code.
 
     0: trained (complete, exit_at_step or a clean stop on preemption); 2: bad input; 1: runtime failure,
     naming the rank and the reason.
     """
+    from moe_train.parallel.bootstrap import LaunchMismatch
     from moe_train.train.errors import TrainingError
 
     rank = int(os.environ.get("RANK", "0"))
     try:
-        summary = run_from_recipe(recipe)
+        summary = run_from_recipe(recipe, ctx)
     except input_errors() as error:
         for line in getattr(error, "problems", None) or str(error).splitlines()[:1]:
             print(f"error: {line}", file=sys.stderr, flush=True)
@@ -79,10 +61,13 @@ def train_and_report(recipe: Recipe) -> int:
     except TrainingError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 1
+    except LaunchMismatch as error:
+        print(f"error: rank {rank}: {error}", file=sys.stderr, flush=True)
+        return 1
     except Exception as error:  # a failed collective, out of memory...: one line naming the rank
         reason = str(error).splitlines()[0] if str(error) else ""
         print(f"error: rank {rank}: {type(error).__name__}: {reason}", file=sys.stderr, flush=True)
         return 1
-    if rank == 0:
+    if summary.logs:
         print(summary.describe(total_steps=recipe.train.steps), flush=True)
     return 0

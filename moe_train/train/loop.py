@@ -2,9 +2,11 @@
 
 One optimizer step ("step N", 1-based) trains on global batch N-1 of the data (samples [(N-1)*G, N*G)), split
 over data-parallel ranks and then into micro-batches whose gradients accumulate. The optimised loss is the
-token-summed cross-entropy divided by the global batch's token count, plus the model's weighted aux loss and
-MTP loss averaged over micro-batches, so the gradient is the same whatever the micro-batch size or the number
-of data-parallel ranks (whose gradients are summed by one all-reduce).
+token-summed cross-entropy divided by the global batch's token count, plus the weighted MTP loss and balancing
+losses of each micro-batch times its share 1 / (micro-batches x dp), so the gradient is the same whatever the
+micro-batch size or the number of data-parallel ranks (FSDP2 sums the gradients, reduced once per step).
+The model is built on the meta device, parallelised (`moe_train.parallel.parallelize`), then allocated and
+initialised by name, or allocated and filled from a checkpoint without being initialised first.
 
 The state that decides the next step is the model, the optimizer and the step number (data order and learning
 rate are functions of the step), which is exactly what a checkpoint holds: a run stopped at step K and resumed
@@ -29,7 +31,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from moe_train.checkpoint.resume import start_point
 from moe_train.checkpoint.save import save_checkpoint
@@ -40,9 +41,14 @@ from moe_train.data import build_datasets, global_batch, position_ids
 from moe_train.launch.rundir import COMPLETE_FILE, PREEMPT_FILE
 from moe_train.models import build_model
 from moe_train.models.decoder import DecoderBlock
+from moe_train.models.init import init_weights, materialize
 from moe_train.models.moe import MoELayer, update_expert_bias
+from moe_train.models.moe.aux_loss import set_aux_loss_scale
+from moe_train.parallel import parallelize
+from moe_train.parallel.context import ParallelContext
 from moe_train.train.errors import TrainingError
 from moe_train.train.flops import training_flops_per_token
+from moe_train.train.grad_norm import clip_grad_norm
 from moe_train.train.metrics import MetricsLogger, eval_record, expert_balance, train_record
 from moe_train.train.optimizer import build_optimizer, set_lr
 from moe_train.train.peak import peak_flops
@@ -64,6 +70,7 @@ class Summary:
     wall_s: float
     run_dir: Path
     checkpoint: Path | None
+    logs: bool = True  # whether this rank is the one that reports (ParallelContext.logs)
 
     def describe(self, *, total_steps: int) -> str:
         """The few lines printed when a run ends."""
@@ -100,41 +107,46 @@ def _finite_or_none(value: float) -> float | None:
 class Trainer:
     """Builds model, optimizer, data and the start point from a recipe; `train()` runs the steps.
 
-    Every rank of a job constructs one Trainer with the same resolved recipe. The process group, when the
-    world size is above 1, must already exist (`run_from_recipe` creates it).
+    Every rank of a job constructs one Trainer with the same resolved recipe and its parallel context
+    (`moe_train.parallel.bootstrap.bootstrap`); without one, the recipe must be a world-size-1 layout and
+    the context is bootstrapped here.
     """
 
-    def __init__(self, recipe: Recipe) -> None:
+    def __init__(self, recipe: Recipe, ctx: ParallelContext | None = None) -> None:
         self.recipe = recipe
         train = recipe.train
         if recipe.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
             raise RecipeError(["logging.tensorboard: TensorBoard events need the tensorboard package "
                                "(pip install tensorboard)"])
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self.distributed else 0
-        self.dp_size = dist.get_world_size() if self.distributed else 1
-        self.device = torch.device(
-            f"cuda:{torch.cuda.current_device()}" if recipe.launch.device == "cuda" else "cpu"
-        )
+        if ctx is None:
+            from moe_train.parallel.bootstrap import bootstrap
+
+            ctx = bootstrap(recipe)
+        self.ctx = ctx
+        self.rank = ctx.rank
+        self.dp_size = ctx.size("dp")
+        self.device = ctx.device
         torch.manual_seed(train.seed)
         self.run_dir = Path(recipe.resolved_run_dir())
         self.ckpt_dir = Path(recipe.checkpoint_dir())
         self.datasets = build_datasets(recipe)
         if train.eval_interval is not None and self.datasets.valid is None:
             raise RecipeError(["train.eval_interval: evaluation needs a validation split (data.valid_fraction > 0)"])
-        self.model = build_model(recipe.model, device=self.device, seed=train.seed)
-        self.model.train()
-        self.optimizer = build_optimizer(self.model, train=train)
-        self.moe_layers = {
-            m.layer_index: m.mlp
-            for m in self.model.modules()
-            if isinstance(m, DecoderBlock) and isinstance(m.mlp, MoELayer)
-        }
-        self.progress = Progress()
-        self.started_from: Path | None = None
         start = start_point(
             ckpt_dir=self.ckpt_dir, resume=recipe.checkpoint.resume, init_from=recipe.checkpoint.init_from
         )
+        self.model = parallelize(build_model(recipe.model, device="meta"), recipe, ctx)
+        materialize(self.model, device=self.device)
+        if start.resume_from is None and start.init_from is None:
+            init_weights(self.model, seed=train.seed, init_std=recipe.model.init_std)
+        self.model.train()
+        self.optimizer = build_optimizer(self.model, train=train)
+        # MTP blocks count as layers num_layers + k.
+        self.moe_layers: dict[int, MoELayer] = {
+            m.layer_index: m.mlp for m in self.model.modules() if isinstance(m, DecoderBlock) and m.is_moe
+        }
+        self.progress = Progress()
+        self.started_from: Path | None = None
         if start.resume_from is not None:
             self.progress = load_training_state(start.resume_from, model=self.model, optimizer=self.optimizer)
             self.started_from = start.resume_from
@@ -148,18 +160,12 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ one step
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.recipe.train.precision == "bf16":
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
-    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum a small tensor over ranks in place; a host tensor goes through the device, which NCCL requires."""
-        if self.distributed:
-            on_device = tensor.to(self.device)
-            dist.all_reduce(on_device)
-            if on_device is not tensor:
-                tensor.copy_(on_device)
+    def _all_reduce(self, tensor: torch.Tensor, dim: str = "dp") -> torch.Tensor:
+        """Sum a small tensor over mesh dimension `dim` in place; a host tensor goes through the device (NCCL)."""
+        on_device = tensor.to(self.device)
+        dist.all_reduce(on_device, group=self.ctx.group(dim))
+        if on_device is not tensor:
+            tensor.copy_(on_device)
         return tensor
 
     def _micro_batches(self, source, batch_index: int) -> list[torch.Tensor]:
@@ -168,7 +174,7 @@ class Trainer:
             source,
             step=batch_index,
             global_batch_size=train.global_batch_size,
-            dp_rank=self.rank,
+            dp_rank=self.ctx.coord("dp"),
             dp_size=self.dp_size,
         ).to(self.device)
         return list(tokens.split(train.micro_batch_size))
@@ -183,39 +189,31 @@ class Trainer:
         train = self.recipe.train
         micro_batches = self._micro_batches(self.datasets.train, step - 1)
         share = 1.0 / (len(micro_batches) * self.dp_size)  # of each micro-batch's mean losses
+        set_aux_loss_scale(share)
+        self._reset_telemetry()
         self.optimizer.zero_grad(set_to_none=True)
         # Accumulated on the device: the host reads them once per step, after the all-reduces, not per micro-batch.
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # lm, aux, mtp contributions to the mean
-        counts = {
-            i: torch.zeros(layer.moe.num_experts, dtype=torch.int64, device=self.device)
-            for i, layer in self.moe_layers.items()
-        }
-        dropped = dict.fromkeys(self.moe_layers, 0.0)
-        for micro in micro_batches:
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # lm and mtp contributions to the mean
+        for index, micro in enumerate(micro_batches):
+            # FSDP2 reduces gradients once per step, in the last micro-batch's backward.
+            self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
             inputs, labels, positions = self._inputs(micro)
-            with self._autocast():
-                logits = self.model(inputs, positions, labels=labels)
-            lm = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum") / self.tokens_per_step
-            aux = self.model.aux_loss() * share
-            mtp = self.model.mtp_loss() * share
-            (lm + aux + mtp).backward()
-            sums += torch.stack([lm.detach(), aux.detach(), mtp.detach()]).double()
-            for index, stats in self.model.moe_stats().items():
-                counts[index] += stats.tokens_per_expert
-                dropped[index] += stats.dropped_fraction * share
-        self._reduce_gradients()
+            terms = self.model(inputs, positions, labels=labels)
+            lm = terms.lm_sum / self.tokens_per_step
+            mtp = terms.mtp * share
+            (lm + mtp).backward()
+            sums += torch.stack([lm.detach(), mtp.detach()]).double()
         self._all_reduce(sums)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), train.grad_clip or math.inf, foreach=True
-        ).item()
-        lm_loss, aux_loss, mtp_loss = sums.tolist()
+        counts, moe, aux_loss = self._telemetry(share)
+        grad_norm = clip_grad_norm(self.model.parameters(), train.grad_clip, stage_group=self.ctx.group("pp"))
+        lm_loss, mtp_loss = sums.tolist()
         result = StepResult(
             loss=lm_loss + aux_loss + mtp_loss,
             lm_loss=lm_loss,
             aux_loss=aux_loss,
             mtp_loss=mtp_loss,
             grad_norm=grad_norm,
-            moe=self._balance(counts, dropped),
+            moe=moe,
         )
         if result.finite:
             set_lr(self.optimizer, lr_at(step, train=train))
@@ -224,29 +222,31 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return result
 
-    def _reduce_gradients(self) -> None:
-        """Sum gradients over data-parallel ranks in one flat all-reduce (each rank's loss is already scaled)."""
-        if not self.distributed:
-            return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+    def _reset_telemetry(self) -> None:
+        for layer in self.moe_layers.values():
+            layer.reset_telemetry()
+        self.model.aux_loss_value.zero_()
 
-    def _balance(self, counts: dict[int, torch.Tensor], dropped: dict[int, float]) -> dict | None:
-        """Sum the step's expert counts (replaced in `counts`, for the bias update) and drops over ranks."""
-        if not self.moe_layers:
-            return None
-        layers = sorted(counts)
-        stacked = self._all_reduce(torch.stack([counts[i] for i in layers]))
-        drops = self._all_reduce(torch.tensor([dropped[i] for i in layers], dtype=torch.float64)).tolist()
-        for row, index in enumerate(layers):
-            counts[index] = stacked[row]
+    def _telemetry(self, share: float) -> tuple[dict[int, torch.Tensor], dict | None, float]:
+        """The step's expert counts per MoE layer (summed over micro-batches and ranks, for the bias update),
+        the per-layer balance figures, and the weighted balancing loss averaged over the global batch."""
+        layers = sorted(self.moe_layers)
+        values = [self.moe_layers[i].aux_loss_value for i in layers] + [self.model.aux_loss_value]
+        aux = self._all_reduce(torch.stack(values).sum().view(1))
+        if not layers:
+            return {}, None, aux.item() * share
+        counts = torch.stack([self.moe_layers[i].tokens_per_expert for i in layers])
+        drops = torch.stack(
+            [torch.stack([self.moe_layers[i].dropped_assignments, self.moe_layers[i].assignments]) for i in layers]
+        )
+        stacked = self._all_reduce(torch.cat([counts, drops], dim=1))
         on_host = stacked.cpu()  # one transfer for every layer's figures
-        return {str(i): expert_balance(on_host[row], drops[row]) for row, i in enumerate(layers)}
+        experts = counts.shape[1]
+        moe = {
+            str(index): expert_balance(on_host[row, :experts], on_host[row, experts].item() / on_host[row, -1].item())
+            for row, index in enumerate(layers)
+        }
+        return {index: stacked[row, :experts] for row, index in enumerate(layers)}, moe, aux.item() * share
 
     def _update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
         """Aux-loss-free balancing from the whole global batch's counts (identical on every rank)."""
@@ -264,9 +264,7 @@ class Trainer:
         for batch_index in range(train.eval_steps):
             for micro in self._micro_batches(self.datasets.valid, batch_index):
                 inputs, labels, positions = self._inputs(micro)
-                with self._autocast():
-                    logits = self.model(inputs, positions)
-                total += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+                total += self.model(inputs, positions, labels=labels).lm_sum
         self.model.train()
         self._all_reduce(total)
         return total.item() / (train.eval_steps * self.tokens_per_step)
@@ -281,7 +279,8 @@ class Trainer:
         reason = self._stop_signal
         if reason is None and (self.run_dir / PREEMPT_FILE).exists():
             reason = f"preemption notice {self.run_dir / PREEMPT_FILE}"
-        flag = self._all_reduce(torch.tensor([1 if reason else 0]))
+        flag = torch.tensor([1 if reason else 0], device=self.device)
+        dist.all_reduce(flag)  # every rank of the job, whatever its place in the meshes
         if flag.item() and reason is None:
             reason = "a stop requested on another rank"
         return reason
@@ -309,7 +308,7 @@ class Trainer:
         train, recipe = self.recipe.train, self.recipe
         last = train.steps if train.exit_at_step is None else min(train.steps, train.exit_at_step)
         logger = None
-        if self.rank == 0:
+        if self.ctx.logs:
             logger = MetricsLogger(
                 Path(recipe.logging_dir()),
                 total_steps=train.steps,
@@ -361,7 +360,7 @@ class Trainer:
                 timed_tokens += self.tokens_per_step
                 timed_seconds += seconds
             tokens_per_s = self.tokens_per_step / seconds
-            tflops = self.flops_per_token * tokens_per_s / self.dp_size / 1e12
+            tflops = self.flops_per_token * tokens_per_s / self.ctx.world_size / 1e12
             if logger is not None and (step % recipe.logging.interval == 0 or step == last or not result.finite):
                 logger.train(
                     train_record(
@@ -403,7 +402,7 @@ class Trainer:
             checkpoint = self._save(logger)
         if status is None:
             status = "complete" if self.progress.step >= train.steps else "exited"
-        if status == "complete" and self.rank == 0:
+        if status == "complete" and self.ctx.logs:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / COMPLETE_FILE).write_text(f"step {self.progress.step}\n", encoding="utf-8")
         tokens_per_s = timed_tokens / timed_seconds if timed_seconds else 0.0
@@ -415,8 +414,9 @@ class Trainer:
             first_loss=first_loss,
             final_loss=final_loss,
             tokens_per_s=tokens_per_s,
-            mfu=self.flops_per_token * tokens_per_s / self.dp_size / self.peak,
+            mfu=self.flops_per_token * tokens_per_s / self.ctx.world_size / self.peak,
             wall_s=time.perf_counter() - start_time,
             run_dir=self.run_dir,
             checkpoint=checkpoint,
+            logs=self.ctx.logs,
         )

@@ -2,11 +2,11 @@
 
 from moe_train.models.moe.aux_loss import global_aux_loss, seq_aux_loss, switch_aux_loss, z_loss
 from moe_train.models.moe.expert_bias import update_expert_bias
-from moe_train.models.moe.layer import MoELayer, MoEStats
+from moe_train.models.moe.layer import MoELayer, RoutingRecord
 
 __all__ = [
     "MoELayer",
-    "MoEStats",
+    "RoutingRecord",
     "global_aux_loss",
     "seq_aux_loss",
     "switch_aux_loss",

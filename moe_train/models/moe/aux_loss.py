@@ -58,3 +58,71 @@ def seq_aux_loss(scores: torch.Tensor, topk_indices: torch.Tensor, top_k: int) -
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
     """Router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2; keeps router logits small and stable."""
     return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+# ---------------------------------------------------------------------------------- attaching to activations
+#
+# A balancing loss is not added to the training loss: its gradient is attached to the MoE layer's output
+# (Megatron-Core's auto-scaler pattern), so it travels with the forward that produced it. Nothing is kept on
+# the module between the forward and the backward, so several micro-batches in flight (pipeline schedules), a
+# region recomputed in backward, or a stage that does not hold the loss cannot overwrite or lose it. The
+# trainer sets one scale per step (each micro-batch's share of the step's mean); the value at forward time is
+# captured with the forward.
+
+_scale = 1.0
+
+
+def set_aux_loss_scale(scale: float) -> None:
+    """The factor on balancing-loss gradients of the forwards that follow (the trainer: 1 / (micro-batches x
+    data-parallel ranks), the same share the language-model loss gives each micro-batch)."""
+    global _scale
+    _scale = scale
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Identity on `out`; its backward also feeds `scale` as the gradient of the scalar `loss`."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.scale = _scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device)
+
+
+def attach_loss(out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """`out` unchanged, with `loss` (a scalar computed from this forward alone) differentiated in its backward."""
+    return _AttachLoss.apply(out, loss)
+
+
+class ScoreGradient:
+    """d(loss)/d(router scores) of a switch-style loss, per expert: coeff * E * load_e / rows.
+
+    Its value depends on expert counts over a token set that may reach beyond this forward (other ranks,
+    earlier micro-batches, all layers), known when the forward runs or, for transformers' all-layers loss,
+    when the model's forward ends; the backward reads it then. A recomputed forward makes a new, unused one.
+    """
+
+    def __init__(self) -> None:
+        self.per_expert: torch.Tensor | None = None
+
+
+class _AttachScoreGradient(torch.autograd.Function):
+    """Identity on `out`; its backward gives `scores` the gradient `holder` holds, times the step's scale."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, scores: torch.Tensor, holder: ScoreGradient) -> torch.Tensor:
+        ctx.scale, ctx.holder, ctx.rows = _scale, holder, scores.shape[0]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        per_expert = ctx.holder.per_expert * ctx.scale
+        return grad, per_expert.to(torch.float32).expand(ctx.rows, -1), None
+
+
+def attach_score_gradient(out: torch.Tensor, scores: torch.Tensor, holder: ScoreGradient) -> torch.Tensor:
+    """`out` unchanged; its backward sends `holder`'s gradient to the router scores [T, E]."""
+    return _AttachScoreGradient.apply(out, scores, holder)

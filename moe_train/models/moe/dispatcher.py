@@ -82,3 +82,17 @@ class LocalDispatcher:
         slots = expert_out.index_select(0, plan.slot_rows).float()
         weighted = slots.view(tokens, top_k, -1) * topk_weights.unsqueeze(-1)
         return weighted.sum(dim=1)
+
+
+def dispatcher_for(name: str, *, num_experts: int, group=None) -> LocalDispatcher:
+    """The dispatcher `model.moe.dispatcher` names, over `group` (the expert-parallel ranks).
+
+    Within one process both names move tokens the same way; over several ranks they differ.
+    """
+    import torch.distributed as dist
+
+    if name not in ("alltoall", "allgather"):
+        raise ValueError(f"model.moe.dispatcher must be 'alltoall' or 'allgather', got {name!r}")
+    if group is not None and dist.get_world_size(group) > 1:
+        raise NotImplementedError("expert parallelism (ep > 1) is not supported yet")
+    return LocalDispatcher(num_experts=num_experts)

@@ -1,8 +1,20 @@
 """The MoE layer: router -> (capacity) -> dispatch -> grouped experts -> combine, plus shared experts.
 
-forward(hidden [b, s, h]) -> [b, s, h]. Beside the output, each forward leaves a `MoEStats` in `layer.stats`:
-the model collects them into its side channel (aux losses and expert loads for the trainer), so the logits stay
-the only return value.
+forward(hidden [b, s, h]) -> [b, s, h], and nothing else leaves the forward but through two channels that
+cannot be overwritten by a later forward:
+- balancing losses: their gradients are attached to the output (aux_loss.attach_loss /
+  attach_score_gradient), so each forward's loss is differentiated by that forward's backward;
+- telemetry: non-persistent buffers that accumulate over the forwards of a step (tokens per expert, dropped
+  assignments, the weighted balancing-loss value), which the trainer reads and resets once per step. A forward
+  that runs again inside backward (activation recomputation) does not add to them.
+
+Token sets of the balancing losses (`router.load_balancing`, docs/interfaces.md):
+- aux_loss: per layer, over this forward's micro-batch (with its sequence/context shards: `token_group`);
+- seq_aux_loss: per layer, per sequence (DeepSeek-V3), averaged over the micro-batch's sequences;
+- global_aux_loss: per layer, loads over the micro-batches of the step so far, summed over the data-parallel
+  group (`balance_group`), Megatron-Core's definition;
+- all_layers_aux_loss: transformers' Qwen3-MoE loss over every layer's tokens together; the model computes
+  it from each layer's `records` entry once its forward ends (one pipeline stage only).
 """
 
 from __future__ import annotations
@@ -10,38 +22,45 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moe_train.config.schema import MoEConfig
 from moe_train.models.mlp import MLP
-from moe_train.models.moe.aux_loss import seq_aux_loss, z_loss
+from moe_train.models.moe.aux_loss import ScoreGradient, attach_loss, attach_score_gradient, seq_aux_loss, z_loss
 from moe_train.models.moe.capacity import capacity_keep_mask, expert_capacity
 from moe_train.models.moe.dispatcher import LocalDispatcher
 from moe_train.models.moe.experts import GroupedExperts
 from moe_train.models.moe.router import Router, count_per_expert
 
+SWITCH_LOSSES = ("aux_loss", "global_aux_loss", "all_layers_aux_loss")
+
+
+def in_recompute() -> bool:
+    """Whether this forward runs inside a backward pass, i.e. is an activation recomputation."""
+    return torch._C._current_graph_task_id() != -1
+
 
 @dataclass
-class MoEStats:
-    """What one MoE forward reports (T = b*s tokens, E experts, K = top_k)."""
+class RoutingRecord:
+    """What the all-layers loss needs of one layer's forward: its detached scores and counts, and the holder
+    through which its gradient reaches the layer's router."""
 
-    router_logits: torch.Tensor  # [T, E] fp32, with grad
-    router_probs: torch.Tensor  # [T, E] fp32 softmax probabilities or sigmoid scores, with grad
-    topk_indices: torch.Tensor  # [T, K] int64
-    topk_weights: torch.Tensor  # [T, K] fp32, with grad (before any capacity drop)
-    tokens_per_expert: torch.Tensor  # [E] int64, detached: assignments routed to each expert, before drops
-    dropped_fraction: float  # share of the T*K assignments dropped by the capacity (0.0 when dropless)
-    aux_loss: torch.Tensor  # scalar: this layer's weighted seq-aux and z losses (0 when none apply)
-    capacity: int | None  # rows per expert, None when dropless
+    scores: torch.Tensor  # [T, E] detached
+    tokens_per_expert: torch.Tensor  # [E]
+    gradient: ScoreGradient
+
+
+class RoutingRecords:
+    """One model forward's RoutingRecord of each MoE layer. A plain class, not a list: FSDP's input casting
+    rebuilds lists, tuples and dataclasses it passes to a module, which would hand each layer a copy."""
+
+    def __init__(self) -> None:
+        self.items: list[RoutingRecord] = []
 
 
 class MoELayer(nn.Module):
-    """A routed-expert FFN block (Qwen3-MoE, DeepSeek-V3) with the names of transformers' checkpoints.
-
-    The model-wide aux loss of `load_balancing: aux_loss` (transformers' Qwen3-MoE) couples all layers, so the
-    model computes it from every layer's `stats` with `switch_aux_loss`; likewise `global_aux_loss` needs counts
-    over the whole batch. Only the per-layer losses (seq_aux_loss, z-loss) are in `stats.aux_loss`.
-    """
+    """A routed-expert FFN block (Qwen3-MoE, DeepSeek-V3) with the names of transformers' checkpoints."""
 
     def __init__(self, *, hidden_size: int, moe: MoEConfig):
         super().__init__()
@@ -54,11 +73,26 @@ class MoELayer(nn.Module):
             self.shared_experts = MLP(hidden_size=hidden_size, ffn_hidden_size=moe.shared_expert_ffn_hidden_size)
         else:
             self.shared_experts = None
-        # Expert parallelism swaps this for a dispatcher over the expert-parallel group.
+        # parallelize hands in a dispatcher over the expert-parallel group and the groups below.
         self.dispatcher = LocalDispatcher(num_experts=moe.num_experts)
-        self.stats: MoEStats | None = None
+        self.token_group: dist.ProcessGroup | None = None  # ranks sharing one micro-batch's tokens (SP, CP)
+        self.balance_group: dist.ProcessGroup | None = None  # global_aux_loss: the data-parallel group
+        experts = moe.num_experts
+        self.register_buffer("tokens_per_expert", torch.zeros(experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("dropped_assignments", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.register_buffer("assignments", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.register_buffer("aux_loss_value", torch.zeros((), dtype=torch.float64), persistent=False)
+        # global_aux_loss: the step's running loads over the balance group (reset with the telemetry).
+        self.register_buffer("global_tokens_per_expert", torch.zeros(experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("global_tokens", torch.zeros((), dtype=torch.int64), persistent=False)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def reset_telemetry(self) -> None:
+        for buffer in (self.tokens_per_expert, self.dropped_assignments, self.assignments, self.aux_loss_value,
+                       self.global_tokens_per_expert, self.global_tokens):
+            buffer.zero_()
+
+    def forward(self, hidden: torch.Tensor, records: RoutingRecords | None = None) -> torch.Tensor:
+        """hidden [b, s, h] -> [b, s, h]. `records` collects this forward's routing for all_layers_aux_loss."""
         batch, seq, hidden_size = hidden.shape
         x = hidden.reshape(-1, hidden_size)
         routing = self.router(x)
@@ -87,26 +121,61 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
 
-        self.stats = MoEStats(
-            router_logits=routing.logits,
-            router_probs=routing.scores,
-            topk_indices=routing.topk_indices,
-            topk_weights=routing.topk_weights,
-            tokens_per_expert=count_per_expert(routing.topk_indices, self.moe.num_experts),
-            dropped_fraction=0.0 if keep is None else 1.0 - int(keep.sum()) / keep.numel(),
-            aux_loss=self._aux_loss(routing.logits, routing.scores, routing.topk_indices, batch, seq),
-            capacity=capacity,
-        )
+        counts = count_per_expert(routing.topk_indices, self.moe.num_experts)
+        recomputing = in_recompute()
+        if not recomputing:
+            with torch.no_grad():
+                self.tokens_per_expert += counts
+                self.assignments += tokens * top_k
+                if keep is not None:
+                    self.dropped_assignments += keep.numel() - keep.sum()
+        out = self._attach_balancing_losses(out, routing, counts, batch, seq, records, recomputing)
         return out.view(batch, seq, hidden_size)
 
-    def _aux_loss(
-        self, logits: torch.Tensor, scores: torch.Tensor, topk_indices: torch.Tensor, batch: int, seq: int
-    ) -> torch.Tensor:
+    def _attach_balancing_losses(self, out, routing, counts, batch, seq, records, recomputing) -> torch.Tensor:
         cfg = self.moe.router
-        loss = torch.zeros((), dtype=torch.float32, device=logits.device)
+        experts = self.moe.num_experts
+        value = torch.zeros((), dtype=torch.float32, device=out.device)
+        graph_loss = None  # losses that are functions of this forward alone: differentiated by autograd
         if cfg.load_balancing == "seq_aux_loss" and cfg.aux_loss_coeff > 0:
-            per_seq = seq_aux_loss(scores.view(batch, seq, -1), topk_indices.view(batch, seq, -1), self.moe.top_k)
-            loss = loss + cfg.aux_loss_coeff * per_seq
+            scores = routing.scores.view(batch, seq, -1)
+            graph_loss = cfg.aux_loss_coeff * seq_aux_loss(scores, routing.topk_indices.view(batch, seq, -1),
+                                                           self.moe.top_k)
         if cfg.z_loss_coeff > 0:
-            loss = loss + cfg.z_loss_coeff * z_loss(logits)
-        return loss
+            z = cfg.z_loss_coeff * z_loss(routing.logits)
+            graph_loss = z if graph_loss is None else graph_loss + z
+        if graph_loss is not None:
+            out = attach_loss(out, graph_loss)
+            value = value + graph_loss.detach()
+        # all_layers_aux_loss needs the model's forward to collect every layer (a layer run alone has none).
+        collected = cfg.load_balancing != "all_layers_aux_loss" or records is not None
+        if cfg.load_balancing in SWITCH_LOSSES and cfg.aux_loss_coeff > 0 and collected:
+            holder = ScoreGradient()
+            rows = routing.scores.shape[0]
+            if cfg.load_balancing == "all_layers_aux_loss":
+                if not recomputing:
+                    records.items.append(RoutingRecord(routing.scores.detach(), counts, holder))
+            elif not recomputing:  # a recomputed forward's holder is never read: skip its collectives
+                load = self._switch_load(counts, rows, cfg.load_balancing)
+                holder.per_expert = cfg.aux_loss_coeff * experts * load / rows
+                importance = routing.scores.detach().float().mean(dim=0)
+                value = value + cfg.aux_loss_coeff * experts * (load * importance).sum()
+            out = attach_score_gradient(out, routing.scores, holder)
+        if not recomputing:
+            with torch.no_grad():
+                self.aux_loss_value += value.double()
+        return out
+
+    @torch.no_grad()
+    def _switch_load(self, counts: torch.Tensor, rows: int, kind: str) -> torch.Tensor:
+        """Fraction of the token set's rows assigned to each expert (sums to top_k)."""
+        totals = torch.cat([counts, torch.tensor([rows], device=counts.device)])
+        if self.token_group is not None:
+            dist.all_reduce(totals, group=self.token_group)
+        if kind == "global_aux_loss":
+            if self.balance_group is not None:
+                dist.all_reduce(totals, group=self.balance_group)
+            self.global_tokens_per_expert += totals[:-1]
+            self.global_tokens += totals[-1]
+            totals = torch.cat([self.global_tokens_per_expert, self.global_tokens.view(1)])
+        return totals[:-1].float() / totals[-1].float()

@@ -1,0 +1,116 @@
+"""One start-up path for every process that trains or checks a layout: `run` in-process, the entry under
+torchrun/srun, `--preflight` and `measure`.
+
+`bootstrap(recipe)` checks the launch against the recipe once (before any collective, so a job whose
+allocation does not match fails within seconds on every rank instead of hanging in a rendezvous), creates the
+process group once (a one-rank group when no launcher started us, so the engine has one code path at every
+world size), builds the dense and expert meshes once and returns the parallel context.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from moe_train.config import RecipeError, unsupported
+from moe_train.parallel.context import ParallelContext
+from moe_train.parallel.mesh import MeshShape, build_meshes
+
+if TYPE_CHECKING:
+    from moe_train.config import Recipe
+
+
+class LaunchMismatch(Exception):
+    """The launcher gave this rank a world the recipe does not describe: a runtime failure (exit 1)."""
+
+
+class LauncherEnv:
+    """The rank's place as the launcher describes it; a plain process (no torchrun) is rank 0 of 1."""
+
+    def __init__(self, environ: dict[str, str] | None = None):
+        env = os.environ if environ is None else environ
+        self.under_launcher = "WORLD_SIZE" in env
+        self.rank = int(env.get("RANK", 0))
+        self.world_size = int(env.get("WORLD_SIZE", 1))
+        self.local_rank = int(env.get("LOCAL_RANK", 0))
+        self.local_world_size = int(env.get("LOCAL_WORLD_SIZE", 1))
+        nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
+        self.slurm_nodes = int(nodes) if nodes else None
+        self.host = socket.gethostname()
+
+
+def launcher_problems(recipe: Recipe, env: LauncherEnv) -> list[str]:
+    """Mismatches between the launch (torchrun, SLURM allocation) and the recipe, found without any collective."""
+    launch = recipe.launch
+    out = []
+    shape = f"launch.nodes {launch.nodes} x launch.gpus_per_node {launch.gpus_per_node} = {recipe.world_size}"
+    if env.world_size != recipe.world_size:
+        out.append(f"world size {env.world_size} from the launcher does not match the recipe's {shape}")
+    if env.under_launcher and env.local_world_size != launch.gpus_per_node:
+        out.append(f"{env.local_world_size} rank(s) on this node, the recipe's launch.gpus_per_node is "
+                   f"{launch.gpus_per_node}")
+    if env.slurm_nodes is not None and env.slurm_nodes != launch.nodes:
+        out.append(f"the SLURM allocation has {env.slurm_nodes} node(s), the recipe's launch.nodes is {launch.nodes}")
+    out += MeshShape.from_recipe(recipe).problems(recipe.world_size)
+    if launch.device == "cuda":
+        import torch
+
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if visible < env.local_world_size:
+            out.append(f"{visible} CUDA device(s) visible, {env.local_world_size} rank(s) on this node need one each")
+    return out
+
+
+def bootstrap(recipe: Recipe, *, preflight: bool = False, env: LauncherEnv | None = None) -> ParallelContext:
+    """Check the launch, create the process group (unless one exists) and both meshes; return the context.
+
+    Raises RecipeError (exit 2) for a recipe that uses a feature the engine cannot train yet (not for a
+    preflight, which only proves the allocation), LaunchMismatch (exit 1) when the launcher's world differs
+    from the recipe's. Every rank calls this with the same recipe.
+    """
+    import torch
+    import torch.distributed as dist
+
+    env = env or LauncherEnv()
+    problems = [] if preflight else unsupported(recipe)
+    if problems:
+        raise RecipeError(problems)
+    if dist.is_initialized():  # a test harness or an earlier bootstrap of this process made the group
+        env.world_size, env.rank = dist.get_world_size(), dist.get_rank()
+    mismatch = launcher_problems(recipe, env)
+    if mismatch:
+        raise LaunchMismatch("; ".join(mismatch))
+    if recipe.launch.device == "cuda":
+        torch.cuda.set_device(env.local_rank)
+        device, backend = torch.device("cuda", env.local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        if env.world_size > 1:
+            torch.set_num_threads(1)  # ranks share the cores; oversubscription is many times slower
+    created = not dist.is_initialized()
+    if created:
+        timeout = timedelta(minutes=recipe.launch.timeout_minutes)
+        if env.under_launcher:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    meshes = build_meshes(MeshShape.from_recipe(recipe), recipe.launch.device)
+    return ParallelContext(
+        shape=meshes.shape,
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        device=device,
+        dense=meshes.dense,
+        expert=meshes.expert,
+        owns_process_group=created,
+    )
+
+
+def shutdown(ctx: ParallelContext) -> None:
+    """Destroy the process group if bootstrap created it (every rank, after its last collective)."""
+    import torch.distributed as dist
+
+    if ctx.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,70 @@
+"""The parallel context: where this rank sits in both meshes, and the process groups the engine talks over.
+
+Every part that needs to know about parallelism (the trainer, the data sampler, checkpointing, metrics,
+`parallelize`) reads it from here, by name: `ctx.group("dp")`, `ctx.size("tp")`, `ctx.coord("ep")`. A dimension
+the recipe does not use is a group of size 1, never None, so callers have no special cases; a collective over a
+size-1 group is cheap and correct.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from moe_train.parallel.mesh import DENSE_DIMS, EXPERT_DIMS, MeshShape
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelContext:
+    """One rank's view of the job: both meshes over the same ranks (parallel folding) and named views of them."""
+
+    shape: MeshShape
+    rank: int
+    world_size: int
+    device: torch.device
+    dense: DeviceMesh  # (pp, dp, cp, tp)
+    expert: DeviceMesh  # (pp, edp, ep, etp)
+    owns_process_group: bool = False  # bootstrap created it, so `shutdown` destroys it
+
+    def mesh(self, name: str) -> DeviceMesh:
+        """The 1-D mesh of dimension `name` (dense: pp dp cp tp; expert: edp ep etp) that holds this rank."""
+        if name in DENSE_DIMS:
+            return self.dense[name]
+        if name in EXPERT_DIMS:
+            return self.expert[name]
+        raise KeyError(f"unknown mesh dimension {name!r}; known: {', '.join(DENSE_DIMS + EXPERT_DIMS[1:])}")
+
+    def group(self, name: str) -> ProcessGroup:
+        return self.mesh(name).get_group()
+
+    def size(self, name: str) -> int:
+        return getattr(self.shape, name)
+
+    def coord(self, name: str) -> int:
+        """This rank's index along dimension `name`."""
+        return self.mesh(name).get_local_rank()
+
+    @property
+    def logs(self) -> bool:
+        """Whether this rank writes metrics, COMPLETE and the summary: the one holding the loss (last pipeline
+        stage) with dp = cp = tp = 0, so a job has exactly one such rank."""
+        return self.coord("pp") == self.size("pp") - 1 and self.coord("dp") == 0 and self.coord("cp") == 0 and (
+            self.coord("tp") == 0
+        )
+
+    def group_name(self, group: ProcessGroup) -> str:
+        """The mesh dimension a process group belongs to (for per-group byte counts); `world` for the default
+        group when it is not one of the dimensions, `?` for a group this context did not create."""
+        import torch.distributed as dist
+
+        for name in DENSE_DIMS + EXPERT_DIMS[1:]:
+            if self.mesh(name).get_group() is group:
+                return name
+        if group is None or group is dist.group.WORLD:
+            return "world"
+        return "?"
