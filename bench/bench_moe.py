@@ -52,7 +52,7 @@ def hf_block(layer: MoELayer, args: argparse.Namespace) -> torch.nn.Module:
     block.load_state_dict(
         {
             "gate.weight": layer.router.weight,
-            "experts.gate_up_proj": layer.experts.gate_up_proj,
+            "experts.gate_up_proj": torch.cat((layer.experts.gate_proj, layer.experts.up_proj), dim=1),
             "experts.down_proj": layer.experts.down_proj,
         }
     )

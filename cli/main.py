@@ -6,8 +6,10 @@ import typer
 
 from .convert import convert_app
 from .data import data_app
+from .plan import plan
 from .recipes import recipes_app
 from .render import render
+from .report import report
 from .run import run
 from .runs import runs
 from .schema import schema
@@ -28,11 +30,13 @@ app = typer.Typer(
 app.add_typer(recipes_app, name="recipes")
 app.command()(validate)
 app.command()(schema)
+app.command()(plan)
 app.command()(run)
 app.command()(render)
 app.command()(submit)
 app.command()(sweep)
 app.command()(runs)
+app.command()(report)
 app.add_typer(data_app, name="data")
 app.add_typer(convert_app, name="convert")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import sys
 from typing import Annotated
 
 import typer
@@ -10,6 +11,7 @@ import typer
 from moe_train.launch.shell import LaunchError
 from moe_train.launch.submit import SubmitError
 from moe_train.launch.submit import submit as submit_run
+from moe_train.plan.fit import check_fit
 
 from .common import RecipeArgument, SetOption, fail, load_or_exit
 
@@ -41,6 +43,9 @@ def submit(
         moe-train submit recipes/qwen3-30b-a3b.yaml --set launch.nodes=4 --dry-run
     """
     loaded = load_or_exit(recipe, set)
+    warning = None if preflight else check_fit(loaded).warning
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     try:
         result = submit_run(loaded, preflight=preflight, dry_run=dry_run)
     except LaunchError as error:

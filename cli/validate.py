@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import sys
+
 from rich.console import Console
 from rich.table import Table
 
-from moe_train.config import HARDWARE, Recipe, unsupported
+from moe_train.config import Recipe, unsupported
+from moe_train.config.hardware import hardware_table
+from moe_train.plan.fit import check_fit
 from moe_train.plan.params import count_parameters
 
-from .common import RecipeArgument, SetOption, load_or_exit
+from .common import RecipeArgument, SetOption, fail, load_or_exit
 
 
 def format_count(count: int) -> str:
@@ -41,7 +45,7 @@ def summary_table(recipe: Recipe) -> Table:
     if p.recompute.granularity != "none":
         extras.append(f"{p.recompute.granularity} recompute ({', '.join(p.recompute.modules)})")
     table.add_row("layout", layout + (f"; {', '.join(extras)}" if extras else ""))
-    hardware = HARDWARE[launch.gpu]
+    hardware = hardware_table()[launch.gpu]
     table.add_row(
         "world size", f"{recipe.world_size} = {launch.nodes} node(s) x {launch.gpus_per_node} ({hardware.name})"
     )
@@ -71,4 +75,10 @@ def validate(recipe: RecipeArgument, set: SetOption = None) -> None:
 
         moe-train validate qwen3-30b-a3b --set parallel.ep=16 --set launch.nodes=8
     """
-    Console().print(summary_table(load_or_exit(recipe, set)))
+    loaded = load_or_exit(recipe, set)
+    Console().print(summary_table(loaded))
+    fit = check_fit(loaded)
+    if fit.warning:
+        print(f"warning: {fit.warning}", file=sys.stderr)
+    if fit.error:
+        fail([fit.error])

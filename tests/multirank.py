@@ -7,6 +7,7 @@ process group killed, so no orphaned rank survives the test.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -45,13 +46,12 @@ def run_ranks(worker: str, world: int, spec: dict, tmp_path: Path, *, timeout: f
             outputs.append(out)
     except subprocess.TimeoutExpired:
         for proc in procs:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         pytest.fail(f"{worker} on {world} ranks hung (timeout {timeout:.0f} s); every rank killed")
     codes = [proc.returncode for proc in procs]
     if codes != [0] * world:
-        tail = "\n".join(f"--- rank {r} (exit {c}) ---\n{o[-3000:]}" for r, (c, o) in enumerate(zip(codes, outputs)))
+        tail = "\n".join(f"--- rank {r} (exit {c}) ---\n{o[-3000:]}"
+                         for r, (c, o) in enumerate(zip(codes, outputs, strict=True)))
         pytest.fail(f"{worker} failed:\n{tail}")
     return json.loads(result_path.read_text())

@@ -127,6 +127,11 @@ def test_bad_group_settings_are_refused():
 # --------------------------------------------------------------------------------------- against transformers
 
 
+def fused_gate_up(experts: GroupedExperts) -> torch.Tensor:
+    """transformers' in-memory expert layout: gate rows, then up rows, in one [E, 2I, H] tensor."""
+    return torch.cat((experts.gate_proj, experts.up_proj), dim=1)
+
+
 def qwen3_block(layer: MoELayer, moe: MoEConfig, hidden_size: int):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
@@ -145,7 +150,7 @@ def qwen3_block(layer: MoELayer, moe: MoEConfig, hidden_size: int):
     block.load_state_dict(
         {
             "gate.weight": layer.router.weight,
-            "experts.gate_up_proj": layer.experts.gate_up_proj,
+            "experts.gate_up_proj": fused_gate_up(layer.experts),
             "experts.down_proj": layer.experts.down_proj,
         }
     )
@@ -173,7 +178,7 @@ def deepseek_block(layer: MoELayer, moe: MoEConfig, hidden_size: int):
     state = {
         "gate.weight": layer.router.weight,
         "gate.e_score_correction_bias": layer.router.expert_bias,
-        "experts.gate_up_proj": layer.experts.gate_up_proj,
+        "experts.gate_up_proj": fused_gate_up(layer.experts),
         "experts.down_proj": layer.experts.down_proj,
     }
     state.update({f"shared_experts.{k}": v for k, v in layer.shared_experts.state_dict().items()})
@@ -349,10 +354,24 @@ def test_grouped_mm_equals_loop(dtype: torch.dtype):
         x = rows.clone().requires_grad_()
         out = experts(x, counts)
         out.sum().backward()  # a stride-0 incoming gradient must not reach _grouped_mm's backward
-        results.append((out.float(), x.grad.float(), experts.gate_up_proj.grad.float(), experts.down_proj.grad.float()))
+        results.append((out.float(), x.grad.float(), *(p.grad.float() for p in experts.parameters())))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for a, b in zip(*results, strict=True):
         assert torch.allclose(a, b, rtol=tol, atol=tol * a.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_without_rows_give_zero_gradients(dtype: torch.dtype):
+    """An expert-parallel rank that receives no tokens still gets a (zero) gradient for every expert weight."""
+    experts = GroupedExperts(num_experts=2, hidden_size=64, ffn_hidden_size=32).to(dtype)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_()
+    x = torch.zeros(0, 64, dtype=dtype, requires_grad=True)
+    out = experts(x, torch.zeros(2, dtype=torch.int64))
+    out.sum().backward()
+    assert out.shape == (0, 64)
+    assert all(p.grad is not None and not p.grad.any() for p in experts.parameters())
 
 
 def test_grouped_mm_refuses_unaligned_shapes():
@@ -377,7 +396,7 @@ def reference_moe(layer: MoELayer, x: torch.Tensor, keep: torch.Tensor | None = 
             if keep is not None and not keep[t, slot]:
                 continue
             e = stats.topk_indices[t, slot]
-            gate, up = (experts.gate_up_proj[e] @ flat[t]).chunk(2)
+            gate, up = experts.gate_proj[e] @ flat[t], experts.up_proj[e] @ flat[t]
             out[t] += stats.topk_weights[t, slot] * (experts.down_proj[e] @ (torch.nn.functional.silu(gate) * up))
     return out.view_as(x)
 
@@ -475,7 +494,8 @@ def test_meta_construction_and_checkpoint_names():
     assert shapes == {
         "router.weight": (16, 128),
         "router.expert_bias": (16,),
-        "experts.gate_up_proj": (16, 96, 128),
+        "experts.gate_proj": (16, 48, 128),
+        "experts.up_proj": (16, 48, 128),
         "experts.down_proj": (16, 128, 48),
         "shared_experts.gate_proj.weight": (96, 128),
         "shared_experts.up_proj.weight": (96, 128),
@@ -485,7 +505,9 @@ def test_meta_construction_and_checkpoint_names():
     layer.to_empty(device="cpu")
     assert not any(t.is_meta for t in layer.state_dict().values())
     plain = MoELayer(hidden_size=128, moe=moe_config())
-    assert set(plain.state_dict()) == {"router.weight", "experts.gate_up_proj", "experts.down_proj"}
+    assert set(plain.state_dict()) == {
+        "router.weight", "experts.gate_proj", "experts.up_proj", "experts.down_proj"
+    }
 
 
 def test_bf16_layer_grouped_equals_loop_and_tracks_fp32():

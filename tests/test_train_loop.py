@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ SHRINK = ["train.seq_length=32", "train.global_batch_size=4", "train.micro_batch
           "train.precision=fp32", "logging.interval=1", "checkpoint.interval=null"]
 TRAIN_KEYS = {"kind", "step", "loss", "lm_loss", "aux_loss", "grad_norm", "lr", "tokens", "tokens_per_s",
               "tflops_per_device", "mfu", "memory_bytes", "skipped"}
-BALANCE_KEYS = {"load_max_over_mean", "load_cv", "dropped_fraction"}
+BALANCE_KEYS = {"load_max_over_mean", "load_cv", "dropped_fraction", "load", "router_entropy"}
 
 
 def trainer(name: str, run_dir: Path, *extra: str) -> Trainer:
@@ -61,6 +62,8 @@ def test_metrics_jsonl_schema(name: str, tmp_path: Path) -> None:
             assert set(r["moe"]) == {"0", "1"}
             for stats in r["moe"].values():
                 assert set(stats) == BALANCE_KEYS and stats["load_max_over_mean"] >= 1.0
+                assert sum(stats["load"]) == pytest.approx(1.0, abs=1e-5) and len(stats["load"]) == 8  # rounded shares
+                assert 0 < stats["router_entropy"] <= math.log(8)
         else:
             assert r["aux_loss"] == 0.0
     assert train[0]["lr"] == pytest.approx(t.recipe.train.lr)  # warmup_steps=1: the peak at step 1
@@ -156,3 +159,29 @@ def test_gradient_accumulation_matches_one_big_micro_batch(tmp_path: Path) -> No
     for small, big in zip(steps[1], steps[4], strict=True):
         assert small.loss == pytest.approx(big.loss, rel=1e-6)
         assert small.grad_norm == pytest.approx(big.grad_norm, rel=1e-4)
+
+
+def test_expert_counts_and_bias_do_not_depend_on_micro_batching(tmp_path: Path) -> None:
+    """deepseek-v3-tiny (expert bias, seq_aux_loss, MTP): 4 micro-batches of 1 and 1 of 4 route the same tokens,
+    so each step's per-expert loads, the bias after each update and the losses agree; the bias moves once per
+    optimizer step (by at most bias_update_rate per expert), not once per micro-batch."""
+    runs = {}
+    for mbs in (1, 4):
+        t = trainer("deepseek-v3-tiny", tmp_path / str(mbs), "train.steps=3", f"train.micro_batch_size={mbs}")
+        steps, biases = [], []
+        for step in (1, 2, 3):
+            before = {i: layer.router.expert_bias.clone() for i, layer in t.moe_layers.items()}
+            steps.append(t.train_step(step))
+            biases.append({i: layer.router.expert_bias.clone() for i, layer in t.moe_layers.items()})
+            rate = t.recipe.model.moe.router.bias_update_rate
+            moved = [(bias - before[i]).abs().max().item() for i, bias in biases[-1].items()]
+            assert 0 < max(moved) <= rate + 1e-9  # one update per optimizer step, not one per micro-batch
+        runs[mbs] = (steps, biases)
+    for small, big in zip(runs[1][0], runs[4][0], strict=True):
+        assert small.loss == pytest.approx(big.loss, rel=1e-5)
+        assert small.moe.keys() == big.moe.keys() == {"1", "2"}
+        for layer in small.moe:
+            assert small.moe[layer]["load"] == pytest.approx(big.moe[layer]["load"], abs=1e-6)
+    for small, big in zip(runs[1][1], runs[4][1], strict=True):
+        for i in small:
+            assert torch.equal(small[i], big[i]), i

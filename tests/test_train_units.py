@@ -11,7 +11,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from moe_train.config import TrainConfig, load_recipe
 from moe_train.models import build_model
-from moe_train.train.flops import forward_flops_per_token, training_flops_per_token
+from moe_train.models.moe.layer import router_entropy
+from moe_train.plan.flops import forward_flops_per_token, training_flops_per_token
 from moe_train.train.metrics import expert_balance
 from moe_train.train.optimizer import build_optimizer
 from moe_train.train.schedule import lr_at
@@ -95,9 +96,19 @@ def test_moe_flops_count_active_experts_only() -> None:
 
 
 def test_expert_balance_figures() -> None:
-    even = expert_balance(torch.tensor([4, 4, 4, 4]), 0.0)
-    assert even == {"load_max_over_mean": 1.0, "load_cv": 0.0, "dropped_fraction": 0.0}
+    even = expert_balance(torch.tensor([4, 4, 4, 4]), 0.0, router_entropy=1.0)
+    assert even == {"load_max_over_mean": 1.0, "load_cv": 0.0, "dropped_fraction": 0.0,
+                    "load": [0.25, 0.25, 0.25, 0.25], "router_entropy": 1.0}
     skewed = expert_balance(torch.tensor([8, 0, 0, 0]), 0.25)
+    assert skewed["load"] == [1.0, 0.0, 0.0, 0.0] and "router_entropy" not in skewed
     assert skewed["load_max_over_mean"] == 4.0
     assert skewed["load_cv"] == pytest.approx(math.sqrt(3))
     assert skewed["dropped_fraction"] == 0.25
+
+
+def test_router_entropy_by_hand() -> None:
+    # Uniform scores over 8 experts: log 8 per token; one-hot (softmax-saturated) scores: 0; sigmoid scores are
+    # normalised first: [0.5, 0.5] is uniform over 2.
+    assert router_entropy(torch.full((3, 8), 0.125)).item() == pytest.approx(3 * math.log(8))
+    assert router_entropy(torch.eye(4)).item() == pytest.approx(0.0, abs=1e-12)
+    assert router_entropy(torch.tensor([[0.5, 0.5]])).item() == pytest.approx(math.log(2))

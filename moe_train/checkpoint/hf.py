@@ -4,8 +4,9 @@ Our module names are transformers' without the `model.` prefix, so most keys map
 differences, all handled here:
 - MoE: `mlp.gate.weight` is our `mlp.router.weight`, `mlp.gate.e_score_correction_bias` our
   `mlp.router.expert_bias`; files hold per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight` (what
-  save_pretrained writes) or transformers' fused `mlp.experts.{gate_up_proj,down_proj}`; ours are fused
-  (gate rows first).
+  save_pretrained writes) or transformers' fused `mlp.experts.{gate_up_proj,down_proj}` (gate rows first);
+  ours are three stacks `mlp.experts.{gate,up,down}_proj` [E, ...] (see models/moe/experts.py). Export
+  writes per-expert keys.
 - Padded vocabulary: our embedding and head have `padded_vocab_size()` rows; files have `vocab_size`.
 - DeepSeek-V3 MTP: file layer `num_layers + k` is our `mtp.{k}` (enorm, hnorm, eh_proj, shared_head.norm ->
   norm, the rest -> block); its copies of the shared embedding and head are skipped on import, not written.
@@ -31,6 +32,7 @@ from moe_train.models import build_model
 
 FAMILIES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
+EXPERT_STACK = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)$")
 LAYER = re.compile(r"^model\.layers\.(?P<index>\d+)\.(?P<rest>.*)$")
 MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
            "shared_head.norm.weight": "norm.weight"}
@@ -213,8 +215,8 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
 
 
 def state_dict_from_hf(model_cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename, fuse experts and pad the vocabulary: HF tensors -> a strict state_dict of build_model(model_cfg)."""
-    tensors = _fuse_experts(tensors)
+    """Rename, stack experts and pad the vocabulary: HF tensors -> a strict state_dict of build_model(model_cfg)."""
+    tensors = _stack_experts(tensors)
     state: dict[str, torch.Tensor] = {}
     for hf_name, tensor in tensors.items():
         name = _our_name(hf_name, model_cfg.num_layers, model_cfg.mtp_layers)
@@ -229,28 +231,34 @@ def state_dict_from_hf(model_cfg: ModelConfig, tensors: dict[str, torch.Tensor])
     return state
 
 
-def _fuse_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert gate/up/down weights -> fused gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
+def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert gate/up/down weights, or a fused gate_up_proj [E, 2I, H] -> our stacks gate_proj [E, I, H],
+    up_proj [E, I, H], down_proj [E, H, I]."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     for name, tensor in tensors.items():
         match = PER_EXPERT.match(name)
-        if match is None:
-            out[name] = tensor
-        else:
+        if match is not None:
             experts.setdefault(match["prefix"], {}).setdefault(match["proj"], {})[int(match["expert"])] = tensor
+        elif name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = name.removesuffix(".gate_up_proj")
+            if tensor.shape[1] % 2:
+                raise HFConversionError(f"{name}: fused gate_up_proj has an odd row count {tensor.shape[1]}")
+            gate, up = tensor.chunk(2, dim=1)
+            out[f"{prefix}.gate_proj"], out[f"{prefix}.up_proj"] = gate.contiguous(), up.contiguous()
+        else:
+            out[name] = tensor
     for prefix, projs in experts.items():
-        count = len(projs["down"])
-        if any(sorted(projs[p]) != list(range(count)) for p in ("gate", "up", "down")):
+        count = len(projs.get("down", ()))
+        if any(sorted(projs.get(p, ())) != list(range(count)) for p in ("gate", "up", "down")):
             raise HFConversionError(f"{prefix}: per-expert gate/up/down weights are incomplete")
-        gate_up = [torch.cat((projs["gate"][e], projs["up"][e])) for e in range(count)]
-        out[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
-        out[f"{prefix}.down_proj"] = torch.stack([projs["down"][e] for e in range(count)])
+        for proj in ("gate", "up", "down"):
+            out[f"{prefix}.{proj}_proj"] = torch.stack([projs[proj][e] for e in range(count)])
     return out
 
 
 def _our_name(hf_name: str, num_layers: int, mtp_layers: int) -> str | None:
-    """Our key for a (fused) HF key; None for MTP copies of the shared embedding and head."""
+    """Our key for an HF key (experts already stacked); None for MTP copies of the shared embedding and head."""
     if not hf_name.startswith("model.layers."):
         return hf_name.removeprefix("model.")
     match = LAYER.match(hf_name)
@@ -300,7 +308,7 @@ def export_hf(
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
     ]
     for file_name, shard in zip(names, shards, strict=True):
-        # Own copies: safetensors refuses tensors that share storage (the chunks of a fused expert weight).
+        # Own copies: safetensors refuses tensors that share storage (the experts of one stacked weight).
         data = {name: tensors[name].detach().to("cpu", copy=True).contiguous() for name in shard}
         with atomic_path(out_dir / file_name) as tmp:
             save_file(data, tmp, metadata={"format": "pt"})
@@ -430,16 +438,10 @@ def state_dict_to_hf(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> d
         if name in ("embed_tokens.weight", "lm_head.weight"):
             tensor = tensor[: cfg.vocab_size]
         hf_name = _hf_name(name, cfg.num_layers)
-        if hf_name.endswith(".mlp.experts.gate_up_proj"):
-            prefix = hf_name.removesuffix(".gate_up_proj")
-            for e, fused in enumerate(tensor):
-                gate, up = fused.chunk(2)
-                out[f"{prefix}.{e}.gate_proj.weight"] = gate
-                out[f"{prefix}.{e}.up_proj.weight"] = up
-        elif hf_name.endswith(".mlp.experts.down_proj"):
-            prefix = hf_name.removesuffix(".down_proj")
-            for e, down in enumerate(tensor):
-                out[f"{prefix}.{e}.down_proj.weight"] = down
+        expert_stack = EXPERT_STACK.match(hf_name)
+        if expert_stack is not None:
+            for e, weight in enumerate(tensor):
+                out[f"{expert_stack['prefix']}.{e}.{expert_stack['proj']}.weight"] = weight
         else:
             out[hf_name] = tensor
     return out

@@ -2,11 +2,17 @@
 
 Figures are vendor data-sheet values for dense math (no structured sparsity), per GPU. Link bandwidths are
 per GPU and per direction. `cpu` has no fixed peak: the trainer measures a matmul peak at start.
+A cluster adds its own GPU or interconnect in YAML (`hardware_table()`): e.g. an H100 cluster whose network
+gives each GPU 25 GB/s is `h100-ib: {extends: h100, network_bytes_per_s: 25.0e9}`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import yaml
 
 GB = 10**9
 
@@ -41,3 +47,78 @@ HARDWARE: dict[str, Hardware] = {
         Hardware("cpu", "CPU (peak measured at start)", 0, 0.0, 0.0, 0.0, 0.0, 0.0, 1024, 1),
     )
 }
+
+
+# ------------------------------------------------------------------------------- a cluster's own hardware
+
+HARDWARE_ENV = "MOE_TRAIN_HARDWARE"
+USER_HARDWARE_FILE = Path("~/.config/moe-train/hardware.yaml")
+
+
+class HardwareError(ValueError):
+    """A hardware file that cannot be read or holds an invalid entry; the message is one line."""
+
+
+def hardware_files() -> list[Path]:
+    """Files that extend the table, in order (a later entry of the same id wins): each path of
+    $MOE_TRAIN_HARDWARE (os.pathsep-separated), then ~/.config/moe-train/hardware.yaml when it exists."""
+    listed = [Path(p).expanduser() for p in os.environ.get(HARDWARE_ENV, "").split(os.pathsep) if p]
+    user = USER_HARDWARE_FILE.expanduser()
+    return [*listed, *([user] if user.is_file() else [])]
+
+
+def _entry(path: Path, hw_id: str, spec: object, table: dict[str, Hardware]) -> Hardware:
+    where = f"hardware file {path}: {hw_id}"
+    if not isinstance(spec, dict):
+        raise HardwareError(f"{where}: expected a mapping of fields")
+    spec = dict(spec)
+    base_id = spec.pop("extends", None)
+    if base_id is not None:
+        if base_id not in table:
+            raise HardwareError(f"{where}: extends unknown '{base_id}'; known: {', '.join(table)}")
+        values = {**asdict(table[base_id]), "name": spec.get("name", hw_id)}
+    else:
+        values = {"name": hw_id}
+    allowed = [f.name for f in fields(Hardware) if f.name != "id"]
+    unknown = sorted(str(k) for k in spec if k not in allowed)
+    if unknown:
+        raise HardwareError(f"{where}: unknown field(s) {', '.join(unknown)}; allowed: extends, {', '.join(allowed)}")
+    values.update(spec)
+    values["id"] = hw_id
+    missing = [name for name in allowed if name not in values]
+    if missing:
+        raise HardwareError(f"{where}: missing {', '.join(missing)} (or name a built-in with extends)")
+    for name in allowed[1:]:
+        value = values[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise HardwareError(f"{where}: {name} must be a number >= 0, got {value!r}")
+    for name in ("gpus_per_node", "nvlink_domain"):
+        if int(values[name]) != values[name] or values[name] < 1:
+            raise HardwareError(f"{where}: {name} must be a whole number >= 1, got {values[name]!r}")
+    return Hardware(**{**values, "memory_bytes": int(values["memory_bytes"]),
+                       "gpus_per_node": int(values["gpus_per_node"]), "nvlink_domain": int(values["nvlink_domain"])})
+
+
+def load_hardware_file(path: Path, table: dict[str, Hardware]) -> dict[str, Hardware]:
+    """Entries of one YAML file: a mapping `id: {field: value, ...}`, each either complete or `extends: ID`
+    (a built-in or an earlier entry) with the fields that differ. Values in SI units (bytes, FLOP/s)."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise HardwareError(f"hardware file {path}: cannot be read: {' '.join(str(error).split())}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise HardwareError(f"hardware file {path}: expected a mapping of GPU ids to their fields")
+    out: dict[str, Hardware] = {}
+    for hw_id, spec in data.items():
+        out[str(hw_id)] = _entry(path, str(hw_id), spec, {**table, **out})
+    return out
+
+
+def hardware_table() -> dict[str, Hardware]:
+    """The built-in table extended by the hardware files (`hardware_files()`). Raises HardwareError."""
+    table = dict(HARDWARE)
+    for path in hardware_files():
+        table.update(load_hardware_file(path, table))
+    return table

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .hardware import HARDWARE
+from .hardware import HardwareError, hardware_table
 from .pp_layout import LayoutError, parse_layout
 from .schema import DEEPSEEK_ONLY_FIELDS, MLA_FIELDS, Recipe
 
@@ -148,6 +148,9 @@ def _layout(r: Recipe) -> list[Problem]:
             )
         if m.moe.num_experts % p.ep:
             out.append(_p("parallel.ep", f"{p.ep} must divide model.moe.num_experts {m.moe.num_experts}"))
+        if p.etp > 1 and m.moe.dispatcher != "allgather":
+            out.append(_p("parallel.etp", f"{p.etp} needs model.moe.dispatcher allgather (it gathers tokens over the "
+                          "ep x etp ranks and sums the experts' partial outputs)"))
         if m.moe.ffn_hidden_size % p.etp:
             out.append(_p("parallel.etp", f"{p.etp} must divide model.moe.ffn_hidden_size {m.moe.ffn_hidden_size}"))
     if m.num_attention_heads % p.tp:
@@ -250,9 +253,14 @@ def _train(r: Recipe) -> list[Problem]:
 
 def _launch(r: Recipe) -> list[Problem]:
     launch, out = r.launch, []
-    hardware = HARDWARE.get(launch.gpu)
+    try:
+        table = hardware_table()
+    except HardwareError as error:
+        return [_p("launch.gpu", str(error))]
+    hardware = table.get(launch.gpu)
     if hardware is None:
-        out.append(_p("launch.gpu", f"unknown '{launch.gpu}'; allowed: {', '.join(HARDWARE)}"))
+        out.append(_p("launch.gpu", f"unknown '{launch.gpu}'; allowed: {', '.join(table)} (or add it in a hardware "
+                      "file: docs/plan.md)"))
     else:
         if launch.device == "cpu" and launch.gpu != "cpu":
             out.append(_p("launch.gpu", f"'{launch.gpu}' with launch.device cpu; use gpu: cpu or device: cuda"))

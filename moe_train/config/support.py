@@ -24,8 +24,6 @@ NOT_SUPPORTED_YET: tuple[Unsupported, ...] = (
     Unsupported("parallel.sequence_parallel", lambda r: r.parallel.sequence_parallel, "sequence parallelism"),
     Unsupported("parallel.pp", lambda r: r.parallel.pp > 1, "pipeline parallelism (pp > 1)"),
     Unsupported("parallel.cp", lambda r: r.parallel.cp > 1, "context parallelism (cp > 1)"),
-    Unsupported("parallel.ep", lambda r: r.parallel.ep > 1, "expert parallelism (ep > 1)"),
-    Unsupported("parallel.etp", lambda r: r.parallel.etp > 1, "expert tensor parallelism (etp > 1)"),
     Unsupported(
         "parallel.recompute.granularity",
         lambda r: r.parallel.recompute.granularity != "none",

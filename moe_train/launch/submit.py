@@ -39,8 +39,17 @@ class Submission:
 
 
 def submittable_problems(recipe: Recipe, *, preflight: bool) -> list[str]:
-    """A training job must be trainable now; a preflight only checks the allocation, so any layout passes."""
-    return [] if preflight else unsupported(recipe)
+    """A training job must be trainable now and fit its GPUs (`moe-train plan`); a preflight only checks the
+    allocation, so any layout passes."""
+    return [] if preflight else unsupported(recipe) + memory_problems(recipe)
+
+
+def memory_problems(recipe: Recipe) -> list[str]:
+    """The planner's verdict when the recipe cannot fit its GPUs' memory (none for launch.device cpu)."""
+    from moe_train.plan.fit import check_fit
+
+    error = check_fit(recipe).error
+    return [error] if error else []
 
 
 def sbatch(script: Path) -> str:

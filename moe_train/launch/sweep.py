@@ -23,7 +23,7 @@ from moe_train.config import Recipe, RecipeError, load_recipe, parse_override
 from .render import check_renderable, render_array
 from .rundir import LOGS_DIR, check_reusable, run_dir_path, write_run_dir
 from .shell import LaunchError
-from .submit import record_submission, sbatch, submittable_problems
+from .submit import memory_problems, record_submission, sbatch, submittable_problems
 
 SWEEP_FILE = "sweep.json"
 MAX_NAME = 96
@@ -155,6 +155,8 @@ def expand(recipe_ref: str, sets: Sequence[str], axes: Sequence[Axis], *, prefli
             point.problems = check_renderable(recipe)
             if for_submit:
                 point.problems += submittable_problems(recipe, preflight=preflight)
+            elif not preflight:
+                point.problems += memory_problems(recipe)
             try:
                 check_reusable(recipe, sweep_dir / point.name)
             except LaunchError as error:

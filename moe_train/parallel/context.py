@@ -32,12 +32,19 @@ class ParallelContext:
     owns_process_group: bool = False  # bootstrap created it, so `shutdown` destroys it
 
     def mesh(self, name: str) -> DeviceMesh:
-        """The 1-D mesh of dimension `name` (dense: pp dp cp tp; expert: edp ep etp) that holds this rank."""
+        """The 1-D mesh of dimension `name` (dense: pp dp cp tp; expert: edp ep etp) that holds this rank, or of
+        adjacent dimensions of one mesh flattened (`dp_cp`, `ep_etp`: the names joined by `_`). Flattening
+        creates a process group: every rank must ask for the same flattened names in the same order."""
         if name in DENSE_DIMS:
             return self.dense[name]
         if name in EXPERT_DIMS:
             return self.expert[name]
-        raise KeyError(f"unknown mesh dimension {name!r}; known: {', '.join(DENSE_DIMS + EXPERT_DIMS[1:])}")
+        dims = tuple(name.split("_"))
+        for mesh, names in ((self.dense, DENSE_DIMS), (self.expert, EXPERT_DIMS)):
+            if len(dims) > 1 and set(dims) <= set(names):
+                return mesh[dims]._flatten(name)
+        raise KeyError(f"unknown mesh dimension {name!r}; known: {', '.join(DENSE_DIMS + EXPERT_DIMS[1:])} "
+                       "or adjacent ones joined by _")
 
     def group(self, name: str) -> ProcessGroup:
         return self.mesh(name).get_group()

@@ -9,7 +9,6 @@ the former for callers to map.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -48,10 +47,10 @@ def train_and_report(recipe: Recipe, ctx: ParallelContext | None = None) -> int:
     0: trained (complete, exit_at_step or a clean stop on preemption); 2: bad input; 1: runtime failure,
     naming the rank and the reason.
     """
-    from moe_train.parallel.bootstrap import LaunchMismatch
+    from moe_train.parallel.bootstrap import LauncherEnv, LaunchMismatch
     from moe_train.train.errors import TrainingError
 
-    rank = int(os.environ.get("RANK", "0"))
+    rank = ctx.rank if ctx is not None else LauncherEnv().rank  # errors may come before a context exists
     try:
         summary = run_from_recipe(recipe, ctx)
     except input_errors() as error:

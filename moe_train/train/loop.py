@@ -46,8 +46,8 @@ from moe_train.models.moe import MoELayer, update_expert_bias
 from moe_train.models.moe.aux_loss import set_aux_loss_scale
 from moe_train.parallel import parallelize
 from moe_train.parallel.context import ParallelContext
+from moe_train.plan.flops import training_flops_per_token
 from moe_train.train.errors import TrainingError
-from moe_train.train.flops import training_flops_per_token
 from moe_train.train.grad_norm import clip_grad_norm
 from moe_train.train.metrics import MetricsLogger, eval_record, expert_balance, train_record
 from moe_train.train.optimizer import build_optimizer, set_lr
@@ -240,12 +240,14 @@ class Trainer:
             [torch.stack([self.moe_layers[i].dropped_assignments, self.moe_layers[i].assignments]) for i in layers]
         )
         stacked = self._all_reduce(torch.cat([counts, drops], dim=1))
-        on_host = stacked.cpu()  # one transfer for every layer's figures
-        experts = counts.shape[1]
-        moe = {
-            str(index): expert_balance(on_host[row, :experts], on_host[row, experts].item() / on_host[row, -1].item())
-            for row, index in enumerate(layers)
-        }
+        entropy = self._all_reduce(torch.stack([self.moe_layers[i].router_entropy_sum for i in layers]))
+        on_host, entropy = stacked.cpu(), entropy.cpu()  # one transfer for every layer's figures
+        experts, top_k = counts.shape[1], self.recipe.model.moe.top_k
+        moe = {}
+        for row, index in enumerate(layers):
+            assignments = on_host[row, -1].item()
+            moe[str(index)] = expert_balance(on_host[row, :experts], on_host[row, experts].item() / assignments,
+                                             router_entropy=entropy[row].item() * top_k / assignments)
         return {index: stacked[row, :experts] for row, index in enumerate(layers)}, moe, aux.item() * share
 
     def _update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:

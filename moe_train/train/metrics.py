@@ -18,20 +18,25 @@ import torch
 from moe_train.atomic import write_atomic
 
 
-def expert_balance(tokens_per_expert: torch.Tensor, dropped_fraction: float) -> dict[str, float]:
-    """How unevenly one MoE layer's tokens spread over its experts: max/mean and the coefficient of variation.
+def expert_balance(tokens_per_expert: torch.Tensor, dropped_fraction: float,
+                   router_entropy: float | None = None) -> dict[str, Any]:
+    """How unevenly one MoE layer's tokens spread over its experts: max/mean, the coefficient of variation, each
+    expert's share of the assignments (`load`, for the report's heatmap) and the router's mean entropy.
 
-    1.0 and 0.0 are perfect balance; max/mean is the slowdown of the busiest expert's rank under EP.
+    1.0 and 0.0 are perfect balance; max/mean is the slowdown of the busiest expert's rank under EP. Entropy is
+    in nats, of each token's normalised scores: log(E) when a router cannot tell experts apart, 0 when certain.
     """
     load = tokens_per_expert.double()
+    total = load.sum().item()
     mean = load.mean().item()
-    if mean == 0:
-        return {"load_max_over_mean": 0.0, "load_cv": 0.0, "dropped_fraction": dropped_fraction}
-    return {
-        "load_max_over_mean": load.max().item() / mean,
-        "load_cv": load.std(unbiased=False).item() / mean,
-        "dropped_fraction": dropped_fraction,
-    }
+    figures: dict[str, Any] = {"load_max_over_mean": 0.0, "load_cv": 0.0, "dropped_fraction": dropped_fraction}
+    if mean > 0:
+        figures["load_max_over_mean"] = load.max().item() / mean
+        figures["load_cv"] = load.std(unbiased=False).item() / mean
+    figures["load"] = [round(v / total, 6) if total else 0.0 for v in load.tolist()]
+    if router_entropy is not None:
+        figures["router_entropy"] = router_entropy
+    return figures
 
 
 def train_record(
@@ -157,7 +162,9 @@ class MetricsLogger:
                 if record[key] is not None:  # a skipped step's non-finite figures
                     self._tb.add_scalar(f"train/{key}", record[key], step)
             for layer, stats in (record.get("moe") or {}).items():
-                self._tb.add_scalar(f"moe/{layer}/load_max_over_mean", stats["load_max_over_mean"], step)
+                for key in ("load_max_over_mean", "load_cv", "dropped_fraction", "router_entropy"):
+                    if key in stats:
+                        self._tb.add_scalar(f"moe/{layer}/{key}", stats[key], step)
         if self._live is not None:
             self._progress.update(self._task, completed=step)
             self._status.plain = _summary_text(record)

@@ -52,7 +52,7 @@ def peak_flops(*, device: str, gpu: str, precision: str) -> float:
     """Peak FLOP/s of one device for `precision`: the hardware table on GPUs, a measurement on CPU."""
     if device == "cpu":
         return measured_matmul_flops(torch.bfloat16 if precision == "bf16" else torch.float32)
-    from moe_train.config.hardware import HARDWARE
+    from moe_train.config.hardware import hardware_table
 
     # fp32 runs on a GPU compute in TF32 tensor cores at best; the dense bf16 figure is the honest ceiling.
-    return HARDWARE[gpu].bf16_flops
+    return hardware_table()[gpu].bf16_flops

@@ -6,13 +6,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 from moe_train.config import load_recipe
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu().clone()
+    """An owned copy of the whole tensor. A DTensor's full_tensor() may be an async collective's output: wait for
+    it before copying (copying first read the buffer before the gather had filled it, under load)."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
+        if isinstance(tensor, AsyncCollectiveTensor):
+            tensor = tensor.wait()
+    return tensor.detach().cpu().clone()
 
 
 def record_run(recipe_name: str, overrides: list[str], *, world: int, run_dir: Path, steps: int, ctx=None) -> dict:
@@ -20,7 +27,8 @@ def record_run(recipe_name: str, overrides: list[str], *, world: int, run_dir: P
     must call it (the full tensors are gathered collectively)."""
     from moe_train.train.loop import Trainer
 
-    recipe = load_recipe(recipe_name, [*overrides, f"launch.gpus_per_node={world}", f"run_dir={run_dir}"])
+    recipe = load_recipe(recipe_name, [*overrides, f"launch.gpus_per_node={world}", f"run_dir={run_dir}",
+                                       f"train.steps={steps}"])
     trainer = Trainer(recipe, ctx)
     initial = {k: full(v) for k, v in trainer.model.state_dict().items()}
     names = {id(p): n for n, p in trainer.model.named_parameters()}

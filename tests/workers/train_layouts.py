@@ -13,7 +13,6 @@ from workers.common import finish, start  # noqa: E402
 def main() -> None:
     spec, result_path, rank, world = start()
     import torch
-
     from workers.record import record_resumed, record_run
 
     saved = {}

@@ -1,34 +1,33 @@
 """Token dispatch: moves each token's hidden state to the experts it was routed to, and the results back.
 
 As in Megatron-Core, dispatch is separate from routing and from the expert computation, so that expert
-parallelism replaces only this piece: an all-to-all or all-gather dispatcher over the expert-parallel group
-keeps the same `dispatch` / `combine` pair. `LocalDispatcher` is the no-communication case (every expert on this
-process): a permutation that sorts token slots by expert, so each expert's rows are contiguous for grouped GEMMs.
+parallelism replaces only this piece. Every dispatcher has the same pair:
+    dispatch(hidden [T, H], topk_indices [T, K], *, keep=None, pad_to=None)
+        -> (rows [N, H] sorted by local expert, tokens_per_local_expert [E_local] int64, plan)
+    combine(expert_out [N, H], topk_weights [T, K], plan) -> [T, H] fp32
+`LocalDispatcher` is the no-communication case (every expert on this process); the expert-parallel ones
+(dispatch_alltoall.py, dispatch_allgather.py) are built by `dispatcher_for` from `model.moe.dispatcher`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
-from moe_train.models.moe.router import count_per_expert
-
-
-@dataclass
-class DispatchPlan:
-    """What `combine` needs to undo a dispatch."""
-
-    slot_rows: torch.Tensor  # [T*K] row of the expert buffer holding each token slot; num_rows when dropped
-    num_rows: int  # rows of the expert buffer (including padding)
-    has_dropped: bool
+from moe_train.models.moe.dispatch_allgather import AllGatherDispatcher
+from moe_train.models.moe.dispatch_alltoall import AllToAllDispatcher
+from moe_train.models.moe.permute import Permutation, permute, unpermute, weighted_sum
 
 
-class LocalDispatcher:
-    """Permutes token slots into expert-major order and back, on one process."""
+class TokenDispatcher(Protocol):
+    """What the MoE layer calls; `sent_bytes` is the token traffic this rank sent, per collective op."""
 
-    def __init__(self, *, num_experts: int):
-        self.num_experts = num_experts
+    num_experts: int
+    num_local_experts: int
+    sent_bytes: Counter[str]
 
     def dispatch(
         self,
@@ -37,62 +36,53 @@ class LocalDispatcher:
         *,
         keep: torch.Tensor | None = None,
         pad_to: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
+
+    def combine(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, plan: Any) -> torch.Tensor: ...
+
+
+class LocalDispatcher:
+    """Permutes token slots into expert-major order and back, on one process (see permute.py)."""
+
+    def __init__(self, *, num_experts: int):
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts
+        self.sent_bytes: Counter[str] = Counter()  # stays empty: nothing is sent
+
+    def dispatch(
+        self,
+        hidden: torch.Tensor,
+        topk_indices: torch.Tensor,
+        *,
+        keep: torch.Tensor | None = None,
+        pad_to: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, Permutation]:
         """hidden [T, H], topk_indices [T, K] -> (rows [N, H] sorted by expert, tokens per expert [E], plan).
 
         keep [T, K] (bool) drops the assignments that are False. pad_to gives every expert exactly that many
         rows (zeros after its real ones), for static shapes.
         """
-        tokens, top_k = topk_indices.shape
-        experts = topk_indices.reshape(-1)
-        if keep is not None:
-            experts = experts.masked_fill(~keep.reshape(-1), self.num_experts)  # dropped slots sort last
-        counts = count_per_expert(experts, self.num_experts + 1)[: self.num_experts]
-        order = torch.argsort(experts, stable=True)
-        kept = int(counts.sum()) if keep is not None else tokens * top_k
-        order = order[:kept]
-        source_tokens = order // top_k
-        if pad_to is None:
-            rows = hidden.index_select(0, source_tokens)
-            num_rows = kept
-            destination = torch.arange(kept, device=hidden.device)
-        else:
-            starts = torch.cumsum(counts, 0) - counts
-            sorted_experts = experts[order]
-            rank = torch.arange(kept, device=hidden.device) - starts[sorted_experts]
-            destination = sorted_experts * pad_to + rank
-            num_rows = self.num_experts * pad_to
-            rows = hidden.new_zeros(num_rows, hidden.shape[1]).index_copy(
-                0, destination, hidden.index_select(0, source_tokens)
-            )
-            counts = torch.full_like(counts, pad_to)
-        slot_rows = torch.full((tokens * top_k,), num_rows, dtype=torch.int64, device=hidden.device)
-        slot_rows[order] = destination
-        plan = DispatchPlan(slot_rows=slot_rows, num_rows=num_rows, has_dropped=kept < tokens * top_k)
-        return rows, counts, plan
+        return permute(hidden, topk_indices, num_experts=self.num_experts, keep=keep, pad_to=pad_to)
 
-    def combine(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-        """expert_out [N, H] -> [T, H] fp32: each token's sum of its experts' outputs times the routing weights.
-
-        Weighting and summing run in fp32 (a bf16 sum of K terms loses bits the residual stream would keep).
-        """
-        tokens, top_k = topk_weights.shape
-        if plan.has_dropped:  # dropped slots read an appended zero row
-            expert_out = torch.cat([expert_out, expert_out.new_zeros(1, expert_out.shape[1])])
-        slots = expert_out.index_select(0, plan.slot_rows).float()
-        weighted = slots.view(tokens, top_k, -1) * topk_weights.unsqueeze(-1)
-        return weighted.sum(dim=1)
+    def combine(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, plan: Permutation) -> torch.Tensor:
+        """expert_out [N, H] -> [T, H] fp32: each token's sum of its experts' outputs times the routing weights."""
+        return weighted_sum(unpermute(expert_out, plan), topk_weights)
 
 
-def dispatcher_for(name: str, *, num_experts: int, group=None) -> LocalDispatcher:
-    """The dispatcher `model.moe.dispatcher` names, over `group` (the expert-parallel ranks).
+DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
 
-    Within one process both names move tokens the same way; over several ranks they differ.
+
+def dispatcher_for(
+    name: str, *, num_experts: int, group: dist.ProcessGroup | None, expert_tp_size: int = 1
+) -> TokenDispatcher:
+    """The dispatcher that `model.moe.dispatcher` names, over its group (None: no expert parallelism).
+
+    alltoall takes the ep group; allgather takes the ep x etp group (etp fastest) and `expert_tp_size`.
     """
-    import torch.distributed as dist
-
-    if name not in ("alltoall", "allgather"):
-        raise ValueError(f"model.moe.dispatcher must be 'alltoall' or 'allgather', got {name!r}")
-    if group is not None and dist.get_world_size(group) > 1:
-        raise NotImplementedError("expert parallelism (ep > 1) is not supported yet")
-    return LocalDispatcher(num_experts=num_experts)
+    if name not in DISPATCHERS:
+        raise ValueError(f"model.moe.dispatcher must be one of {', '.join(DISPATCHERS)}, got {name!r}")
+    if name == "allgather":
+        return AllGatherDispatcher(num_experts=num_experts, group=group, expert_tp_size=expert_tp_size)
+    if expert_tp_size != 1:
+        raise ValueError("model.moe.dispatcher alltoall with expert tensor parallelism (etp > 1) is not supported yet")
+    return AllToAllDispatcher(num_experts=num_experts, group=group)

@@ -1,8 +1,13 @@
-"""Routed experts: E SwiGLU FFNs stored as two stacked weights, run over expert-sorted rows.
+"""Routed experts: E SwiGLU FFNs stored as three stacked weights, run over expert-sorted rows.
 
-The stacked layout is transformers' fused one (gate_up_proj [E, 2I, H] with the gate rows first, down_proj
-[E, H, I]), so checkpoints map 1:1. One `torch._grouped_mm` per projection runs all experts at once; where it
-cannot run (dtype, device, strides) a loop of per-expert matmuls gives the same result.
+gate_proj [E, I, H], up_proj [E, I, H] and down_proj [E, H, I] are separate parameters (not transformers'
+fused gate_up_proj [E, 2I, H]): expert tensor parallelism splits I, and a split of a fused [gate; up] tensor
+down the middle would hand one rank all the gate rows and the other all the up rows. Expert e of each stack is
+`<name>[e]`, so expert parallelism shards dim 0 and the initialisation can draw every expert by its own name.
+hf.py converts from and to transformers' per-expert and fused checkpoint layouts.
+
+One `torch._grouped_mm` per projection runs all experts at once; where it cannot run (dtype, device, strides)
+a loop of per-expert matmuls gives the same result.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 _GROUPED_MM_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -32,23 +38,8 @@ def grouped_mm_supported(dtype: torch.dtype, device: torch.device, *, hidden_siz
     return False
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward materialises the incoming gradient.
-
-    _grouped_mm's backward rejects stride-0 gradients, which an `out.sum()` (or an expand) downstream produces.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
-
-
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts over rows already sorted by expert (see dispatcher.py).
+    """E SwiGLU experts over rows already sorted by expert (see dispatcher.py): down(silu(gate x) * up x).
 
     `use_grouped_mm` False forces the loop (benchmarks, and the equivalence test).
     """
@@ -58,33 +49,49 @@ class GroupedExperts(nn.Module):
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_hidden_size, hidden_size))
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.use_grouped_mm = True
 
     def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """rows [N, H] (expert e's rows contiguous, in expert order), tokens_per_expert [E] -> [N, H]."""
-        if self.use_grouped_mm and grouped_mm_supported(
-            rows.dtype, rows.device, hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size
+        """rows [N, H] (expert e's rows contiguous, in expert order), tokens_per_expert [E] -> [N, H].
+
+        N may be 0 (an expert-parallel rank that received no tokens): the loop then gives every weight a zero
+        gradient, which _grouped_mm's backward cannot (it rejects the empty strides), so the ranks' gradient
+        reductions still line up.
+        """
+        local_ffn = self.local_weights()[0].shape[1]  # the FFN dimension this rank holds (I / etp)
+        if (
+            self.use_grouped_mm
+            and rows.shape[0] > 0
+            and grouped_mm_supported(rows.dtype, rows.device, hidden_size=self.hidden_size, ffn_hidden_size=local_ffn)
         ):
             return self._grouped(rows, tokens_per_expert)
         return self._loop(rows, tokens_per_expert)
 
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate, up, down) of the experts this rank holds: all of them, or its shard under expert parallelism
+        (then DTensors sharded on dim 0, whose local tensors are the rank's experts in order)."""
+        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_proj, self.up_proj,
+                                                                               self.down_proj))
+
     def _grouped(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        gate_proj, up_proj, down_proj = self.local_weights()
         offsets = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
-        gate_up = torch._grouped_mm(rows, self.gate_up_proj.transpose(-2, -1), offs=offsets)
-        gate, up = gate_up.chunk(2, dim=-1)
-        out = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
-        return _ContiguousGrad.apply(out)
+        gate = torch._grouped_mm(rows, gate_proj.transpose(-2, -1), offs=offsets)
+        up = torch._grouped_mm(rows, up_proj.transpose(-2, -1), offs=offsets)
+        out = torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offs=offsets)
+        if out.requires_grad:  # its backward rejects stride-0 gradients, which an out.sum() downstream gives
+            out.register_hook(torch.Tensor.contiguous)
+        return out
 
     def _loop(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         # unbind once: indexing the stacked weight per expert would make each expert's backward allocate (and
         # zero) a gradient the size of all experts.
         outputs = []
         chunks = torch.split(rows, tokens_per_expert.tolist())
-        for chunk, gate_up_proj, down_proj in zip(
-            chunks, self.gate_up_proj.unbind(0), self.down_proj.unbind(0), strict=True
-        ):
-            gate, up = F.linear(chunk, gate_up_proj).chunk(2, dim=-1)
-            outputs.append(F.linear(F.silu(gate) * up, down_proj))
+        weights = zip(*(w.unbind(0) for w in self.local_weights()), strict=True)
+        for chunk, (gate_proj, up_proj, down_proj) in zip(chunks, weights, strict=True):
+            outputs.append(F.linear(F.silu(F.linear(chunk, gate_proj)) * F.linear(chunk, up_proj), down_proj))
         return torch.cat(outputs)

@@ -5,8 +5,8 @@ cannot be overwritten by a later forward:
 - balancing losses: their gradients are attached to the output (aux_loss.attach_loss /
   attach_score_gradient), so each forward's loss is differentiated by that forward's backward;
 - telemetry: non-persistent buffers that accumulate over the forwards of a step (tokens per expert, dropped
-  assignments, the weighted balancing-loss value), which the trainer reads and resets once per step. A forward
-  that runs again inside backward (activation recomputation) does not add to them.
+  assignments, the weighted balancing-loss value, the router's entropy), which the trainer reads and resets
+  once per step. A forward that runs again inside backward (activation recomputation) does not add to them.
 
 Token sets of the balancing losses (`router.load_balancing`, docs/interfaces.md):
 - aux_loss: per layer, over this forward's micro-batch (with its sequence/context shards: `token_group`);
@@ -39,6 +39,13 @@ SWITCH_LOSSES = ("aux_loss", "global_aux_loss", "all_layers_aux_loss")
 def in_recompute() -> bool:
     """Whether this forward runs inside a backward pass, i.e. is an activation recomputation."""
     return torch._C._current_graph_task_id() != -1
+
+
+def router_entropy(scores: torch.Tensor) -> torch.Tensor:
+    """Sum over tokens of the entropy (nats) of each token's scores normalised to a distribution."""
+    probs = scores.detach().float()
+    probs = probs / probs.sum(dim=-1, keepdim=True).clamp(min=1e-20)
+    return -(probs * probs.clamp(min=1e-20).log()).sum()
 
 
 @dataclass
@@ -82,13 +89,14 @@ class MoELayer(nn.Module):
         self.register_buffer("dropped_assignments", torch.zeros((), dtype=torch.int64), persistent=False)
         self.register_buffer("assignments", torch.zeros((), dtype=torch.int64), persistent=False)
         self.register_buffer("aux_loss_value", torch.zeros((), dtype=torch.float64), persistent=False)
+        self.register_buffer("router_entropy_sum", torch.zeros((), dtype=torch.float64), persistent=False)
         # global_aux_loss: the step's running loads over the balance group (reset with the telemetry).
         self.register_buffer("global_tokens_per_expert", torch.zeros(experts, dtype=torch.int64), persistent=False)
         self.register_buffer("global_tokens", torch.zeros((), dtype=torch.int64), persistent=False)
 
     def reset_telemetry(self) -> None:
         for buffer in (self.tokens_per_expert, self.dropped_assignments, self.assignments, self.aux_loss_value,
-                       self.global_tokens_per_expert, self.global_tokens):
+                       self.router_entropy_sum, self.global_tokens_per_expert, self.global_tokens):
             buffer.zero_()
 
     def forward(self, hidden: torch.Tensor, records: RoutingRecords | None = None) -> torch.Tensor:
@@ -127,6 +135,7 @@ class MoELayer(nn.Module):
             with torch.no_grad():
                 self.tokens_per_expert += counts
                 self.assignments += tokens * top_k
+                self.router_entropy_sum += router_entropy(routing.scores).double()
                 if keep is not None:
                     self.dropped_assignments += keep.numel() - keep.sum()
         out = self._attach_balancing_losses(out, routing, counts, batch, seq, records, recomputing)

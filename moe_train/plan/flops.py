@@ -20,6 +20,8 @@ Training costs 3x the forward pass (backward = 2x forward); recomputation is not
 
 from __future__ import annotations
 
+import functools
+
 from moe_train.config.schema import ModelConfig
 from moe_train.plan.params import attention_matrices, ffn_matrices
 
@@ -38,6 +40,7 @@ def _ffn(cfg: ModelConfig, layer: int) -> float:
     return 2.0 * ffn_matrices(cfg, moe_layer=cfg.is_moe_layer(layer), active=True)
 
 
+@functools.lru_cache(maxsize=256)
 def forward_flops_per_token(cfg: ModelConfig, *, seq_length: int) -> float:
     """Forward FLOPs for one token (see the module docstring for what is counted)."""
     head = 2.0 * cfg.hidden_size * cfg.vocab_size
@@ -50,3 +53,38 @@ def forward_flops_per_token(cfg: ModelConfig, *, seq_length: int) -> float:
 def training_flops_per_token(cfg: ModelConfig, *, seq_length: int) -> float:
     """Forward plus backward (2x forward) FLOPs for one trained token."""
     return 3.0 * forward_flops_per_token(cfg, seq_length=seq_length)
+
+
+def layer_flops_by_region(cfg: ModelConfig, *, layer: int, seq_length: int, executed: bool = False) -> dict[str, float]:
+    """Forward FLOPs per token of one decoder layer, by the region a recompute policy names.
+
+    Regions: `attention` (projections), `core_attn` (QK^T and AV), `mla_up_proj` (the part of `attention` that
+    MLA's up projections are), `mlp` (dense), `router`, `experts` (top_k routed), `shared_experts`. `executed`
+    counts what runs rather than model FLOPs: MLA's SDPA runs q, k, v zero-padded to one head width.
+    """
+    return dict(_regions(cfg, cfg.is_moe_layer(layer), seq_length, executed))
+
+
+@functools.lru_cache(maxsize=1024)
+def _regions(cfg: ModelConfig, moe_layer: bool, seq_length: int, executed: bool) -> tuple[tuple[str, float], ...]:
+    """Layers of one kind have the same FLOPs: computed once per kind."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    out = {"attention": 2.0 * attention_matrices(cfg)}
+    if cfg.family == "deepseek_v3":
+        qk_dim, v_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+        if executed:
+            qk_dim = v_dim = max(qk_dim, v_dim)
+        q_up = (cfg.q_lora_rank or 0) * heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        kv_up = cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        out["mla_up_proj"] = 2.0 * (q_up + kv_up)
+    else:
+        qk_dim = v_dim = cfg.attention_head_dim
+    out["core_attn"] = 2.0 * seq_length * heads * (qk_dim + v_dim)
+    if moe_layer:
+        moe = cfg.moe
+        out["router"] = 2.0 * moe.num_experts * h
+        out["experts"] = 2.0 * moe.top_k * 3 * h * moe.ffn_hidden_size
+        out["shared_experts"] = 2.0 * 3 * h * moe.shared_expert_ffn_hidden_size
+    else:
+        out["mlp"] = 2.0 * 3 * h * cfg.ffn_hidden_size
+    return tuple(out.items())

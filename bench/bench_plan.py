@@ -1,0 +1,97 @@
+"""`moe-train plan`: its wall time on a login node, and its estimates next to published Megatron-Core throughput.
+
+1. Wall time (whole process, as a user waits for it) of `plan deepseek-v3` at 1024 GPUs and of `plan --search`
+   over 256 GPUs, beside `python -c pass` and `validate`, interleaved so drifting load hits all alike. Target:
+   under 2 s.
+2. The planner's TFLOP/s per GPU for the published Megatron-Core runs (../shared/reference/megatron.md), each in
+   its published layout, with the error. These are the figures docs/plan.md reports.
+
+Run: python bench/bench_plan.py [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+
+# (model, hardware, GPUs, published TFLOP/s per GPU, overrides giving the published layout)
+PUBLISHED = [
+    ("qwen3-30b-a3b", "H100", 32, 234.1, []),
+    ("qwen3-30b-a3b", "GB200", 16, 528.0, [
+        "launch.gpu=gb200", "launch.nodes=4", "launch.gpus_per_node=4", "parallel.ep=16",
+        "train.micro_batch_size=4", "train.global_batch_size=512"]),
+    ("deepseek-v3", "B200", 256, 776.7, [
+        "train.precision=fp8", "parallel.recompute.modules=[mla_up_proj, mlp]"]),
+]
+
+
+def wall_times(command: list[str], repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        subprocess.run(command, check=True, capture_output=True)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def timings(repeats: int) -> None:
+    cli = [sys.executable, "-m", "moe_train.cli.main"]
+    commands = {
+        "python -c pass": [sys.executable, "-c", "pass"],
+        "validate deepseek-v3": [*cli, "validate", "deepseek-v3"],
+        "plan deepseek-v3 (1024 GPUs)": [*cli, "plan", "deepseek-v3", "--nodes", "128", "--json"],
+        "plan deepseek-v3 --search (256 GPUs)": [*cli, "plan", "deepseek-v3", "--search", "--json"],
+        "plan qwen3-30b-a3b --search (32 GPUs)": [*cli, "plan", "qwen3-30b-a3b", "--search", "--json"],
+    }
+    results: dict[str, list[float]] = {name: [] for name in commands}
+    for _ in range(repeats):
+        for name, command in commands.items():
+            results[name] += wall_times(command, 1)
+    baseline = statistics.median(results["python -c pass"])
+    print(f"{'command':40s} {'median s':>9s} {'min s':>7s} {'x python':>9s}")
+    for name, times in results.items():
+        median = statistics.median(times)
+        print(f"{name:40s} {median:9.3f} {min(times):7.3f} {median / baseline:9.1f}")
+
+
+# Megatron-Core's way of moving data, where our engine's defaults differ: gradients reduced and parameters
+# gathered once per step (its distributed optimizer), and the all-to-all overlapped with another micro-batch.
+MEGATRON_LIKE = {"fsdp_once_per_step": True, "ep_overlap": 0.8}
+
+
+def published() -> None:
+    from moe_train.config import load_recipe
+    from moe_train.config.hardware import hardware_table
+    from moe_train.plan.assumptions import Assumptions
+    from moe_train.plan.estimate import estimate, plan_json
+
+    print(f"\n{'model':15s} {'hardware':8s} {'GPUs':>4s} {'published':>9s} {'plan':>6s} {'error':>7s} "
+          f"{'peak GB':>8s} {'fits':>5s}  step-time parts (s)")
+    for label, assumptions in (("defaults (our engine)", Assumptions()),
+                               (f"Megatron-like {MEGATRON_LIKE}", Assumptions(**MEGATRON_LIKE))):
+        print(label)
+        for name, gpu, gpus, figure, overrides in PUBLISHED:
+            recipe = load_recipe(name, overrides)
+            assert recipe.world_size == gpus, (name, recipe.world_size)
+            data = plan_json(estimate(recipe, hardware_table()[recipe.launch.gpu], assumptions))
+            t = data["time_s"]
+            parts = ", ".join(f"{k} {t[k]:.2f}" for k in ("compute", "elementwise", "comm_total", "comm_exposed",
+                                                            "moe_sync", "bubble", "optimizer"))
+            error = data["tflops_per_gpu"] / figure - 1
+            print(f"{name:15s} {gpu:8s} {gpus:4d} {figure:9.1f} {data['tflops_per_gpu']:6.1f} {error:+7.1%} "
+                  f"{data['memory_bytes']['total'] / 1e9:8.1f} {str(data['fits']):>5s}  {parts}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    timings(args.repeats)
+    published()
+
+
+if __name__ == "__main__":
+    main()

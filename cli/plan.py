@@ -1,0 +1,166 @@
+"""`moe-train plan`: will the recipe fit its GPUs, and how fast will it train? Login node, no torch."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from dataclasses import fields, replace
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from moe_train.config.hardware import HardwareError, hardware_table
+from moe_train.plan.assumptions import Assumptions
+from moe_train.plan.estimate import Plan, estimate, plan_json
+from moe_train.plan.fit import memory_line
+
+from .common import RecipeArgument, SetOption, fail, load_or_exit
+
+GB = 1e9
+
+
+def _assumptions(specs: list[str] | None) -> Assumptions:
+    """`--assume name=value` over the defaults; one error line per bad spec."""
+    known = {f.name: f.type for f in fields(Assumptions)}
+    values, problems = {}, []
+    for spec in specs or []:
+        name, sep, raw = spec.partition("=")
+        name = name.strip()
+        if not sep or name not in known:
+            problems.append(f"--assume {spec}: expected NAME=VALUE, NAME one of {', '.join(known)}")
+            continue
+        default = getattr(Assumptions(), name)
+        try:
+            if isinstance(default, bool):
+                if raw.strip().lower() not in ("true", "false"):
+                    raise ValueError
+                values[name] = raw.strip().lower() == "true"
+            else:
+                values[name] = type(default)(float(raw)) if isinstance(default, int) else float(raw)
+        except ValueError:
+            problems.append(f"--assume {spec}: {name} takes a {type(default).__name__}")
+    if problems:
+        fail(problems)
+    return replace(Assumptions(), **values)
+
+
+def _layout_text(plan: Plan) -> str:
+    lay = plan.layout
+    text = f"tp {lay.tp} pp {lay.pp}" + (f" vpp {lay.vpp}" if lay.vpp > 1 else "") + f" dp {lay.dp}"
+    if plan.recipe.model.moe is not None:
+        text += f" | ep {lay.ep} etp {lay.etp} edp {lay.edp}"
+    if lay.sequence_parallel:
+        text += ", SP"
+    rc = lay.recompute
+    text += f"; recompute {rc.granularity}" + (f" ({', '.join(rc.modules)})" if rc.granularity == "selective" else "")
+    return text + f"; micro-batch {lay.micro_batch} x {lay.micro_batches}"
+
+
+def _table(plan: Plan) -> Table:
+    data = plan_json(plan)
+    mem = data["memory_bytes"]
+    status = "[green]fits" if plan.fits and not plan.tight else "[yellow]fits within the margin" if plan.fits \
+        else "[red]does not fit"
+    table = Table(title=f"{plan.recipe.name} on {plan.layout.world_size} x {plan.hardware.name}: {status}",
+                  show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("layout", _layout_text(plan))
+    table.add_row("memory", memory_line(plan))
+    budget = plan.device_memory * (1 - plan.assumptions.memory_margin)
+    table.add_row("", f"margin {plan.assumptions.memory_margin:.0%}: comfortable up to {budget / GB:.1f} GB; "
+                      f"total {mem['total'] / GB:.1f} GB")
+    t = data["time_s"]
+    table.add_row("step time", f"{t['step']:.2f} s = compute {t['compute']:.2f} + memory-bound {t['elementwise']:.2f} "
+                               f"+ exposed comm {t['comm_exposed']:.2f} + MoE syncs {t['moe_sync']:.2f} + bubble "
+                               f"{t['bubble']:.2f} + optimizer {t['optimizer']:.2f}")
+    table.add_row("throughput", f"{data['tokens_per_s']:,.0f} tokens/s, {data['tflops_per_gpu']:.0f} TFLOP/s per GPU, "
+                                f"MFU {data['mfu']:.1%}")
+    share = data["flops"]["recompute"] / data["flops"]["total"]
+    table.add_row("FLOPs", f"model {data['model_flops_per_step']:.3e} per step; executed "
+                           f"{data['executed_flops_per_step']:.3e} (recompute {share:.1%})")
+    for key, value in data["comm_bytes"].items():
+        table.add_row(f"comm {key}", f"{value / GB:.2f} GB per step over {data['comm_links'][key]}")
+    return table
+
+
+def plan(
+    recipe: RecipeArgument,
+    gpu: Annotated[str | None, typer.Option("--gpu", help="Plan on this GPU (an id of the hardware table).")] = None,
+    nodes: Annotated[int | None, typer.Option("--nodes", min=1, help="Plan on this many nodes.")] = None,
+    set: SetOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as one JSON object.")] = False,
+    search: Annotated[
+        bool, typer.Option("--search", help="Rank every valid layout that fits the GPUs by estimated throughput.")
+    ] = False,
+    top: Annotated[int, typer.Option("--top", min=1, help="With --search: how many layouts to show.")] = 5,
+    assume: Annotated[
+        list[str] | None,
+        typer.Option("--assume", help="Change a model assumption: NAME=VALUE (docs/plan.md lists them).",
+                     show_default=False),
+    ] = None,
+) -> None:
+    """Estimate memory per GPU, step time, tokens/s and MFU for RECIPE on its launch target (or --gpu/--nodes).
+
+    Exit 2 when the recipe is invalid. A plan that does not fit is reported, not an error (validate fails it).
+
+    Examples:
+
+        moe-train plan recipes/qwen3-30b-a3b.yaml --gpu h100 --nodes 4
+
+        moe-train plan deepseek-v3 --search --json
+    """
+    sets = list(set or [])
+    try:
+        table = hardware_table()
+    except HardwareError as error:
+        fail([str(error)])
+    if gpu is not None:
+        if gpu not in table or gpu == "cpu":
+            fail([f"--gpu: unknown '{gpu}'; allowed: {', '.join(k for k in table if k != 'cpu')}"])
+        sets += ["launch.device=cuda", f"launch.gpu={gpu}", f"launch.gpus_per_node={table[gpu].gpus_per_node}"]
+    if nodes is not None:
+        sets.append(f"launch.nodes={nodes}")
+    loaded = load_or_exit(recipe, sets, check_files=False)
+    if loaded.launch.device == "cpu" or loaded.launch.gpu == "cpu":
+        fail(["launch.device: plan needs a GPU target: give --gpu (e.g. --gpu h100) or launch.device cuda"])
+    hardware = table[loaded.launch.gpu]
+    assumptions = _assumptions(assume)
+    if search:
+        _search(loaded, hardware, assumptions, top=top, as_json=as_json)
+        return
+    result = estimate(loaded, hardware, assumptions)
+    if as_json:
+        print(json.dumps(plan_json(result)))
+        return
+    Console(width=None if sys.stdout.isatty() else 140).print(_table(result))
+
+
+def _search(recipe, hardware, assumptions: Assumptions, *, top: int, as_json: bool) -> None:
+    from moe_train.plan.search import search
+
+    best, valid, fitting = search(recipe, hardware, assumptions, top=top)
+    if as_json:
+        print(json.dumps({"valid": valid, "fitting": fitting, "best": [
+            {"overrides": c.overrides, **plan_json(c.plan)} for c in best]}))
+        return
+    table = Table(title=f"{recipe.name} on {recipe.world_size} x {hardware.name}: {valid} valid layouts, "
+                        f"{fitting} fit; best {len(best)} by estimated throughput", title_justify="left")
+    for column in ("#", "layout", "peak GB", "step s", "tokens/s", "TFLOP/s/GPU", "MFU"):
+        table.add_column(column, justify="left" if column == "layout" else "right")
+    for index, c in enumerate(best, 1):
+        p = c.plan
+        table.add_row(str(index), _layout_text(p), f"{p.peak / GB:.1f}", f"{p.step_time:.2f}",
+                      f"{p.tokens_per_s:,.0f}", f"{p.tflops_per_gpu:.0f}", f"{p.mfu:.1%}")
+    Console(width=200).print(table)
+    if best:
+        sets = " ".join(f"--set {shlex.quote(f'{k}={_yaml(v)}')}" for k, v in best[0].overrides.items())
+        print(f"best as overrides: {sets}")
+
+
+def _yaml(value) -> str:
+    """A value as `--set` reads it (YAML; JSON is YAML)."""
+    return value if isinstance(value, str) else json.dumps(value)

@@ -1,0 +1,119 @@
+"""The all-gather dispatcher: every rank sees every token of the group and computes its own experts' share.
+
+dispatch: all-gather the hidden states and the routing (dropped slots marked) of the group, then permute the
+slots routed to this rank's local experts. combine: weight the local experts' outputs (with the all-gathered
+routing weights) and scatter-add them into per-token sums over the whole group's tokens, then reduce-scatter:
+each token's owner gets the sum over all ranks, i.e. over all its experts. The traffic grows with the group
+size, not with the routing, so it suits small groups and heavily skewed or dense routing (Megatron-Core's
+"allgather" dispatcher).
+Ranks may hold different token counts: tokens are padded to the group's largest count, padding never routed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moe_train.models.moe.collectives import all_gather_rows, reduce_scatter_rows
+from moe_train.models.moe.expert_group import ExpertShard
+from moe_train.models.moe.permute import Permutation, permute, unpermute, weighted_sum
+
+
+@dataclass
+class AllGatherPlan:
+    """What `combine` needs: where the local experts' rows came from, and this rank's token count."""
+
+    permutation: Permutation  # gathered token slots [size * T_max * K] -> local experts' rows
+    local_slots: torch.Tensor | None  # [n] gathered slots routed to a local expert (None without a group)
+    local_rows: torch.Tensor | None  # [n] the expert row of each of those slots
+    num_tokens: int  # T of this rank
+    max_tokens: int  # T_max: the group's largest T (every rank's tokens are padded to it)
+
+
+class AllGatherDispatcher:
+    """Expert-parallel dispatch over `group` with all-gather and reduce-scatter; group None: no traffic.
+
+    `sent_bytes` (Counter) accumulates the token payload with DECISIONS.md's convention, per call of size G,
+    hidden H, top-k K, the hidden dtype's itemsize b and T_max the group's largest token count:
+    forward "all_gather" += T_max*H*b (this rank's hidden states), "reduce_scatter" += G*T_max*H*4 (the fp32
+    per-token sums); backward "reduce_scatter" += G*T_max*H*b (hidden gradients), "all_gather" += T_max*H*4.
+    `metadata_bytes["all_gather"]` counts the routing: 16 (token count, pad_to) + T_max*K*8 (expert ids) per dispatch
+    and T_max*K*4 (fp32 weights) per combine; backward adds `metadata_bytes["reduce_scatter"]` G*T_max*K*4
+    (weight gradients). Neither is ever reset here: read differences, or `.clear()` them.
+
+    With expert tensor parallelism, pass the ep x etp group (etp fastest) and `expert_tp_size`: the etp ranks
+    of one ep coordinate get the same rows, their experts return partial sums (row-parallel down projection),
+    and the reduce-scatter adds those partials together with the other experts' outputs.
+    """
+
+    def __init__(self, *, num_experts: int, group: dist.ProcessGroup | None = None, expert_tp_size: int = 1):
+        self.shard = ExpertShard.of(num_experts=num_experts, group=group, expert_tp_size=expert_tp_size)
+        self.num_experts = num_experts
+        self.num_local_experts = self.shard.num_local_experts
+        self.sent_bytes: Counter[str] = Counter()
+        self.metadata_bytes: Counter[str] = Counter()
+
+    def dispatch(
+        self,
+        hidden: torch.Tensor,
+        topk_indices: torch.Tensor,
+        *,
+        keep: torch.Tensor | None = None,
+        pad_to: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, AllGatherPlan]:
+        """hidden [T, H], topk_indices [T, K] (global expert ids) -> (rows [N, H] sorted by local expert,
+        rows per local expert [E_local] int64, plan).
+
+        keep [T, K] drops slots as decided on their source rank; pad_to (per source rank, as the all-to-all
+        dispatcher) gives each local expert the sum over the group's ranks of their pad_to rows.
+        """
+        tokens = hidden.shape[0]
+        shard = self.shard
+        if shard.group is None:
+            rows, counts, permutation = permute(
+                hidden, topk_indices, num_experts=self.num_experts, keep=keep, pad_to=pad_to
+            )
+            return rows, counts, AllGatherPlan(permutation, None, None, tokens, tokens)
+        # Every rank's token count and padding (capacities differ where token counts do).
+        sizes = torch.tensor([[tokens, pad_to or 0]], device=hidden.device)
+        sizes = all_gather_rows(sizes, group=shard.group, sent_bytes=self.metadata_bytes).tolist()
+        max_tokens = max(count for count, _ in sizes)
+        # Dropped slots and padding tokens are marked -1: no rank holds that expert.
+        routing = topk_indices if keep is None else topk_indices.masked_fill(~keep, -1)
+        routing = F.pad(routing, (0, 0, 0, max_tokens - tokens), value=-1)
+        routing = all_gather_rows(routing, group=shard.group, sent_bytes=self.metadata_bytes)
+        hidden = F.pad(hidden, (0, 0, 0, max_tokens - tokens))
+        hidden = all_gather_rows(hidden, group=shard.group, sent_bytes=self.sent_bytes)
+        local = routing - shard.first_expert
+        is_local = (local >= 0) & (local < self.num_local_experts)
+        rows, counts, permutation = permute(
+            hidden,
+            local.clamp(0, self.num_local_experts - 1),
+            num_experts=self.num_local_experts,
+            keep=is_local,
+            pad_to=None if pad_to is None else sum(pad for _, pad in sizes),
+        )
+        local_slots = is_local.reshape(-1).nonzero().squeeze(1)
+        local_rows = permutation.slot_rows.index_select(0, local_slots)
+        return rows, counts, AllGatherPlan(permutation, local_slots, local_rows, tokens, max_tokens)
+
+    def combine(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, plan: AllGatherPlan) -> torch.Tensor:
+        """expert_out [N, H] (rows as dispatch returned them) -> [T, H] fp32 on the tokens' own rank."""
+        shard = self.shard
+        if shard.group is None:
+            return weighted_sum(unpermute(expert_out, plan.permutation), topk_weights)
+        weights = F.pad(topk_weights, (0, 0, 0, plan.max_tokens - plan.num_tokens))
+        weights = all_gather_rows(weights, group=shard.group, sent_bytes=self.metadata_bytes)
+        # Scatter-add only the local rows (not all G*T_max*K slots, mostly other ranks' experts) into per-token
+        # sums, in fp32 at least. On CUDA index_add uses atomics: the order of a token's K terms may vary.
+        top_k = weights.shape[1]
+        rows = expert_out.index_select(0, plan.local_rows)
+        rows = rows.to(torch.promote_types(rows.dtype, torch.float32))
+        rows = rows * weights.reshape(-1).index_select(0, plan.local_slots).unsqueeze(-1)
+        per_token = rows.new_zeros(shard.size * plan.max_tokens, rows.shape[1])
+        per_token = per_token.index_add(0, plan.local_slots // top_k, rows)
+        return reduce_scatter_rows(per_token, group=shard.group, sent_bytes=self.sent_bytes)[: plan.num_tokens]

@@ -1,0 +1,103 @@
+"""The all-to-all dispatcher: each token slot travels only to the rank that holds its expert, and back.
+
+dispatch: permute the slots by (global) expert on the source rank (capacity drops and padding applied there,
+so padded rows travel too), exchange the per-expert row counts with one all-to-all, send the rows with an
+all-to-all of uneven splits, and sort the received rows (source-major) by local expert. combine: undo the sort,
+all-to-all the expert outputs back with the splits swapped, and unpermute and weight them on the source rank.
+Dropless unless the caller passes a keep-mask. The traffic grows with the routed rows, not the group size,
+which is why Megatron-Core defaults to it for expert parallelism.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe_train.models.moe.collectives import all_to_all_rows
+from moe_train.models.moe.expert_group import ExpertShard
+from moe_train.models.moe.permute import Permutation, permute, unpermute, weighted_sum
+
+
+@dataclass
+class AllToAllPlan:
+    """What `combine` needs to send the expert outputs home and undo the permutation."""
+
+    permutation: Permutation  # source side: token slots -> the sent buffer (expert-major)
+    send_splits: list[int]  # rows this rank sent to each rank of the group
+    recv_splits: list[int]  # rows this rank received from each rank of the group
+    local_order: torch.Tensor | None  # received row (source-major) of each local-expert-major row; None: no sort
+
+
+class AllToAllDispatcher:
+    """Expert-parallel dispatch over `group` with all_to_all_single (uneven splits); group None: no traffic.
+
+    `sent_bytes` (Counter) accumulates token rows sent to OTHER ranks x hidden x itemsize under "all_to_all",
+    forward and backward: dispatch sends the rows, combine sends the expert outputs back, backward sends their
+    gradients the other way. `metadata_bytes["all_to_all"]` counts the row-count exchange ((size-1) x
+    E_local x 8 per dispatch). Neither is ever reset here: read differences, or `.clear()` them.
+    """
+
+    def __init__(self, *, num_experts: int, group: dist.ProcessGroup | None = None):
+        self.shard = ExpertShard.of(num_experts=num_experts, group=group)
+        self.num_experts = num_experts
+        self.num_local_experts = self.shard.num_local_experts
+        self.sent_bytes: Counter[str] = Counter()
+        self.metadata_bytes: Counter[str] = Counter()
+
+    def dispatch(
+        self,
+        hidden: torch.Tensor,
+        topk_indices: torch.Tensor,
+        *,
+        keep: torch.Tensor | None = None,
+        pad_to: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, AllToAllPlan]:
+        """hidden [T, H], topk_indices [T, K] (global expert ids) -> (rows [N, H] sorted by local expert,
+        rows per local expert [E_local] int64, plan).
+
+        keep [T, K] drops slots on this (source) rank; pad_to gives each expert pad_to rows from this source
+        rank, so a local expert receives the sum over the group's ranks of their pad_to rows.
+        """
+        rows, counts, permutation = permute(
+            hidden, topk_indices, num_experts=self.num_experts, keep=keep, pad_to=pad_to
+        )
+        shard = self.shard
+        if shard.group is None:
+            return rows, counts, AllToAllPlan(permutation, [len(rows)], [len(rows)], None)
+        # received[s, j]: rows source rank s sends for this rank's local expert j.
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=shard.group)
+        self.metadata_bytes["all_to_all"] += (shard.size - 1) * self.num_local_experts * counts.element_size()
+        received = received.view(shard.size, self.num_local_experts)
+        send_splits = counts.view(shard.size, self.num_local_experts).sum(dim=1).tolist()
+        recv_splits = received.sum(dim=1).tolist()
+        arrived = all_to_all_rows(
+            rows, send_splits=send_splits, recv_splits=recv_splits, group=shard.group, sent_bytes=self.sent_bytes
+        )
+        if self.num_local_experts == 1:
+            local_order = None  # one local expert: source-major order already is expert-major
+        else:
+            local_expert = torch.arange(self.num_local_experts, device=hidden.device).repeat(shard.size)
+            local_order = torch.argsort(local_expert.repeat_interleave(received.reshape(-1)), stable=True)
+            arrived = arrived.index_select(0, local_order)
+        plan = AllToAllPlan(permutation, send_splits, recv_splits, local_order)
+        return arrived, received.sum(dim=0), plan
+
+    def combine(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
+        """expert_out [N, H] (rows as dispatch returned them) -> [T, H] fp32 on the tokens' own rank."""
+        if self.shard.group is not None:
+            if plan.local_order is not None:
+                source_major = torch.empty_like(plan.local_order)
+                source_major[plan.local_order] = torch.arange(len(plan.local_order), device=expert_out.device)
+                expert_out = expert_out.index_select(0, source_major)
+            expert_out = all_to_all_rows(
+                expert_out,
+                send_splits=plan.recv_splits,
+                recv_splits=plan.send_splits,
+                group=self.shard.group,
+                sent_bytes=self.sent_bytes,
+            )
+        return weighted_sum(unpermute(expert_out, plan.permutation), topk_weights)

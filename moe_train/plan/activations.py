@@ -1,0 +1,371 @@
+"""Bytes saved for backward by one micro-batch's forward of one layer, tensor by tensor (no torch).
+
+The list mirrors what our own modules save (moe_train/models), not a textbook layer: each `Saved` item is one
+storage that autograd keeps, found by reading the modules and checked against
+`torch.autograd.graph.saved_tensors_hooks` (tests/test_plan.py, world size 1, storages de-duplicated,
+parameters excluded). What the code saves, and so what is listed:
+- RMSNorm computes in fp32: it keeps the fp32 input (a copy, or the input itself when it is fp32), the fp32
+  reciprocal rms per token, and the normalised value in the activation dtype (for the weight's gradient).
+- A linear layer keeps its input. The norm's output is kept by its first consumer (q/k/v, the dense MLP, the
+  shared expert); the router keeps an fp32 copy instead (its math runs in fp32), which in an fp32 run is the
+  norm's output itself.
+- SDPA (flash-style on CPU and GPU) keeps q, k, v, its output and the fp32 logsumexp: never an s x s matrix.
+  GQA keeps k and v with their own head count. MLA zero-pads v (or q and k) to one head width for the fused
+  kernel, so its q, k, v and output are all max(qk, v) wide; o_proj then keeps a contiguous copy of the output.
+- SwiGLU keeps gate, up, silu(gate) and their product (the down projection's input).
+- MoE: the router keeps fp32 scores [T, E], the top-k indices, the normalised top-k weights and their sum;
+  the dispatch keeps the permutation; the grouped experts keep their input rows, the gate/up output (one
+  storage), silu(gate) and the product; the combine keeps the gathered expert outputs in fp32 (the weighted
+  sum runs in fp32) and the weights.
+- Rotary tables: cos/sin are computed once per forward and shared by every layer (counted once, under
+  `other`); in a bf16 run each layer's q and k rotation keep their own bf16 casts of them.
+
+Every item carries the region a recompute policy can drop and how it shards (see `_shard`). Tensor and
+sequence parallelism follow Korthikanti et al. (2022): head- and ffn-sharded tensors divide by tp; the rest
+(norms, the inputs of column-parallel GEMMs) divide by tp only under sequence parallelism, where a GEMM
+after an all-gather keeps only its sequence shard (and all-gathers it again in backward). MoE layers route
+a rank's share of the tokens (T / tp); each rank's experts see `top_k` rows per token at even routing (times
+`moe_imbalance` on the most loaded rank), all-gathered over etp, with the expert ffn sharded by etp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moe_train.config.schema import ModelConfig
+
+FP32 = 4
+INT64 = 8
+INT32 = 4
+
+SELECTIVE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One saved storage: `region` names the code that saves it (what a recompute policy can drop)."""
+
+    region: str
+    name: str
+    bytes: float
+
+
+@dataclass(frozen=True)
+class ActivationLayout:
+    """What shapes one rank's activations: micro-batch, sequence, precision and the sharding of the layer.
+
+    `tokens` is micro_batch * seq_length / cp: the tokens of one micro-batch on this rank.
+    """
+
+    micro_batch: int
+    seq_length: int
+    act_bytes: int = 2
+    tp: int = 1
+    sequence_parallel: bool = False
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    moe_imbalance: float = 1.0
+    position_batch: int = 1  # rows of position ids: 1 unless documents restart (data.reset_at_eod)
+
+    @property
+    def tokens(self) -> float:
+        return self.micro_batch * self.seq_length / self.cp
+
+    @property
+    def seq_tokens(self) -> float:
+        """Tokens a rank holds in the sequence region (norms, residual stream): sharded only under SP."""
+        return self.tokens / self.tp if self.sequence_parallel else self.tokens
+
+    @property
+    def moe_tokens(self) -> float:
+        """Tokens a rank routes: its sequence shard (Megatron-Core requires SP for MoE with tp > 1; without SP
+        the tp ranks split the tokens before dispatch)."""
+        return self.tokens / self.tp
+
+
+@dataclass
+class LayerActivations:
+    """One layer's saved items and the figures derived from them."""
+
+    items: list[Saved] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return sum(item.bytes for item in self.items)
+
+    def by_region(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for item in self.items:
+            out[item.region] = out.get(item.region, 0.0) + item.bytes
+        return out
+
+
+def _norm(region: str, prefix: str, tokens: float, width: float, a: int, *, fp32_input_width: float | None = None):
+    """RMSNorm: fp32 input (copy), fp32 reciprocal rms per token, normalised value in the activation dtype."""
+    return [
+        Saved(region, f"{prefix}.input_fp32", FP32 * tokens * (fp32_input_width or width)),
+        Saved(region, f"{prefix}.rstd", FP32 * tokens),
+        Saved(region, f"{prefix}.normalized", a * tokens * width),
+    ]
+
+
+def _swiglu(region: str, prefix: str, rows: float, ffn: float, a: int) -> list[Saved]:
+    return [
+        Saved(region, f"{prefix}.gate", a * rows * ffn),
+        Saved(region, f"{prefix}.up", a * rows * ffn),
+        Saved(region, f"{prefix}.silu", a * rows * ffn),
+        Saved(region, f"{prefix}.down_input", a * rows * ffn),
+    ]
+
+
+def _rope_casts(cfg: ModelConfig, lay: ActivationLayout, rope_dim: int) -> list[Saved]:
+    """bf16 runs: the q and k rotations each keep a cast cos and sin [position rows, s, rope_dim / 2]."""
+    if lay.act_bytes == FP32:
+        return []
+    seq = lay.seq_length / lay.cp
+    return [Saved("attention", "rope.cos_sin_casts", 4 * lay.act_bytes * lay.position_batch * seq * rope_dim / 2)]
+
+
+def _attention(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
+    a, t, ts, h, tp = lay.act_bytes, lay.tokens, lay.seq_tokens, cfg.hidden_size, lay.tp
+    heads = cfg.num_attention_heads / tp
+    items = [Saved("attn_input", "attention.input", a * ts * h)]  # the input norm's output, kept by q/k/v
+    if cfg.family == "deepseek_v3":
+        qk, v, r = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
+        # The latent projections are replicated over tp: their outputs hold every token.
+        if cfg.q_lora_rank:
+            items += _norm("mla_latent", "q_a_layernorm", t, cfg.q_lora_rank, a)
+            items.append(Saved("mla_latent", "q_b_proj.input", a * t * cfg.q_lora_rank))
+        kvl = cfg.kv_lora_rank
+        # In fp32 the norm's input is a view of kv_a_proj's whole output (latent + rope key): that storage.
+        items += _norm("mla_latent", "kv_a_layernorm", t, kvl, a, fp32_input_width=kvl + (r if a == FP32 else 0))
+        items.append(Saved("mla_latent", "kv_b_proj.input", a * t * kvl))
+        items += _rope_casts(cfg, lay, r)
+        width = max(qk, v)
+        items += [
+            Saved("mla_up_proj", "sdpa.q", a * t * heads * width),
+            Saved("mla_up_proj", "sdpa.k", a * t * heads * width),
+            Saved("mla_up_proj", "sdpa.v", a * t * heads * width),
+            Saved("core_attn", "sdpa.out", a * t * heads * width),
+            Saved("core_attn", "sdpa.logsumexp", FP32 * t * heads),
+            Saved("attention", "o_proj.input", a * t * heads * v),
+        ]
+        return items
+    d, kv_heads = cfg.attention_head_dim, cfg.kv_heads / tp
+    if cfg.qk_norm:
+        items += _norm("attention", "q_norm", t * heads, d, a)
+        items += _norm("attention", "k_norm", t * kv_heads, d, a)
+    items += _rope_casts(cfg, lay, d)
+    items += [
+        Saved("attention", "sdpa.q", a * t * heads * d),
+        Saved("attention", "sdpa.k", a * t * kv_heads * d),
+        Saved("attention", "sdpa.v", a * t * kv_heads * d),
+        Saved("core_attn", "sdpa.out", a * t * heads * d),
+        Saved("core_attn", "sdpa.logsumexp", FP32 * t * heads),
+        Saved("attention", "o_proj.input", a * t * heads * d),
+    ]
+    return items
+
+
+def _dense_mlp(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
+    a, t = lay.act_bytes, lay.tokens
+    return [Saved("mlp_input", "mlp.input", a * lay.seq_tokens * cfg.hidden_size)] + _swiglu(
+        "mlp", "mlp", t, cfg.ffn_hidden_size / lay.tp, a
+    )
+
+
+def expert_rows(cfg: ModelConfig, lay: ActivationLayout) -> float:
+    """Rows this rank's grouped experts process for one micro-batch: top_k per routed token at even routing,
+    all-gathered over etp, times the stated imbalance (the most loaded rank)."""
+    return lay.moe_tokens * cfg.moe.top_k * lay.etp * lay.moe_imbalance
+
+
+def _moe(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
+    moe, a, h = cfg.moe, lay.act_bytes, cfg.hidden_size
+    t = lay.moe_tokens
+    e, k = moe.num_experts, moe.top_k
+    router = moe.router
+    items = [Saved("moe", "router.input_fp32", FP32 * t * h)]
+    if a != FP32:  # the fp32 copy of the router weight is not the parameter
+        items.append(Saved("moe", "router.weight_fp32", FP32 * e * h))
+    items += [
+        Saved("moe", "router.scores", FP32 * t * e),
+        Saved("moe", "router.topk_indices", INT64 * t * k),
+        Saved("moe", "router.topk_sum", FP32 * t),
+        Saved("moe", "router.topk_scores", FP32 * t * k),
+    ]
+    if router.load_balancing == "seq_aux_loss" and router.aux_loss_coeff > 0:
+        items += [
+            Saved("moe", "seq_aux_loss.score_sum", FP32 * t),
+            Saved("moe", "seq_aux_loss.load", FP32 * lay.micro_batch * e),
+        ]
+    if router.z_loss_coeff > 0:
+        items += [Saved("moe", "z_loss.logits", FP32 * t * e), Saved("moe", "z_loss.logsumexp", FP32 * t)]
+    rows = expert_rows(cfg, lay)
+    ffn = moe.ffn_hidden_size / lay.etp
+    items += [
+        Saved("moe", "dispatch.order", INT64 * t * k),
+        Saved("moe", "experts.offsets", INT32 * e / lay.ep),
+        Saved("moe", "experts.input", a * rows * h),
+        Saved("moe", "experts.gate_up", a * rows * 2 * ffn),
+        Saved("moe_act", "experts.silu", a * rows * ffn),
+        Saved("moe_act", "experts.down_input", a * rows * ffn),
+        Saved("moe", "combine.slot_rows", INT64 * t * k),
+        Saved("moe", "combine.expert_out_fp32", FP32 * t * k * h),
+        Saved("moe", "combine.weights", FP32 * t * k),
+    ]
+    if moe.shared_expert_ffn_hidden_size:
+        # The shared expert's input is the norm's output: the router's fp32 input itself in an fp32 run.
+        if a != FP32:
+            items.append(Saved("shared_experts_input", "shared_experts.input", a * t * h))
+        items += _swiglu("shared_experts", "shared_experts", t, moe.shared_expert_ffn_hidden_size / lay.tp, a)
+    return items
+
+
+def layer_items(cfg: ModelConfig, lay: ActivationLayout, *, layer_index: int) -> list[Saved]:
+    """Every storage one micro-batch's forward of decoder layer `layer_index` saves, with no recompute."""
+    a, ts, h = lay.act_bytes, lay.seq_tokens, cfg.hidden_size
+    items = _norm("input_layernorm", "input_layernorm", ts, h, a)
+    items += _attention(cfg, lay)
+    items += _norm("post_attention_layernorm", "post_attention_layernorm", ts, h, a)
+    items += _moe(cfg, lay) if cfg.is_moe_layer(layer_index) else _dense_mlp(cfg, lay)
+    return items
+
+
+@dataclass(frozen=True)
+class RecomputePolicy:
+    """parallel.recompute as the planner reads it. `num_layers` counts per model chunk (Megatron-Core)."""
+
+    granularity: str = "none"
+    modules: tuple[str, ...] = ()
+    method: str = "uniform"
+    num_layers: int = 1
+
+    @classmethod
+    def from_config(cls, rc) -> RecomputePolicy:
+        modules = tuple(rc.modules) if rc.granularity == "selective" else ()
+        return cls(granularity=rc.granularity, modules=modules, method=rc.method, num_layers=rc.num_layers)
+
+
+def _layernorm_recomputed(items: list[Saved], lay: ActivationLayout, h: int) -> list[Saved]:
+    """Both pre-norms are recomputed and their outputs discarded until a consumer's backward (Megatron-Core's
+    checkpoint-without-output): each norm keeps only its input (the residual stream), and the consumers' saved
+    reference to the norm output goes too. The router's fp32 copy is its own storage (in bf16) and stays."""
+    a = lay.act_bytes
+    norm_outputs = {"attn_input", "mlp_input", "shared_experts_input"}
+    kept = [i for i in items if i.region not in ("input_layernorm", "post_attention_layernorm", *norm_outputs)]
+    if a == FP32:  # in fp32 the router's input is the norm output itself
+        kept = [i for i in kept if i.name != "router.input_fp32"]
+    residual = a * lay.seq_tokens * h
+    return [Saved("layernorm", "input_layernorm.input", residual), Saved("layernorm", "post_norm.input", residual),
+            *kept]
+
+
+# The regions each selective recompute module drops (a region absent from a layer drops nothing there).
+DROPPED_REGIONS = {
+    "core_attn": {"core_attn"},
+    "mla_up_proj": {"mla_up_proj"},
+    "mlp": {"mlp"},
+    "moe_act": {"moe_act"},
+    "shared_experts": {"shared_experts"},
+    "moe": {"moe", "moe_act", "shared_experts", "shared_experts_input"},
+    "layernorm": set(),  # `_layernorm_recomputed`
+}
+
+
+def apply_selective(items: list[Saved], modules: tuple[str, ...], cfg: ModelConfig, lay: ActivationLayout):
+    """The items left when the `modules` of selective recompute run again in backward.
+
+    core_attn: SDPA keeps its inputs only (its output and logsumexp go). mla_up_proj: q, k, v come back from the
+    kept latents. mlp / moe / shared_experts: the block keeps its input only (the shared expert's and the dense
+    MLP's input are already items; the MoE block's is added). moe_act: the experts' activation (silu and
+    product) is recomputed from the kept gate/up output. layernorm: see `_layernorm_recomputed`.
+    """
+    drop = set().union(*(DROPPED_REGIONS[m] for m in modules))
+    out = [i for i in items if i.region not in drop]
+    if "moe" in modules and any(i.region == "moe" for i in items):
+        out.append(Saved("moe", "moe.input", lay.act_bytes * lay.moe_tokens * cfg.hidden_size))
+    if "layernorm" in modules:
+        out = _layernorm_recomputed(out, lay, cfg.hidden_size)
+    return out
+
+
+def layer_activation_bytes(
+    cfg: ModelConfig, lay: ActivationLayout, *, layer_index: int, policy: RecomputePolicy = RecomputePolicy()
+) -> float:
+    """Bytes one layer keeps for backward under a selective (or no) policy; full recompute is per chunk
+    (see `chunk_activation_bytes`)."""
+    return _kind_bytes(cfg, lay, cfg.is_moe_layer(layer_index), policy)
+
+
+_KIND_CACHE: dict[tuple, tuple[ModelConfig, float]] = {}
+
+
+def _kind_bytes(cfg: ModelConfig, lay: ActivationLayout, moe_layer: bool, policy: RecomputePolicy) -> float:
+    """Layers of one kind (dense or MoE) save the same: computed once per kind (`plan --search` asks often).
+
+    Keyed by the model section's identity (hashing a pydantic model costs more than the formula); the entry
+    keeps the section alive so that its id cannot be reused by another."""
+    key = (id(cfg), lay, moe_layer, policy)
+    hit = _KIND_CACHE.get(key)
+    if hit is not None and hit[0] is cfg:
+        return hit[1]
+    index = cfg.first_k_dense if moe_layer else 0
+    items = layer_items(cfg, lay, layer_index=index)
+    if policy.granularity == "selective":
+        items = apply_selective(items, policy.modules, cfg, lay)
+    value = sum(i.bytes for i in items)
+    if len(_KIND_CACHE) > 8192:
+        _KIND_CACHE.clear()
+    _KIND_CACHE[key] = (cfg, value)
+    return value
+
+
+def layer_input_bytes(cfg: ModelConfig, lay: ActivationLayout) -> float:
+    """The residual-stream tensor entering a layer: all that full recompute keeps."""
+    return lay.act_bytes * lay.seq_tokens * cfg.hidden_size
+
+
+def chunk_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, chunk, policy: RecomputePolicy):
+    """(bytes kept for backward by one micro-batch's forward of a model chunk (`layout.Chunk`), the transient
+    extra while one recomputed group runs its backward). Full/uniform: groups of num_layers keep only their
+    input; full/block: the first num_layers layers keep their input only, the rest keep everything."""
+    layers = chunk.layers
+    if not layers:
+        return 0.0, 0.0
+    counts = {True: chunk.moe_layers, False: len(layers) - chunk.moe_layers}
+    if policy.granularity != "full":
+        return sum(_kind_bytes(cfg, lay, moe, policy) * n for moe, n in counts.items() if n), 0.0
+    kinds = {moe: _kind_bytes(cfg, lay, moe, RecomputePolicy()) for moe, n in counts.items() if n}
+    full = [kinds[cfg.is_moe_layer(i)] for i in layers]
+    n = policy.num_layers
+    if policy.method == "block":
+        return n * layer_input_bytes(cfg, lay) + sum(full[n:]), max(full[:n])
+    groups = [full[g : g + n] for g in range(0, len(full), n)]
+    return len(groups) * layer_input_bytes(cfg, lay), max(sum(group) for group in groups)
+
+
+def head_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, *, vocab_parallel: bool) -> float:
+    """Final norm, the head's input and the fp32 log-softmax of the loss over the (tp-sharded) vocabulary."""
+    a, ts, h = lay.act_bytes, lay.seq_tokens, cfg.hidden_size
+    vocab = cfg.padded_vocab_size() / lay.tp if vocab_parallel and lay.tp > 1 else cfg.vocab_size
+    norm = FP32 * ts * h + FP32 * ts + a * ts * h
+    return norm + a * ts * h + FP32 * lay.tokens * vocab
+
+
+def mtp_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) -> float:
+    """One MTP module: its two input norms, the 2h->h projection's input, one decoder block of the last
+    layer's kind, its final norm, and its own loss over the vocabulary."""
+    a, ts, h = lay.act_bytes, lay.seq_tokens, cfg.hidden_size
+    norms = 2 * (FP32 * ts * h + FP32 * ts + a * ts * h)
+    block = layer_activation_bytes(cfg, lay, layer_index=cfg.num_layers, policy=policy)
+    if policy.granularity == "full":
+        block = layer_input_bytes(cfg, lay)
+    return norms + a * ts * 2 * h + block + head_activation_bytes(cfg, lay, vocab_parallel=True)
+
+
+def other_activation_bytes(cfg: ModelConfig, lay: ActivationLayout) -> float:
+    """Storages shared by every layer of one forward: the rotary tables (fp32 cos and sin)."""
+    rope_dim = cfg.qk_rope_head_dim if cfg.family == "deepseek_v3" else cfg.attention_head_dim
+    return 2 * FP32 * lay.position_batch * (lay.seq_length / lay.cp) * rope_dim / 2

@@ -1,0 +1,154 @@
+"""The parallel layout the planner reasons about: mesh sizes, what each pipeline rank holds, and which link
+each process group's traffic crosses.
+
+Ranks are numbered as moe_train/parallel/mesh.py numbers them (row-major, last dimension fastest): on the dense
+mesh (pp, dp, cp, tp) tp neighbours are adjacent ranks; on the expert mesh (pp, edp, ep, etp) etp neighbours
+are. A group whose members lie within one NVLink domain (`Hardware.nvlink_domain` consecutive ranks: a node,
+or a whole NVL72 rack) talks over NVLink; otherwise its traffic crosses the network.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from moe_train.config.pp_layout import Stage, even_layout, parse_layout
+from moe_train.config.schema import ModelConfig, Recipe
+
+from .activations import RecomputePolicy
+
+
+@dataclass(frozen=True)
+class PlanLayout:
+    tp: int
+    pp: int
+    vpp: int
+    cp: int
+    dp: int
+    ep: int
+    etp: int
+    edp: int
+    sequence_parallel: bool
+    recompute: RecomputePolicy
+    micro_batch: int
+    global_batch: int
+    seq_length: int
+    pp_schedule: str
+    pp_layout: str | None
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe) -> PlanLayout:
+        p, t = recipe.parallel, recipe.train
+        return cls(
+            tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, dp=recipe.dp, ep=p.ep, etp=p.etp, edp=recipe.edp,
+            sequence_parallel=p.sequence_parallel, recompute=RecomputePolicy.from_config(p.recompute),
+            micro_batch=t.micro_batch_size, global_batch=t.global_batch_size, seq_length=t.seq_length,
+            pp_schedule=p.pp_schedule, pp_layout=p.pp_layout,
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches each data-parallel rank runs per step (gradient accumulation)."""
+        return max(1, self.global_batch // (self.micro_batch * self.dp))
+
+    def stages(self, num_layers: int, mtp_layers: int) -> list[Stage]:
+        """Virtual stages in order (stage s runs on pipeline rank s % pp)."""
+        if self.pp_layout is not None:
+            return list(_parsed(self.pp_layout))
+        return even_layout(num_layers, self.pp * self.vpp, mtp_layers)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One model chunk (virtual stage) of a pipeline rank."""
+
+    virtual_index: int
+    layers: list[int]
+    embedding: bool
+    mtp: int
+    loss: bool
+    moe_layers: int  # how many of `layers` are MoE layers
+
+
+@functools.lru_cache(maxsize=512)
+def _parsed(text: str) -> tuple[Stage, ...]:
+    return tuple(parse_layout(text))
+
+
+def rank_chunks(layout: PlanLayout, cfg: ModelConfig) -> list[list[Chunk]]:
+    """For each pipeline rank, its chunks in virtual order, with the global indices of their decoder layers."""
+    per_rank: list[list[Chunk]] = [[] for _ in range(layout.pp)]
+    first_moe = cfg.first_k_dense if cfg.moe is not None else cfg.num_layers
+    next_layer = 0
+    for index, stage in enumerate(layout.stages(cfg.num_layers, cfg.mtp_layers)):
+        layers = list(range(next_layer, next_layer + stage.layers))
+        moe = max(0, next_layer + stage.layers - max(next_layer, first_moe))
+        next_layer += stage.layers
+        per_rank[index % layout.pp].append(Chunk(index, layers, stage.embedding, stage.mtp, stage.loss, moe))
+    return per_rank
+
+
+def in_flight(layout: PlanLayout, rank: int) -> list[int]:
+    """Micro-batches whose activations one pipeline rank holds at its peak, per chunk.
+
+    1F1B: rank r runs pp - r forwards before its first backward. Interleaved 1F1B (Megatron-Core's warm-up):
+    2 (pp - r - 1) + (vpp - 1) pp + 1 chunk forwards, dealt to the chunks in groups of pp, which is where its
+    memory penalty over 1F1B comes from (chunk 0 holds up to 2pp - 1). gpipe holds every micro-batch.
+    zero_bubble is counted as interleaved. Never more than the step's micro-batches.
+    """
+    m, pp, vpp = layout.micro_batches, layout.pp, layout.vpp
+    if pp == 1:
+        return [1] * vpp
+    if layout.pp_schedule == "gpipe":
+        return [m] * vpp
+    if vpp == 1:
+        return [min(pp - rank, m)]
+    warmup = 2 * (pp - rank - 1) + (vpp - 1) * pp + 1
+    counts = [0] * vpp
+    for k in range(min(warmup, m * vpp)):
+        counts[(k // pp) % vpp] += 1
+    return [min(c, m) for c in counts]
+
+
+# ---------------------------------------------------------------------------------------------- links
+
+DENSE_DIMS = ("pp", "dp", "cp", "tp")
+EXPERT_DIMS = ("pp", "edp", "ep", "etp")
+
+
+@functools.lru_cache(maxsize=4096)
+def group_span(layout: PlanLayout, group: str) -> tuple[int, int]:
+    """(size, span in consecutive ranks) of a group named as measure names it (`dp`, `ep`, `dp_cp`, ...)."""
+    sizes = {"pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "tp": layout.tp,
+             "edp": layout.edp, "ep": layout.ep, "etp": layout.etp}
+    dims = group.split("_")
+    order = EXPERT_DIMS if any(d in ("edp", "ep", "etp") for d in dims) else DENSE_DIMS
+    stride = {}
+    running = 1
+    for dim in reversed(order):
+        stride[dim] = running
+        running *= sizes[dim]
+    size = 1
+    span = 1
+    for dim in dims:
+        size *= sizes[dim]
+        span = max(span, stride[dim] * sizes[dim])
+    return size, span
+
+
+def crosses_network(layout: PlanLayout, group: str, *, nvlink_domain: int) -> bool:
+    size, span = group_span(layout, group)
+    return size > 1 and span > nvlink_domain
+
+
+def ranks_within_domain(layout: PlanLayout, group: str, *, nvlink_domain: int) -> int:
+    """How many members of a group share one NVLink domain with a given member."""
+    size, span = group_span(layout, group)
+    if span <= nvlink_domain:
+        return size
+    stride = span // size
+    return max(1, min(size, nvlink_domain // max(stride, 1)))

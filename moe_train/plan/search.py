@@ -1,0 +1,143 @@
+"""`plan --search`: every valid layout of a recipe for its GPU count, those that fit ranked by throughput.
+
+Searched: tp (dividing the GPUs per node: TP stays on NVLink), pp (dividing the GPUs, up to 16, with a
+generated layout string where layers do not split evenly), vpp (1, 2), ep (dividing the experts), etp (1, and
+2 where ep x etp stays within a node; Megatron-Core recommends 1), the recompute policy (full, none, selective
+over the family's heavy modules, the recipe's own) and the micro-batch size (1, 2). Each candidate goes
+through the recipe rules (`check_recipe`) as `--set` overrides would, so every listed layout is one `validate`
+accepts.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from moe_train.config.hardware import Hardware
+from moe_train.config.rules import check_recipe
+from moe_train.config.schema import Recipe, RecomputeConfig
+
+from .assumptions import Assumptions
+from .estimate import Plan, estimate
+
+
+@dataclass(frozen=True)
+class Candidate:
+    overrides: dict
+    plan: Plan
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def generated_layout(num_layers: int, stages: int, mtp: int) -> str:
+    """A Megatron layout string spreading `num_layers` over `stages` as evenly as possible: the first stage
+    (which also holds the embedding) and the last (MTP and loss) take the fewer layers."""
+    base, extra = divmod(num_layers, stages)
+    counts = [base] * stages
+    middle = list(range(1, stages - 1)) or list(range(stages))
+    for i in range(extra):
+        counts[middle[i % len(middle)]] += 1
+    parts = []
+    for i, count in enumerate(counts):
+        text = ("E" if i == 0 else "") + "t" * count + ("m" * mtp + "L" if i == stages - 1 else "")
+        parts.append(text)
+    return "|".join(parts)
+
+
+def _recompute_options(recipe: Recipe) -> list[dict]:
+    """Recompute policies tried, each valid for the family by construction: full first, then none, then the
+    selective ones (the recipe's own, and the family's heavy modules)."""
+    m = recipe.model
+    heavy = ["layernorm"]
+    if m.family == "deepseek_v3":
+        heavy.insert(0, "mla_up_proj")
+    if m.moe is not None:
+        heavy.append("moe_act")
+    if m.moe is None or m.first_k_dense:
+        heavy.append("mlp")
+    options = [{"granularity": "full", "modules": ["core_attn"], "method": "uniform", "num_layers": 1},
+               {"granularity": "none", "modules": ["core_attn"]},
+               {"granularity": "selective", "modules": heavy}]
+    own = recipe.parallel.recompute
+    if own.granularity == "selective" and set(own.modules) != set(heavy):
+        options.append({"granularity": "selective", "modules": list(own.modules)})
+    return options
+
+
+def layouts(recipe: Recipe) -> list[dict]:
+    """Override sets (dotted path -> value) of the layouts considered, before the rules and without the
+    recompute policy (`_recompute_options` adds it)."""
+    m, launch = recipe.model, recipe.launch
+    world = recipe.world_size
+    tps = [t for t in _divisors(launch.gpus_per_node) if t <= 8]
+    pps = [p for p in _divisors(world) if p <= 16]
+    eps = _divisors(m.moe.num_experts) if m.moe else [1]
+    out = []
+    etps = (1, 2) if m.moe else (1,)
+    for tp, pp, vpp, ep, etp, mbs in itertools.product(tps, pps, (1, 2), eps, etps, (1, 2)):
+        if vpp > 1 and pp == 1:
+            continue
+        if world % (tp * pp):
+            continue
+        dp = world // (tp * pp)
+        if (dp * tp) % (ep * etp) or (etp > 1 and ep * etp > launch.gpus_per_node):
+            continue  # expert TP only where its group stays inside a node, as tp does
+        stages = pp * vpp
+        if m.num_layers < stages:
+            continue
+        layout = None if m.num_layers % stages == 0 else generated_layout(m.num_layers, stages, m.mtp_layers)
+        out.append({
+            "parallel.tp": tp, "parallel.pp": pp, "parallel.vpp": vpp,
+            "parallel.pp_schedule": "interleaved_1f1b" if vpp > 1 else "1f1b", "parallel.pp_layout": layout,
+            "parallel.ep": ep, "parallel.etp": etp, "parallel.dp": None, "parallel.cp": 1,
+            "parallel.sequence_parallel": tp > 1, "train.micro_batch_size": mbs,
+        })
+    return out
+
+
+def _apply(recipe: Recipe, overrides: dict) -> Recipe:
+    """The recipe with the overrides (all schema-valid by construction), without a full re-validation."""
+    sections: dict[str, dict] = {}
+    for path, value in overrides.items():
+        section, key = path.split(".")
+        sections.setdefault(section, {})[key] = value
+    parallel = dict(sections["parallel"])  # every override here is a parallel.* or train.* field
+    parallel["recompute"] = RecomputeConfig(**parallel["recompute"])
+    return recipe.model_copy(update={
+        "parallel": recipe.parallel.model_copy(update=parallel),
+        "train": recipe.train.model_copy(update=sections["train"]),
+    })
+
+
+def search(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None = None, *,
+           top: int = 5) -> tuple[list[Candidate], int, int]:
+    """(the best `top` fitting layouts by tokens/s, layouts valid, layouts valid and fitting).
+
+    Per layout, full recompute is planned first: when even it does not fit, no policy does. Then no
+    recompute: when it fits, the selective policies fit too and are slower (recompute only adds work), so they
+    are counted without being planned."""
+    fitting: list[Candidate] = []
+    valid = fits = 0
+    options = _recompute_options(recipe)
+    for base in layouts(recipe):
+        first = _apply(recipe, {**base, "parallel.recompute": options[0]})
+        if check_recipe(first, check_files=False):
+            continue
+        valid += len(options)
+        for index, rc in enumerate(options):
+            overrides = {**base, "parallel.recompute": rc}
+            candidate = first if index == 0 else _apply(recipe, overrides)
+            plan = estimate(candidate, hardware, assumptions, every_rank=False)
+            if not plan.fits:
+                if index == 0:
+                    break
+                continue
+            fits += 1
+            fitting.append(Candidate(overrides, plan))
+            if rc["granularity"] == "none":
+                fits += len(options) - index - 1
+                break
+    fitting.sort(key=lambda c: -c.plan.tokens_per_s)
+    return fitting[:top], valid, fits

@@ -1,0 +1,177 @@
+"""FSDP2 data parallelism against the single-process run of the same recipe, parameter by parameter.
+
+Each layout trains on real gloo ranks (tests/workers/train_layouts.py, several cases per job); the reference
+trains the same recipe in this process at world size 1. Compared: the loss of every step (relative 1e-5), every
+gradient of step 1 and every parameter and buffer (the expert bias included) after the last step (rtol 1e-4,
+atol 1e-6), the expert balance figures of every step, and the initial weights bit for bit (sharded
+initialisation draws each rank's shard, and each expert, by name).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from multirank import run_ranks
+from workers.record import record_run
+
+from moe_train.config import load_recipe
+from moe_train.models import build_model
+
+# Adam normalises each element's step: for a gradient element g near zero the step's sensitivity to g is about
+# lr / (4 * eps), so the rounding difference of another reduction order (a reduce-scatter of partial sums, not one
+# sum), ~1e-10 on a rare token's embedding row, became a 2e-6 step difference with eps 1e-8 (one element in 49k).
+# eps 1e-6 keeps that sensitivity 100x lower; every other element agrees to ~1e-8 either way.
+SHRINK = ["model.num_layers=2", "train.seq_length=32", "train.global_batch_size=8", "train.warmup_steps=1",
+          "train.lr=1e-3", "train.min_lr=1e-4", "train.adam_eps=1e-6", "train.eval_interval=null",
+          "checkpoint.interval=null", "logging.interval=1"]
+STEPS = 3
+
+FP32 = {
+    "qwen3-tiny": ["train.micro_batch_size=2", "train.precision=fp32"],
+    "qwen3-moe-tiny": ["train.micro_batch_size=1", "train.precision=fp32"],  # 4 (DP2) or 2 (DP4) micro-batches
+    "deepseek-v3-tiny": ["train.micro_batch_size=2", "train.precision=fp32"],  # MTP, expert bias, dense layer
+}
+BF16 = ["train.micro_batch_size=2", "train.precision=bf16"]
+# bf16 compute differs between layouts only through the order of fp32 reductions and per-rank batch shapes
+# (parameters stay fp32, gradients are reduced in fp32): losses within 1e-3, parameters within 1e-3 + 1e-2 rel.
+BF16_TOLERANCE = {"loss": 1e-3, "rtol": 1e-2, "atol": 1e-3}
+
+
+def case(case_id: str, recipe: str, overrides: list[str], **extra) -> dict:
+    return {"id": case_id, "recipe": recipe, "overrides": [*SHRINK, *overrides], "steps": STEPS, **extra}
+
+
+def reference(tmp_path: Path, recipe: str, overrides: list[str]) -> dict:
+    return record_run(recipe, [*SHRINK, *overrides], world=1, run_dir=tmp_path / f"ref-{recipe}", steps=STEPS)
+
+
+def assert_same_run(got: dict, want: dict, *, loss: float = 1e-5, rtol: float = 1e-4, atol: float = 1e-6) -> None:
+    assert got["losses"] == pytest.approx(want["losses"], rel=loss)
+    assert set(got["grads"]) == set(want["grads"])
+    for name, grad in want["grads"].items():
+        torch.testing.assert_close(got["grads"][name], grad, rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"gradient of {name}: {m}")
+    assert set(got["state"]) == set(want["state"])
+    for name, value in want["state"].items():
+        torch.testing.assert_close(got["state"][name], value, rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"{name} after {STEPS} steps: {m}")
+    for got_step, want_step in zip(got["moe"], want["moe"], strict=True):
+        if want_step is not None:  # the same routing: the same load figures, layer by layer
+            assert got_step.keys() == want_step.keys()
+            for layer, figures in want_step.items():
+                assert got_step[layer] == pytest.approx(figures, rel=1e-6), layer
+
+
+def test_fsdp2_dp2_equals_single_process(tmp_path: Path) -> None:
+    cases = [case(f"fp32-{name}", name, overrides) for name, overrides in FP32.items()]
+    cases.append(case("bf16-qwen3-moe-tiny", "qwen3-moe-tiny", BF16))
+    cases.append(case("resume-qwen3-moe-tiny", "qwen3-moe-tiny", FP32["qwen3-moe-tiny"], steps=4, stop_at=2))
+    cases.append(case("straight-qwen3-moe-tiny", "qwen3-moe-tiny", FP32["qwen3-moe-tiny"], steps=4))
+    saved = run_ranks("train_layouts", 2, {"cases": cases, "run_root": str(tmp_path / "dp2")}, tmp_path,
+                      timeout=300)
+    records = {key: torch.load(path, weights_only=True) for key, path in saved.items()}
+    for name, overrides in FP32.items():
+        want = reference(tmp_path, name, overrides)
+        assert_same_run(records[f"fp32-{name}"], want)
+        # Sharded initialisation equals the eager, unsharded build, bit for bit (one rank and two).
+        plain = build_model(load_recipe(name, [*SHRINK, *overrides]).model, seed=1234).state_dict()
+        for label, source in (("one rank", want), ("two ranks", records[f"fp32-{name}"])):
+            for key, value in plain.items():
+                assert torch.equal(source["initial"][key], value), f"{name} at {label}: {key}"
+    want = reference(tmp_path / "bf16", "qwen3-moe-tiny", BF16)
+    assert_same_run(records["bf16-qwen3-moe-tiny"], want, **BF16_TOLERANCE)
+
+    # Stop at step 2 and resume under FSDP2 at DP=2: bitwise the uninterrupted run, losses and state.
+    resumed, straight = records["resume-qwen3-moe-tiny"], records["straight-qwen3-moe-tiny"]
+    assert resumed["started"] == 2
+    for key, value in straight["state"].items():
+        assert torch.equal(resumed["state"][key], value), key
+    logged = [json.loads(line) for line in (tmp_path / "dp2" / "resume-qwen3-moe-tiny" / "metrics.jsonl").open()]
+    resumed_losses = [r["loss"] for r in logged if r["kind"] == "train"]
+    assert resumed_losses == straight["losses"]
+
+
+def test_fsdp2_dp4_equals_single_process(tmp_path: Path) -> None:
+    names = ("qwen3-tiny", "qwen3-moe-tiny")
+    cases = [case(f"fp32-{name}", name, FP32[name]) for name in names]
+    saved = run_ranks("train_layouts", 4, {"cases": cases, "run_root": str(tmp_path / "dp4")}, tmp_path,
+                      timeout=300)
+    for name in names:
+        assert_same_run(torch.load(saved[f"fp32-{name}"], weights_only=True), reference(tmp_path, name, FP32[name]))
+
+
+def test_global_aux_loss_counts_loads_over_the_data_parallel_group(tmp_path: Path) -> None:
+    """global_aux_loss on 2 ranks x 2 micro-batches: each rank's loss at micro-batch m uses the loads of every
+    rank's micro-batches 0..m (Megatron-Core's definition), recomputed here in fp64 from the gathered routing and
+    router inputs; the recorded values and the attached router gradients (last MoE layer: nothing downstream
+    adds to it) match it, and differ from a count over this rank's tokens alone."""
+    result = run_ranks("global_aux", 2, {"micro_batches": 2}, tmp_path, timeout=120)
+    ranks = result["ranks"]
+    coeff, experts = 0.1, 8
+
+    def counts(r: int, micro: int, layer: int) -> torch.Tensor:
+        indices = torch.tensor(ranks[r]["indices"][layer][micro])
+        return torch.bincount(indices.flatten(), minlength=experts).double()
+
+    for rank, record in enumerate(ranks):
+        for m in range(2):
+            for layer in range(2):
+                union = sum(counts(r, k, layer) for r in range(2) for k in range(m + 1))
+                rows = sum(len(ranks[r]["indices"][layer][k]) for r in range(2) for k in range(m + 1))
+                weight = torch.tensor(record["weights"][layer], dtype=torch.float64, requires_grad=True)
+                inputs = torch.tensor(record["inputs"][layer][m], dtype=torch.float64)
+                scores = (inputs @ weight.T).softmax(-1)
+                loss = coeff * experts * (union / rows * scores.mean(0)).sum()
+                assert record["values"][m][layer] == pytest.approx(loss.item(), rel=1e-5)
+                local = coeff * experts * (counts(rank, m, layer) / scores.shape[0] * scores.mean(0)).sum()
+                assert abs(local.item() - loss.item()) > 1e-6  # the group's loads, not this rank's alone
+                got = torch.tensor(record["grads"][m][layer], dtype=torch.float64)
+                if layer == 1:
+                    (want,) = torch.autograd.grad(loss, weight)
+                    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())  # fp32
+                else:
+                    assert got.abs().sum() > 0
+
+
+# ------------------------------------------------------------------------------------------ expert parallelism
+
+EP_MOE = ["train.micro_batch_size=1", "train.precision=fp32"]  # micro-batch accumulation on every rank
+
+
+def test_expert_parallel_layouts_equal_single_process(tmp_path: Path) -> None:
+    """EP=2 on 2 ranks (edp 1), both dispatchers, qwen3-moe-tiny and deepseek-v3-tiny (expert bias, shared
+    expert, MTP's MoE block): the single process's losses, gradients (expert stacks gathered whole), parameters
+    and expert bias after three steps."""
+    cases = [
+        case("ep2-alltoall-qwen3-moe-tiny", "qwen3-moe-tiny", [*EP_MOE, "parallel.ep=2"]),
+        case("ep2-allgather-qwen3-moe-tiny", "qwen3-moe-tiny",
+             [*EP_MOE, "parallel.ep=2", "model.moe.dispatcher=allgather"]),
+        case("ep2-alltoall-deepseek-v3-tiny", "deepseek-v3-tiny", ["train.micro_batch_size=2", "train.precision=fp32",
+                                                                    "parallel.ep=2"]),
+    ]
+    saved = run_ranks("train_layouts", 2, {"cases": cases, "run_root": str(tmp_path / "ep2")}, tmp_path, timeout=300)
+    qwen = reference(tmp_path, "qwen3-moe-tiny", EP_MOE)
+    assert_same_run(torch.load(saved["ep2-alltoall-qwen3-moe-tiny"], weights_only=True), qwen)
+    assert_same_run(torch.load(saved["ep2-allgather-qwen3-moe-tiny"], weights_only=True), qwen)
+    deepseek = reference(tmp_path, "deepseek-v3-tiny", ["train.micro_batch_size=2", "train.precision=fp32"])
+    assert_same_run(torch.load(saved["ep2-alltoall-deepseek-v3-tiny"], weights_only=True), deepseek)
+
+
+def test_expert_parallel_on_four_ranks_equals_single_process(tmp_path: Path) -> None:
+    """EP equal to the world size (edp 1: the reported FSDP2 divide-factor trap), dense DP4 with experts
+    EP2 x EDP2 (FSDP2 over edp on top of the expert shards), and expert tensor parallelism: EP2 x ETP2 and
+    ETP2 x EDP2 (each expert's FFN split over two ranks, partial outputs summed by the allgather dispatcher)."""
+    allgather = "model.moe.dispatcher=allgather"
+    cases = [
+        case("ep4-qwen3-moe-tiny", "qwen3-moe-tiny", [*EP_MOE, "parallel.ep=4"]),
+        case("ep2-edp2-qwen3-moe-tiny", "qwen3-moe-tiny", [*EP_MOE, "parallel.ep=2", allgather]),
+        case("ep2-etp2-qwen3-moe-tiny", "qwen3-moe-tiny", [*EP_MOE, "parallel.ep=2", "parallel.etp=2", allgather]),
+        case("etp2-edp2-qwen3-moe-tiny", "qwen3-moe-tiny", [*EP_MOE, "parallel.etp=2", allgather]),
+    ]
+    saved = run_ranks("train_layouts", 4, {"cases": cases, "run_root": str(tmp_path / "ep4")}, tmp_path, timeout=300)
+    qwen = reference(tmp_path, "qwen3-moe-tiny", EP_MOE)
+    for key in saved:
+        assert_same_run(torch.load(saved[key], weights_only=True), qwen)
