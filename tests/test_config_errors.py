@@ -205,7 +205,8 @@ ALL_AT_ONCE = [
     ),
     (["launch.gpus_per_node=7", "parallel.tp=2"], ["launch.gpus_per_node: world size 7"]),
     (
-        ["launch.gpus_per_node=7", "parallel.tp=2", "parallel.ep=3", "parallel.etp=5", "model.moe.dispatcher=allgather"],
+        ["launch.gpus_per_node=7", "parallel.tp=2", "parallel.ep=3", "parallel.etp=5",
+         "model.moe.dispatcher=allgather"],
         ["launch.gpus_per_node: world size 7", "parallel.ep: 3 must divide model.moe.num_experts 8",
          "parallel.etp: 5 must divide model.moe.ffn_hidden_size 96"],
     ),
