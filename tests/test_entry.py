@@ -19,8 +19,6 @@ from moe_train.launch.rundir import prepare_run_dir
 from moe_train.parallel.mesh import MeshShape
 
 REPO = Path(__file__).resolve().parents[1]
-# qwen3-moe-tiny's micro-batch of 8 fits dp <= 2 in its global batch of 16; four data-parallel ranks take 4 each.
-DP4_BATCH = ["train.micro_batch_size=4"]
 ROW = re.compile(r"^\s+(\d+)\s+(\S+)\s+(\d+)\s+(pp \d+ dp \d+ cp \d+ tp \d+ \| edp \d+ ep \d+ etp \d+)$", re.M)
 RANK_LINE = re.compile(r"rank (\d+)/(\d+) on \S+: local rank (\d+): (pp .*? etp \d+); (\d+) all-reduces ok")
 
@@ -74,7 +72,7 @@ def test_preflight_four_ranks_folds_experts_across_tp_and_dp(tmp_path):
 
 
 def test_world_size_mismatch_fails_fast_on_every_rank(tmp_path):
-    recipe = load_recipe("qwen3-moe-tiny", [f"run_dir={tmp_path / 'r'}", "launch.gpus_per_node=4", *DP4_BATCH])
+    recipe = load_recipe("qwen3-moe-tiny", [f"run_dir={tmp_path / 'r'}", "launch.gpus_per_node=4"])
     result, elapsed = torchrun(recipe, prepare_run_dir(recipe), nproc=2)
     assert result.returncode != 0
     failures = re.findall(r"rank (\d)/2 on \S+: world size 2 from the launcher does not match the recipe's "
@@ -123,7 +121,7 @@ def test_invalid_recipe_file_exits_2(tmp_path):
     ],
 )
 def test_launcher_problems(environ, fragment):
-    recipe = load_recipe("qwen3-moe-tiny", ["launch.gpus_per_node=4", *DP4_BATCH])
+    recipe = load_recipe("qwen3-moe-tiny", ["launch.gpus_per_node=4"])
     assert launcher_problems(recipe, LauncherEnv({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"})) == []
     problems = launcher_problems(recipe, LauncherEnv(environ))
     assert any(fragment in p for p in problems), problems

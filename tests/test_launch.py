@@ -88,7 +88,6 @@ def test_cluster_profile_by_name_supplies_defaults_that_the_recipe_overrides(tmp
     monkeypatch.setenv("MOE_TRAIN_CLUSTERS", str(clusters))
     # The built-in sets launch.device and gpu itself (they would win over the profile): leave its launch out.
     data = yaml.safe_load((REPO / "recipes" / "qwen3-moe-tiny.yaml").read_text())
-    data["train"]["micro_batch_size"] = 2  # ep 8 on 8 ranks: dp 8 takes 2 of the 16 sequences each
     data.update(run_dir=str(tmp_path / "run"),
                 launch={"cluster": "big", "env": {"A": "recipe"}, "slurm": {"account": "mine"}})
     recipe_file = write_recipe(tmp_path / "r.yaml", data)
