@@ -9,8 +9,9 @@ from typing import Annotated
 
 import typer
 
+from moe_train.atomic import write_atomic
 from moe_train.launch.render import DEFAULT_RDZV_PORT, render_torchrun
-from moe_train.launch.rundir import prepare_run_dir, write_atomic
+from moe_train.launch.rundir import prepare_run_dir
 from moe_train.launch.shell import LaunchError
 from moe_train.launch.submit import write_job
 

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from cli_helpers import assert_bad_input, run_cli
 
+from moe_train.config import load_recipe
+
 
 def write(tmp_path: Path, text: str, name: str = "recipe.yaml") -> str:
     path = tmp_path / name
@@ -201,6 +203,69 @@ def test_cross_field_rule(recipe, sets, expected):
     assert_bad_input(result, expected)
     for line in result.stderr.splitlines():  # each problem starts at a file position or at the override
         assert re.match(r"error: ([a-z0-9-]+ \(built-in\):\d+:\d+|--set [^:]+): ", line), line
+
+
+# Layouts wrong in several ways at once: every problem is reported, and none is made up from a dp that a world size
+# which does not divide cannot define (floor division gave dp 3 for 7 ranks at tp 2, then a batch "problem").
+ALL_AT_ONCE = [
+    (
+        ["launch.gpus_per_node=7", "parallel.tp=3"],
+        ["launch.gpus_per_node: world size 7", "parallel.tp: 3 must divide model.num_attention_heads 8",
+         "parallel.tp: 3 must divide model.num_query_groups 4"],
+    ),
+    (["launch.gpus_per_node=7", "parallel.tp=2"], ["launch.gpus_per_node: world size 7"]),
+    (
+        ["launch.gpus_per_node=7", "parallel.tp=2", "parallel.ep=3", "parallel.etp=5",
+         "model.moe.dispatcher=allgather"],
+        ["launch.gpus_per_node: world size 7", "parallel.ep: 3 must divide model.moe.num_experts 8",
+         "parallel.etp: 5 must divide model.moe.ffn_hidden_size 96"],
+    ),
+    (
+        ["launch.gpus_per_node=4", "parallel.dp=2", "parallel.tp=3"],
+        ["parallel.dp: pp*dp*cp*tp = 6 but the world size is 4", "parallel.tp: 3 must divide model.num_attention_heads",
+         "parallel.tp: 3 must divide model.num_query_groups"],
+    ),
+    (  # a dp the user wrote is theirs: its batch consequence is a real problem, reported with the world size
+        ["launch.gpus_per_node=4", "parallel.dp=3", "parallel.pp=3"],
+        ["parallel.dp: pp*dp*cp*tp = 9 but the world size is 4", "parallel.pp_layout: num_layers 8 does not split",
+         "train.global_batch_size: 16 must be divisible by micro_batch_size * dp = 2 * 3"],
+    ),
+    (
+        ["launch.gpus_per_node=6", "parallel.tp=2", "parallel.ep=2", "parallel.etp=2",
+         "model.moe.dispatcher=allgather"],
+        ["parallel.ep: the expert mesh must fold onto the dense one: dp*cp*tp = 6",
+         "train.global_batch_size: 16 must be divisible by micro_batch_size * dp = 2 * 3"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("sets", "expected"), ALL_AT_ONCE, ids=[" ".join(case[0]) for case in ALL_AT_ONCE])
+def test_layout_problems_are_all_reported_and_none_is_spurious(sets, expected):
+    # Micro-batches of 2, so the batch messages do not depend on the recipe's own micro_batch_size.
+    sets = ["train.micro_batch_size=2", *sets]
+    result = run_cli("validate", "qwen3-moe-tiny", *[arg for item in sets for arg in ("--set", item)])
+    assert_bad_input(result, *expected)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == len(expected), lines
+
+
+def test_derived_sizes_are_undefined_rather_than_guessed():
+    recipe = load_recipe("qwen3-moe-tiny")
+    assert (recipe.layout_dp(), recipe.layout_edp(), recipe.dp, recipe.edp) == (1, 1, 1, 1)
+    odd = recipe.model_copy(update={
+        "launch": recipe.launch.model_copy(update={"gpus_per_node": 7}),
+        "parallel": recipe.parallel.model_copy(update={"tp": 2}),
+    })
+    assert (odd.layout_dp(), odd.layout_edp()) == (None, None)
+    with pytest.raises(ValueError, match="world size 7 is not divisible by pp\\*cp\\*tp = 2"):
+        _ = odd.dp
+    unfolded = recipe.model_copy(update={
+        "launch": recipe.launch.model_copy(update={"gpus_per_node": 6}),
+        "parallel": recipe.parallel.model_copy(update={"ep": 4}),
+    })
+    assert (unfolded.layout_dp(), unfolded.layout_edp()) == (6, None)
+    with pytest.raises(ValueError, match="dp\\*cp\\*tp = 6 is not divisible by ep\\*etp = 4"):
+        _ = unfolded.edp
 
 
 def test_rule_position_points_into_the_file(tmp_path):

@@ -17,7 +17,8 @@ import yaml
 from cli_helpers import assert_bad_input, run_cli
 
 from moe_train.config import RecipeError, load_recipe
-from moe_train.launch.cluster import ClusterProfileError, apply_cluster_profile
+from moe_train.config.cluster import ClusterProfileError
+from moe_train.config.loader import apply_cluster_profile
 from moe_train.launch.render import render_array, render_sbatch, render_torchrun, sbatch_directives, torchrun_argv
 from moe_train.launch.rundir import prepare_run_dir, read_run_recipe
 from moe_train.launch.runs import collect, format_runs

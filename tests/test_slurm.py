@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture)
 
+from moe_train.atomic import write_atomic
 from moe_train.config import load_recipe
 from moe_train.launch.render import render_sbatch
-from moe_train.launch.rundir import prepare_run_dir, write_atomic
+from moe_train.launch.rundir import prepare_run_dir
 from moe_train.launch.submit import record_submission
 
 REPO = Path(__file__).resolve().parents[1]

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
+from moe_train.atomic import atomic_path, write_atomic
 from moe_train.config.schema import ModelConfig, MoEConfig, RopeConfig, RouterConfig, YarnScaling
 from moe_train.models import build_model
 
@@ -310,30 +310,20 @@ def export_hf(
     for file_name, shard in zip(names, shards, strict=True):
         # Own copies: safetensors refuses tensors that share storage (the experts of one stacked weight).
         data = {name: tensors[name].detach().to("cpu", copy=True).contiguous() for name in shard}
-        _write_atomically(out_dir / file_name, lambda path, data=data: save_file(data, path, metadata={"format": "pt"}))
+        with atomic_path(out_dir / file_name) as tmp:
+            save_file(data, tmp, metadata={"format": "pt"})
     index_path = out_dir / "model.safetensors.index.json"
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
             "weight_map": {name: file_name for file_name, shard in zip(names, shards, strict=True) for name in shard},
         }
-        _write_atomically(index_path, lambda path: Path(path).write_text(json.dumps(index, indent=2)))
+        write_atomic(index_path, json.dumps(index, indent=2))
     written = set(names) | ({index_path.name} if len(shards) > 1 else set())
     for stale in [*out_dir.glob("model-*-of-*.safetensors"), out_dir / "model.safetensors", index_path]:
         if stale.exists() and stale.name not in written:
             stale.unlink()
-    _write_atomically(out_dir / "config.json", lambda path: Path(path).write_text(json.dumps(hf_config, indent=2)))
-
-
-def _write_atomically(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_atomic(out_dir / "config.json", json.dumps(hf_config, indent=2))
 
 
 def _plan_shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:

@@ -17,6 +17,8 @@ import os
 import shutil
 from pathlib import Path
 
+from moe_train.atomic import write_atomic
+
 LATEST = "latest"
 _PREFIX = "step-"
 _TMP_PREFIX = ".tmp-"
@@ -50,15 +52,6 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     return path if is_complete(path) else None
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f"{_TMP_PREFIX}{path.name}")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _complete_steps(ckpt_dir: Path) -> list[Path]:
     """Every complete `step-*` folder, oldest first (the names sort by step)."""
     return sorted(p for p in ckpt_dir.glob(f"{_PREFIX}*") if p.is_dir() and is_complete(p))
@@ -90,12 +83,12 @@ def publish(tmp: Path, *, step: int) -> Path:
         if latest_checkpoint(ckpt_dir) == final:
             earlier = [p for p in _complete_steps(ckpt_dir) if p.name < final.name]
             if earlier:
-                _write_atomically(ckpt_dir / LATEST, earlier[-1].name + "\n")
+                write_atomic(ckpt_dir / LATEST, earlier[-1].name + "\n")
             else:
                 (ckpt_dir / LATEST).unlink()
         _remove(final)
     os.replace(tmp, final)
-    _write_atomically(ckpt_dir / LATEST, final.name + "\n")
+    write_atomic(ckpt_dir / LATEST, final.name + "\n")
     return final
 
 

@@ -18,6 +18,7 @@ from typing import Any, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from .cluster import ClusterProfileError, cluster_profile
 from .schema import Recipe
 from .yaml_source import Origin, Path_, SourceError, load_value, read_yaml_mapping
 
@@ -74,6 +75,21 @@ def deep_merge(base: dict, override: dict) -> dict:
         else:
             merged[key] = copy.deepcopy(value)
     return merged
+
+
+def apply_cluster_profile(raw_launch: dict, base_dir: Path) -> dict:
+    """The recipe's raw `launch` mapping with the defaults of its `cluster` profile filled in.
+
+    The result has no `cluster` key: the resolved recipe written into a run directory carries the merged values
+    themselves, so the ranks never look for a profile file (compute nodes may not see ~/.config). Replacement
+    rather than concatenation for lists (setup, extra_sbatch) keeps this idempotent and lets a recipe drop a
+    profile's line. Raises ClusterProfileError (a ValueError) with a one-line message.
+    """
+    launch = dict(raw_launch)
+    reference = launch.pop("cluster", None)
+    if reference is None:
+        return launch
+    return deep_merge(cluster_profile(reference, base_dir), launch)
 
 
 def _read_with_parents(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict[Path_, Origin]]:
@@ -245,8 +261,6 @@ def load_recipe(path_or_name: str | Path, overrides: Iterable[str] = (), *, chec
 
     launch = data.get("launch")
     if isinstance(launch, dict) and isinstance(launch.get("cluster"), str):
-        from moe_train.launch.cluster import ClusterProfileError, apply_cluster_profile
-
         try:
             data["launch"] = apply_cluster_profile(launch, path.parent)
         except ClusterProfileError as error:

@@ -124,29 +124,27 @@ def _moe(r: Recipe) -> list[Problem]:
 def _layout(r: Recipe) -> list[Problem]:
     p, m, launch, out = r.parallel, r.model, r.launch, []
     dense = p.pp * p.cp * p.tp
-    if p.dp is None:
-        if r.world_size % dense:
-            out.append(
-                _p("launch.gpus_per_node", f"world size {r.world_size} (nodes {launch.nodes} x gpus_per_node "
-                   f"{launch.gpus_per_node}) is not divisible by pp*cp*tp = {dense}")
-            )
-            return out
-    elif dense * p.dp != r.world_size:
+    if p.dp is None and r.world_size % dense:
+        out.append(
+            _p("launch.gpus_per_node", f"world size {r.world_size} (nodes {launch.nodes} x gpus_per_node "
+               f"{launch.gpus_per_node}) is not divisible by pp*cp*tp = {dense}")
+        )
+    elif p.dp is not None and dense * p.dp != r.world_size:
         out.append(
             _p("parallel.dp", f"pp*dp*cp*tp = {dense * p.dp} but the world size is {r.world_size} (nodes "
                f"{launch.nodes} x gpus_per_node {launch.gpus_per_node})")
         )
-        return out
-    folded = r.dp * p.cp * p.tp
+    # The rules below hold whatever the world size; only the fold onto the dense mesh needs dp.
+    dp = r.layout_dp()
     if m.moe is None:
         for field in ("ep", "etp"):
             if getattr(p, field) > 1:
                 out.append(_p(f"parallel.{field}", "expert parallelism needs a MoE model (model.moe)"))
     else:
-        if folded % (p.ep * p.etp):
+        if dp is not None and (dp * p.cp * p.tp) % (p.ep * p.etp):
             out.append(
-                _p("parallel.ep", f"the expert mesh must fold onto the dense one: dp*cp*tp = {folded} is not "
-                   f"divisible by ep*etp = {p.ep * p.etp}")
+                _p("parallel.ep", f"the expert mesh must fold onto the dense one: dp*cp*tp = {dp * p.cp * p.tp} is "
+                   f"not divisible by ep*etp = {p.ep * p.etp}")
             )
         if m.moe.num_experts % p.ep:
             out.append(_p("parallel.ep", f"{p.ep} must divide model.moe.num_experts {m.moe.num_experts}"))
@@ -232,12 +230,14 @@ def _recompute(r: Recipe) -> list[Problem]:
 
 
 def _batch(r: Recipe) -> list[Problem]:
-    t, p, out = r.train, r.parallel, []
-    per_step = t.micro_batch_size * r.dp
+    t, p, out, dp = r.train, r.parallel, [], r.layout_dp()
+    if dp is None:  # the world size does not divide (reported by _layout): no dp to check the batch against
+        return out
+    per_step = t.micro_batch_size * dp
     if t.global_batch_size % per_step:
         out.append(
             _p("train.global_batch_size", f"{t.global_batch_size} must be divisible by micro_batch_size * dp = "
-               f"{t.micro_batch_size} * {r.dp}")
+               f"{t.micro_batch_size} * {dp}")
         )
     elif p.pp_schedule == "interleaved_1f1b" and p.pp > 1 and (t.global_batch_size // per_step) % p.pp:
         out.append(

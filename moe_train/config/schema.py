@@ -257,19 +257,47 @@ class Recipe(Section):
     def world_size(self) -> int:
         return self.launch.world_size
 
+    def layout_dp(self) -> int | None:
+        """Data-parallel size: `parallel.dp` as written, else the world size over pp*cp*tp when that divides it.
+
+        None when the world size does not divide: the rules report that, and any dp guessed from it (a floor
+        division) would add problems the user does not have, such as a batch size that seems not to divide.
+        """
+        p = self.parallel
+        if p.dp is not None:
+            return p.dp
+        dense = p.pp * p.cp * p.tp
+        return None if self.world_size % dense else self.world_size // dense
+
+    def layout_edp(self) -> int | None:
+        """Expert data-parallel size: the expert mesh folds onto the dense mesh's dp*cp*tp ranks per stage.
+
+        None when dp is undefined or ep*etp does not divide dp*cp*tp (the rules report which).
+        """
+        p, dp = self.parallel, self.layout_dp()
+        if dp is None or (dp * p.cp * p.tp) % (p.ep * p.etp):
+            return None
+        return dp * p.cp * p.tp // (p.ep * p.etp)
+
     @property
     def dp(self) -> int:
-        """Data-parallel size, derived from the world size when the recipe leaves it out."""
-        if self.parallel.dp is not None:
-            return self.parallel.dp
-        p = self.parallel
-        return max(1, self.world_size // (p.pp * p.cp * p.tp))
+        """`layout_dp()` of a recipe whose layout is valid (every loaded recipe): raises ValueError otherwise."""
+        dp = self.layout_dp()
+        if dp is None:
+            p = self.parallel
+            raise ValueError(f"no data-parallel size: world size {self.world_size} is not divisible by pp*cp*tp = "
+                             f"{p.pp * p.cp * p.tp}")
+        return dp
 
     @property
     def edp(self) -> int:
-        """Expert data-parallel size: the expert mesh folds onto the dense mesh's dp*cp*tp ranks."""
-        p = self.parallel
-        return max(1, self.dp * p.cp * p.tp // (p.ep * p.etp))
+        """`layout_edp()` of a recipe whose layout is valid (every loaded recipe): raises ValueError otherwise."""
+        edp = self.layout_edp()
+        if edp is None:
+            p = self.parallel
+            raise ValueError(f"no expert data-parallel size: dp*cp*tp = {self.dp * p.cp * p.tp} is not divisible by "
+                             f"ep*etp = {p.ep * p.etp}")
+        return edp
 
     def resolved_run_dir(self) -> str:
         return self.run_dir.replace("{name}", self.name)

@@ -11,12 +11,12 @@ import functools
 import os
 import socket
 import subprocess
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import moe_train
+from moe_train.atomic import write_atomic
 from moe_train.config import Recipe, dump_recipe
 from moe_train.config.yaml_source import load_value
 
@@ -40,19 +40,6 @@ IGNORED_FIELDS: tuple[tuple[str, ...], ...] = (
     ("checkpoint", "resume"),
     ("train", "exit_at_step"),
 )
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write through a temporary file in the same folder and rename, so readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @functools.lru_cache(maxsize=1)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from moe_train.atomic import write_atomic
 from moe_train.config import Recipe, unsupported
 
 from .render import render_sbatch
@@ -23,7 +24,6 @@ from .rundir import (
     check_reusable,
     prepare_run_dir,
     run_dir_path,
-    write_atomic,
 )
 from .shell import LaunchError
 

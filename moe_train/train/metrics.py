@@ -9,12 +9,13 @@ bar with the step, loss, tokens/s, MFU and the worst expert balance; otherwise (
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from moe_train.atomic import write_atomic
 
 
 def expert_balance(tokens_per_expert: torch.Tensor, dropped_fraction: float,
@@ -118,9 +119,7 @@ def _drop_records_after(path: Path, step: int) -> None:
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     kept = [line for line in lines if (line_step := _step_of(line)) is not None and line_step <= step]
     if len(kept) != len(lines):
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        os.replace(tmp, path)
+        write_atomic(path, "".join(kept))
 
 
 class MetricsLogger:

@@ -2,11 +2,9 @@
 
 A recipe names its cluster with `launch.cluster: NAME|PATH`, so the same recipe runs on several clusters by
 changing one line (or `--set launch.cluster=other`). The profile is a YAML mapping of `launch` fields; the
-recipe's own launch values override it. The loader calls `apply_cluster_profile` on the raw launch mapping
-before schema validation, so a profile gets the same checks as a recipe.
-
-The returned mapping has no `cluster` key: the resolved recipe written into a run directory carries the
-merged values themselves, so the ranks never look for a profile file (compute nodes may not see ~/.config).
+recipe's own launch values override it. This module finds and reads a profile; the loader merges it into the
+raw launch mapping before schema validation (config.loader.apply_cluster_profile), so a profile gets the same
+checks as a recipe, and merging follows the one rule `extends:` uses.
 """
 
 from __future__ import annotations
@@ -17,9 +15,8 @@ from typing import Any
 
 import yaml
 
-from moe_train.config.loader import deep_merge
-from moe_train.config.schema import LaunchConfig
-from moe_train.config.yaml_source import load_value
+from .schema import LaunchConfig
+from .yaml_source import load_value
 
 ENV_VAR = "MOE_TRAIN_CLUSTERS"
 USER_FOLDER = Path("~/.config/moe-train/clusters")
@@ -77,18 +74,8 @@ def load_profile(path: Path) -> dict[str, Any]:
     return data
 
 
-def apply_cluster_profile(raw_launch: dict, base_dir: Path) -> dict:
-    """The recipe's raw `launch` mapping with the defaults of its `cluster` profile filled in.
-
-    Replacement rather than concatenation for lists (setup, extra_sbatch) keeps this idempotent and lets a
-    recipe drop a profile's line. Raises ClusterProfileError (a ValueError) with a one-line message.
-    """
-    launch = dict(raw_launch)
-    reference = launch.pop("cluster", None)
-    if reference is None:
-        return launch
+def cluster_profile(reference: str, base_dir: Path) -> dict[str, Any]:
+    """The launch defaults a recipe's `launch.cluster: reference` names (ClusterProfileError when it cannot)."""
     if not isinstance(reference, str) or not reference.strip():
         raise ClusterProfileError("launch.cluster must be a profile name or a path to a YAML file")
-    profile = load_profile(find_profile(reference.strip(), Path(base_dir)))
-    # Mappings (env, slurm) merge key by key; any other value of the recipe, lists included, replaces.
-    return deep_merge(profile, launch)
+    return load_profile(find_profile(reference.strip(), Path(base_dir)))
