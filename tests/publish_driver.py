@@ -11,6 +11,7 @@ usage: python publish_driver.py publish CKPT_DIR STEP | prune CKPT_DIR KEEP
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -18,10 +19,17 @@ from pathlib import Path
 from moe_train.checkpoint import layout
 
 
+def shown(path) -> str:
+    """A base name, with the atomic writer's random temporary name `.NAME.XXXX.tmp` shown as `tmp:NAME`."""
+    name = Path(path).name
+    match = re.fullmatch(r"\.(.+)\.[^.]+\.tmp", name)
+    return f"tmp:{match.group(1)}" if match else name
+
+
 def paused(name, real):
     def call(*args, **kwargs):
         result = real(*args, **kwargs)
-        print(name, *(Path(a).name for a in args[:2]), flush=True)
+        print(name, *(shown(a) for a in args[:2]), flush=True)
         sys.stdin.readline()
         return result
 

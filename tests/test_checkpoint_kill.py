@@ -112,11 +112,11 @@ def test_killed_between_writing_a_step_and_updating_latest(tmp_path: Path) -> No
 
 # Saving step 2 again while `latest` names the old step 2: the driver's events, in order.
 OVERWRITE_EVENTS = [
-    "replace .tmp-latest latest",  # latest moved back to step 1 before the old step 2 goes
+    "replace tmp:latest latest",  # latest moved back to step 1 before the old step 2 goes
     "replace step-0000002 .tmp-removing-step-0000002",
     "rmtree .tmp-removing-step-0000002",
     "replace .tmp-step-0000002 step-0000002",
-    "replace .tmp-latest latest",
+    "replace tmp:latest latest",
 ]
 
 
