@@ -211,7 +211,7 @@ ALL_AT_ONCE = [
     (
         ["launch.gpus_per_node=7", "parallel.tp=3"],
         ["launch.gpus_per_node: world size 7", "parallel.tp: 3 must divide model.num_attention_heads 8",
-         "parallel.tp: 3 must divide model.num_query_groups 4"],
+         "parallel.tp: 3 must divide model.num_query_groups 4", "train.seq_length: 128 must be divisible by tp = 3"],
     ),
     (["launch.gpus_per_node=7", "parallel.tp=2"], ["launch.gpus_per_node: world size 7"]),
     (
@@ -223,7 +223,7 @@ ALL_AT_ONCE = [
     (
         ["launch.gpus_per_node=4", "parallel.dp=2", "parallel.tp=3"],
         ["parallel.dp: pp*dp*cp*tp = 6 but the world size is 4", "parallel.tp: 3 must divide model.num_attention_heads",
-         "parallel.tp: 3 must divide model.num_query_groups"],
+         "parallel.tp: 3 must divide model.num_query_groups", "train.seq_length: 128 must be divisible by tp = 3"],
     ),
     (  # a dp the user wrote is theirs: its batch consequence is a real problem, reported with the world size
         ["launch.gpus_per_node=4", "parallel.dp=3", "parallel.pp=3"],
