@@ -21,6 +21,7 @@ from moe_train.config.schema import ModelConfig
 from moe_train.models.attention import document_ids, document_mask
 from moe_train.models.decoder import DecoderBlock
 from moe_train.models.loss import IGNORE_INDEX, LanguageModelLoss
+from moe_train.models.moe.aux_loss import global_aux_loss
 from moe_train.models.moe.layer import RoutingRecord, RoutingRecords
 from moe_train.models.mtp import MTPModule
 from moe_train.models.norm import RMSNorm
@@ -121,12 +122,12 @@ class Transformer(nn.Module):
         """transformers' Qwen3-MoE load-balancing loss over every layer's rows together, E * sum_e f_e * P_e:
         each layer's router gets d(loss)/d(scores) = coeff * E * f_e / N through its record's holder."""
         router, experts = self.cfg.moe.router, self.cfg.moe.num_experts
-        rows = sum(record.scores.shape[0] for record in records)
-        load = torch.stack([record.tokens_per_expert for record in records]).sum(0).float() / rows
-        importance = torch.cat([record.scores for record in records]).float().sum(0) / rows
+        scores = torch.cat([record.scores for record in records])
+        counts = torch.stack([record.tokens_per_expert for record in records]).sum(0)
+        rows = scores.shape[0]
         for record in records:
-            record.gradient.per_expert = router.aux_loss_coeff * experts * load / rows
-        self.aux_loss_value += router.aux_loss_coeff * experts * (load * importance).sum().double()
+            record.gradient.per_expert = router.aux_loss_coeff * experts * counts.float() / rows / rows
+        self.aux_loss_value += router.aux_loss_coeff * global_aux_loss(scores, counts, rows).double()
 
 
 def run_layers(layers: list[DecoderBlock], hidden: torch.Tensor, *args) -> torch.Tensor:

@@ -233,28 +233,31 @@ class Trainer:
 
     def _telemetry(self, share: float) -> tuple[dict[int, torch.Tensor], dict | None, float]:
         """The step's expert counts per MoE layer (summed over micro-batches and ranks, for the bias update),
-        the per-layer balance figures, and the weighted balancing loss averaged over the global batch."""
-        layers = sorted(self.moe_layers)
-        values = [self.moe_layers[i].aux_loss_value for i in layers] + [self.model.aux_loss_value]
-        # Each tp rank routes (and counts) its own slice of the micro-batch's tokens: MoE figures sum over dp and tp.
-        tokens = ("dp", "tp")
-        aux = self._all_reduce(torch.stack(values).sum().view(1), tokens)
+        the per-layer balance figures, and the weighted balancing loss averaged over the global batch.
+
+        One all-reduce and one host read per step: every figure travels in one float64 tensor (counts are exact
+        in float64 far beyond any step's token count). Each tp rank routes (and counts) its own slice of the
+        micro-batch's tokens, so the figures sum over dp and tp."""
+        layers = [self.moe_layers[i] for i in sorted(self.moe_layers)]
+        aux = torch.stack([layer.aux_loss_value for layer in layers] + [self.model.aux_loss_value]).sum().view(1)
+        rows = [torch.cat([layer.tokens_per_expert.double(), torch.stack([layer.dropped_assignments,
+                                                                          layer.assignments]).double(),
+                           layer.router_entropy_sum.view(1)]) for layer in layers]
+        figures = self._all_reduce(torch.cat([aux.double(), *rows]), ("dp", "tp"))
+        on_host = figures.cpu()
+        aux_loss = on_host[0].item() * share
         if not layers:
-            return {}, None, aux.item() * share
-        counts = torch.stack([self.moe_layers[i].tokens_per_expert for i in layers])
-        drops = torch.stack(
-            [torch.stack([self.moe_layers[i].dropped_assignments, self.moe_layers[i].assignments]) for i in layers]
-        )
-        stacked = self._all_reduce(torch.cat([counts, drops], dim=1), tokens)
-        entropy = self._all_reduce(torch.stack([self.moe_layers[i].router_entropy_sum for i in layers]), tokens)
-        on_host, entropy = stacked.cpu(), entropy.cpu()  # one transfer for every layer's figures
-        experts, top_k = counts.shape[1], self.recipe.model.moe.top_k
+            return {}, None, aux_loss
+        experts, top_k = layers[0].tokens_per_expert.numel(), self.recipe.model.moe.top_k
+        per_layer = figures[1:].view(len(layers), experts + 3)
+        on_host = on_host[1:].view(len(layers), experts + 3)
         moe = {}
-        for row, index in enumerate(layers):
-            assignments = on_host[row, -1].item()
-            moe[str(index)] = expert_balance(on_host[row, :experts], on_host[row, experts].item() / assignments,
-                                             router_entropy=entropy[row].item() * top_k / assignments)
-        return {index: stacked[row, :experts] for row, index in enumerate(layers)}, moe, aux.item() * share
+        for row, index in enumerate(sorted(self.moe_layers)):
+            dropped, assignments, entropy = on_host[row, experts:].tolist()
+            moe[str(index)] = expert_balance(on_host[row, :experts], dropped / assignments,
+                                             router_entropy=entropy * top_k / assignments)
+        counts = {index: per_layer[row, :experts] for row, index in enumerate(sorted(self.moe_layers))}
+        return counts, moe, aux_loss
 
     def _update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
         """Aux-loss-free balancing from the whole global batch's counts (identical on every rank)."""
