@@ -66,3 +66,11 @@ def record_resumed(recipe_name: str, overrides: list[str], *, world: int, run_di
     started = resumed.progress.step
     resumed.train()
     return {"started": started, "state": {k: full(v) for k, v in resumed.model.state_dict().items()}}
+
+
+def keep_record(record: dict, *, run_root: Path, case_id: str, rank: int, saved: dict[str, str]) -> None:
+    """Rank 0 saves a case's record beside the runs (too large for the JSON result) and notes its path."""
+    if rank == 0:
+        path = run_root / f"{case_id}.pt"
+        torch.save(record, path)
+        saved[case_id] = str(path)

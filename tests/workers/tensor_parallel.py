@@ -88,8 +88,7 @@ def layer_saved_bytes(recipe_name: str, overrides: list[str], *, world: int, lay
 
 def main() -> None:
     spec, result_path, rank, world = start()
-    import torch
-    from workers.record import record_run
+    from workers.record import keep_record, record_run
 
     saved = {}
     Path(spec["run_root"]).mkdir(parents=True, exist_ok=True)
@@ -102,10 +101,7 @@ def main() -> None:
         record = record_run(case["recipe"], case["overrides"], world=world, run_dir=Path(spec["run_root"]) / case["id"],
                             steps=case["steps"], prepare=prepare)
         record["differing_across_ranks"] = differing_across_ranks(record["state"])
-        if rank == 0:
-            path = Path(spec["run_root"]) / f"{case['id']}.pt"
-            torch.save(record, path)
-            saved[case["id"]] = str(path)
+        keep_record(record, run_root=Path(spec["run_root"]), case_id=case["id"], rank=rank, saved=saved)
     finish(saved, result_path, rank)
 
 

@@ -12,8 +12,7 @@ from workers.common import finish, start  # noqa: E402
 
 def main() -> None:
     spec, result_path, rank, world = start()
-    import torch
-    from workers.record import record_resumed, record_run
+    from workers.record import keep_record, record_resumed, record_run
 
     saved = {}
     Path(spec["run_root"]).mkdir(parents=True, exist_ok=True)
@@ -24,10 +23,7 @@ def main() -> None:
                                     steps=case["steps"], stop_at=case["stop_at"])
         else:
             record = record_run(case["recipe"], case["overrides"], world=world, run_dir=run_dir, steps=case["steps"])
-        if rank == 0:
-            path = Path(spec["run_root"]) / f"{case['id']}.pt"
-            torch.save(record, path)
-            saved[case["id"]] = str(path)
+        keep_record(record, run_root=Path(spec["run_root"]), case_id=case["id"], rank=rank, saved=saved)
     finish(saved, result_path, rank)
 
 
