@@ -101,9 +101,11 @@ class ModelConfig(Section):
     def attention_head_dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
-    def padded_vocab_size(self, tp: int = 1) -> int:
-        """Megatron pads the vocabulary to a multiple of divisible_by * tp for vocab-parallel layers."""
-        multiple = self.make_vocab_size_divisible_by * tp
+    def padded_vocab_size(self) -> int:
+        """The vocabulary padded to a multiple of make_vocab_size_divisible_by. Never by tp (Megatron-LM pads by
+        divisible_by x tp): every layout must have the same parameter shapes to reshard (DECISIONS.md), so
+        validate checks that tp divides this size instead."""
+        multiple = self.make_vocab_size_divisible_by
         return -(-self.vocab_size // multiple) * multiple
 
     def is_moe_layer(self, index: int) -> bool:

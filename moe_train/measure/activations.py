@@ -3,13 +3,21 @@
 A `saved_tensors_hooks` pack hook sees every tensor autograd saves. Each is attributed to the layer whose
 forward is running (LayerTracker) and counted by storage: a storage saved several times (a tensor and its
 views, or the same input saved by two ops) counts once, at its full size, since that is what stays allocated.
-Not activations, so not counted: parameters, views of parameters, and copies of parameters made by a dtype
-cast (autocast's bf16 weights) or gathered by FSDP (registered as the module's parameters while it runs).
+Not activations, so not counted: parameters and views of them (FSDP2's gathered weights are the module's
+parameters while it runs; tensor-parallel GEMMs use their local shards). A dtype copy of a weight that an op
+saves (the router's fp32 copy of its bf16 weight) is memory held until backward: it counts.
 `other` holds what belongs to no single layer: storages saved by several layers, the rotary tables (outputs
 of `model.rope`) and boolean attention masks that every layer shares, and what the embedding, the final
 norm, the output head and the loss save. Saves made during a backward pass (a recomputed region saving for
 its own backward) are transient and not counted. The figures are those of the step's first micro-batch:
 every micro-batch has the same shapes and saves the same bytes.
+
+Recomputation (torch.utils.checkpoint, non-reentrant): a checkpointed region keeps its inputs, saved through
+the same hooks before the region runs, and nothing else (its own saves go to checkpoint's hooks, not ours,
+and come back only in backward). A region inside a layer (selective recompute) keeps them while that layer
+runs, so they count for it; a region of whole layers (full recompute) saves its inputs before its first layer
+starts, so those saves wait for the next layer to start and count for it (`_CheckpointFrame.save_inputs` is
+watched to tell them from the embedding's or the head's).
 """
 
 from __future__ import annotations
@@ -20,10 +28,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import _CheckpointFrame
 
-from moe_train.measure.dtensor import on_dtensors
 from moe_train.measure.layers import LayerTracker, in_backward
 
 OTHER = "other"
@@ -43,24 +50,30 @@ def storage_bytes(tensor: torch.Tensor) -> int:
     return _local(tensor).untyped_storage().nbytes()
 
 
-class ParameterCopies(TorchDispatchMode):
-    """Marks the storages that dtype casts of parameters produce (autocast's weight copies): not activations."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.keys: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if on_dtensors(types):
-            return NotImplemented
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._to_copy.default and _is_parameter(args[0]):
-            self.keys.add(storage_key(out))
-        return out
-
-
 def _is_parameter(tensor: object) -> bool:
     return isinstance(tensor, nn.Parameter) or isinstance(getattr(tensor, "_base", None), nn.Parameter)
+
+
+# Autograd nodes of ops whose output aliases their input (views), and DTensor's to_local.
+_ALIASING = frozenset({
+    "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "UnsafeViewBackward0",
+    "AliasBackward0", "ExpandBackward0", "AsStridedBackward0", "SliceBackward0", "SelectBackward0",
+    "UnbindBackward0", "SqueezeBackward0", "SqueezeBackward1", "UnsqueezeBackward0", "_ToTorchTensorBackward",
+})
+
+
+def _views_a_parameter(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a parameter seen through views: tensor-parallel GEMMs run on the local shard of a
+    DTensor weight (`to_local()`, then a transpose), which is a plain tensor whose `_base` is no Parameter; its
+    autograd history leads to the parameter through aliasing ops only."""
+    node = tensor.grad_fn
+    while node is not None:
+        if type(node).__name__ == "AccumulateGrad":
+            return isinstance(node.variable, nn.Parameter)
+        if type(node).__name__ not in _ALIASING:
+            return False
+        node = next((fn for fn, _ in node.next_functions if fn is not None), None)
+    return False
 
 
 @dataclass
@@ -77,43 +90,63 @@ class SavedTensorTracker:
         # Keyed by (micro-batch, storage): a storage freed by one micro-batch's backward may be reused by the next.
         self.saved: dict[tuple[int, int], _Saved] = {}
         self.shared: set[tuple[int, int]] = set()  # (micro-batch, storage), as `saved`
-        self.copies = ParameterCopies()
         self._weights = {storage_key(p) for p in model.parameters()}
         self._handles = [model.rope.register_forward_hook(self._rope_tables)] if hasattr(model, "rope") else []
-        self._handles += [m.register_forward_pre_hook(self._masks) for m in layers.layers.values()]
+        self._handles += [m.register_forward_pre_hook(self._layer_starts) for m in layers.layers.values()]
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._saving_checkpoint_inputs = False
+        self._pending: list[tuple[int, int]] = []  # checkpoint inputs saved outside every layer: (micro-batch, key)
 
     def _rope_tables(self, module: nn.Module, args: tuple, output: object) -> None:
         micro_batch = self.layers.model_forwards
         self.shared.update((micro_batch, storage_key(t)) for t in tree_leaves(output) if isinstance(t, torch.Tensor))
 
-    def _masks(self, module: nn.Module, args: tuple) -> None:
+    def _layer_starts(self, module: nn.Module, args: tuple) -> None:
+        """Boolean masks among a layer's arguments are shared by every layer; checkpoint inputs saved before
+        this layer started (a full-recompute group's input) are this layer's."""
         micro_batch = self.layers.model_forwards
         self.shared.update(
             (micro_batch, storage_key(t)) for t in args if isinstance(t, torch.Tensor) and t.dtype == torch.bool
         )
+        if self._pending and not in_backward():
+            index = self.layers.stack[-1]
+            for key in self._pending:
+                layers = self.saved[key].layers
+                layers.discard(None)
+                layers.add(index)
+            self._pending.clear()
+
+    def _save_inputs(self, frame: _CheckpointFrame, *args) -> None:
+        self._saving_checkpoint_inputs = True
+        try:
+            self._original_save_inputs(frame, *args)
+        finally:
+            self._saving_checkpoint_inputs = False
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        if in_backward() or _is_parameter(tensor):
+        if in_backward() or _is_parameter(tensor) or _views_a_parameter(tensor):
             return tensor
         key = storage_key(tensor)
-        if key in self._weights or key in self.copies.keys:
+        if key in self._weights:
             return tensor
         layer = self.layers.current
         entry = self.saved.get((self.layers.model_forwards, key))
         if entry is None:
             entry = self.saved[self.layers.model_forwards, key] = _Saved(storage_bytes(tensor), set())
         entry.layers.add(layer)
+        if layer is None and self._saving_checkpoint_inputs:
+            self._pending.append((self.layers.model_forwards, key))
         return tensor
 
     def __enter__(self) -> SavedTensorTracker:
-        self.copies.__enter__()
+        self._original_save_inputs = _CheckpointFrame.save_inputs
+        _CheckpointFrame.save_inputs = lambda frame, *args: self._save_inputs(frame, *args)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
-        self.copies.__exit__(*exc)
+        _CheckpointFrame.save_inputs = self._original_save_inputs
         for handle in self._handles:
             handle.remove()
 

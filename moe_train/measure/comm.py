@@ -103,6 +103,12 @@ class CommCounter(TorchDispatchMode):
         self.name_group = name_group
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
+        self._names: dict[str, str] = {}  # group name -> its dimension (naming walks the meshes: slow)
+
+    def _name(self, group: dist.ProcessGroup) -> str:
+        if group.group_name not in self._names:
+            self._names[group.group_name] = self.name_group(group)
+        return self._names[group.group_name]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -114,7 +120,7 @@ class CommCounter(TorchDispatchMode):
             group = process_group(args[group_arg] if group_arg < len(args) else kwargs["group_name"])
             if group.size() > 1:
                 sent = _all_to_all_sent(func, args, group) if op == "all_to_all" else _nbytes(args[payload])
-                key = f"{self.name_group(group)}/{op}"
+                key = f"{self._name(group)}/{op}"
                 self.bytes[key] += sent
                 self.calls[key] += 1
         return func(*args, **kwargs)

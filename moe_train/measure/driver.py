@@ -141,7 +141,7 @@ def measure(recipe: Recipe, target: Target) -> dict:
     if not target.fake:
         if recipe.world_size != 1:
             raise ValueError(f"the recipe asks for {recipe.world_size} ranks; run it with --nproc or --fake")
-        ctx = bootstrap(recipe)
+        ctx = bootstrap(recipe, distinct_groups=True)
         try:
             return measure_step(recipe, target, ctx)
         finally:
@@ -154,7 +154,7 @@ def measure(recipe: Recipe, target: Target) -> dict:
     on_cpu = recipe.model_copy(update={"launch": recipe.launch.model_copy(update={"device": "cpu"})})
     threads = torch.get_num_threads()  # bootstrap sets one thread per rank; this process is one rank of none
     with fake_process_group(rank=target.rank, world_size=recipe.world_size):
-        ctx = bootstrap(on_cpu)
+        ctx = bootstrap(on_cpu, distinct_groups=True)
         torch.set_num_threads(threads)
         with even_routing(), fake_tensors():
             return measure_step(on_cpu, target, ctx)

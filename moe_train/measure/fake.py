@@ -16,7 +16,8 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_train.measure.dtensor import on_dtensors
@@ -70,8 +71,30 @@ def even_routing() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def real_rank_tables() -> Iterator[None]:
+    """Device meshes made or read while fake mode runs (FSDP2 joins its dp mesh with a parameter's tp mesh)
+    keep their rank tables in real integer tensors, as when the meshes were first built: those ops run outside
+    fake mode."""
+    init, mesh = DeviceMesh.__init__, DeviceMesh.mesh
+
+    def real_init(self, *args, **kwargs):
+        with unset_fake_temporarily():
+            init(self, *args, **kwargs)
+
+    def real_mesh(self):
+        with unset_fake_temporarily():
+            return mesh.fget(self)
+
+    DeviceMesh.__init__, DeviceMesh.mesh = real_init, property(real_mesh)
+    try:
+        yield
+    finally:
+        DeviceMesh.__init__, DeviceMesh.mesh = init, mesh
+
+
+@contextlib.contextmanager
 def fake_tensors() -> Iterator[FakeTensorMode]:
     """FakeTensorMode (CPU semantics) with the CPU shape rules above; tensors created inside are fake."""
     mode = FakeTensorMode(allow_non_fake_inputs=False)
-    with mode, CpuKernelShapes():
+    with real_rank_tables(), mode, CpuKernelShapes():
         yield mode

@@ -2,9 +2,9 @@
 
 The FLOP counter and the saved-tensor tracker both attribute work to a layer and a phase. Layers are the
 model's `layers[i]` and its MTP modules (index num_layers + k, the index their decoder block carries); a
-forward pre-hook pushes the index and an always-called forward hook pops it. A forward that runs while the
-autograd engine executes a backward (`_current_graph_task_id() != -1`) is a recomputation: activation
-checkpointing calls the region's forward again from inside backward.
+forward pre-hook pushes the index and an always-called forward hook pops it. An op is a recomputation while
+activation checkpointing runs a region again in backward (`parallel.recompute.in_recomputation`: checkpoint's
+recompute context), whether the region is a whole group of layers or one module inside a layer.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from functools import partial
 
 import torch
 from torch import nn
+
+from moe_train.parallel.recompute import in_recomputation
 
 
 def in_backward() -> bool:
@@ -63,9 +65,9 @@ class LayerTracker:
         return self.stack[-1] if self.stack else None
 
     def phase(self) -> str:
-        if not in_backward():
-            return "forward"
-        return "recompute" if self.stack else "backward"
+        if in_recomputation():
+            return "recompute"
+        return "backward" if in_backward() else "forward"
 
     def close(self) -> None:
         for handle in self._handles:

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     recipe = load_recipe(args.recipe)
     layers = tuple(int(i) for i in args.layers.split(",")) if args.layers else None
     try:
-        ctx = bootstrap(recipe)
+        ctx = bootstrap(recipe, distinct_groups=True)
         try:
             report = measure_step(recipe, Target(rank=args.rank, layers=layers), ctx)
             if ctx.rank == args.rank:

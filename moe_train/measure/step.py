@@ -4,10 +4,10 @@ without its host-side figures.
 Per micro-batch: gradient sync only in the last one (FSDP2 reduces once per step), the model's loss terms
 (cross-entropy summed over the micro-batch's tokens divided by the global batch's tokens, plus the weighted
 MTP loss times 1 / (micro-batches x dp); balancing losses ride on the MoE layers' outputs at the scale
-`set_aux_loss_scale` gives them), backward; then clipping over every mesh (moe_train/train/grad_norm.py) and
-the AdamW update. Left out, because they only produce figures the host reads (fake tensors have no values):
-the all-reduces of the loss sums and of the MoE telemetry over dp (a few bytes per MoE layer) and the
-expert-bias update that follows them.
+`set_aux_loss_scale` gives them), backward; then the sum over tp of the replicated parameters' partial
+gradients, clipping over every mesh (moe_train/train/grad_norm.py) and the AdamW update. Left out, because
+they only produce figures the host reads (fake tensors have no values): the all-reduces of the loss sums and
+of the MoE telemetry over dp (a few bytes per MoE layer) and the expert-bias update that follows them.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from moe_train.models.model import Transformer
 from moe_train.models.moe import MoELayer
 from moe_train.models.moe.aux_loss import set_aux_loss_scale
 from moe_train.parallel.context import ParallelContext
+from moe_train.parallel.tensor import reduce_replicated_gradients
 from moe_train.train.grad_norm import clip_grad_norm
 
 
@@ -57,6 +58,7 @@ def train_step(
         model.set_requires_gradient_sync(index == len(micro_batches) - 1)
         terms = model(micro.inputs, micro.positions, labels=micro.labels)
         (terms.lm_sum / tokens_per_step + terms.mtp * share).backward()
+    reduce_replicated_gradients(model, ctx.group("tp"))
     clip_grad_norm(model.parameters(), train.grad_clip, stage_group=ctx.group("pp"))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -63,8 +63,10 @@ def launcher_problems(recipe: Recipe, env: LauncherEnv) -> list[str]:
     return out
 
 
-def bootstrap(recipe: Recipe, *, preflight: bool = False, env: LauncherEnv | None = None) -> ParallelContext:
+def bootstrap(recipe: Recipe, *, preflight: bool = False, env: LauncherEnv | None = None,
+              distinct_groups: bool = False) -> ParallelContext:
     """Check the launch, create the process group (unless one exists) and both meshes; return the context.
+    `distinct_groups`: every mesh dimension gets its own process group (see `build_meshes`; measure uses it).
 
     Raises RecipeError (exit 2) for a recipe that uses a feature the engine cannot train yet (not for a
     preflight, which only proves the allocation), LaunchMismatch (exit 1) when the launcher's world differs
@@ -96,7 +98,8 @@ def bootstrap(recipe: Recipe, *, preflight: bool = False, env: LauncherEnv | Non
             dist.init_process_group(backend, timeout=timeout)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    meshes = build_meshes(MeshShape.from_recipe(recipe), recipe.launch.device)
+    meshes = build_meshes(MeshShape.from_recipe(recipe), recipe.launch.device, distinct_groups=distinct_groups)
+    forget_dtensor_shardings()
     return ParallelContext(
         shape=meshes.shape,
         rank=dist.get_rank(),
@@ -105,7 +108,20 @@ def bootstrap(recipe: Recipe, *, preflight: bool = False, env: LauncherEnv | Non
         dense=meshes.dense,
         expert=meshes.expert,
         owns_process_group=created,
+        distinct_groups=distinct_groups,
     )
+
+
+def forget_dtensor_shardings() -> None:
+    """Empty DTensor's sharding caches (Python and C++). They keep each decision with its meshes, and meshes of
+    the same shape compare equal whatever their process groups: after an earlier bootstrap in this process
+    (tests, `measure --fake` run after run) DTensor would reduce over that bootstrap's groups, which may be gone
+    ("Could not resolve the process group") or not the ones this context names."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
 
 
 def shutdown(ctx: ParallelContext) -> None:

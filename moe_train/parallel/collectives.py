@@ -52,8 +52,10 @@ def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 def _my_slice(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """This rank's chunk as a tensor of its own. A chunk that is already contiguous (a micro-batch of one
+    sequence) would be a view: whatever saved it for backward would keep the whole replicated tensor alive."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    return x.chunk(size, dim=dim)[rank].contiguous()
+    return x.chunk(size, dim=dim)[rank].clone(memory_format=torch.contiguous_format)
 
 
 class _CopyToRegion(torch.autograd.Function):

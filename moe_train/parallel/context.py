@@ -8,7 +8,7 @@ size-1 group is cheap and correct.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from moe_train.parallel.mesh import DENSE_DIMS, EXPERT_DIMS, MeshShape
@@ -30,6 +30,8 @@ class ParallelContext:
     dense: DeviceMesh  # (pp, dp, cp, tp)
     expert: DeviceMesh  # (pp, edp, ep, etp)
     owns_process_group: bool = False  # bootstrap created it, so `shutdown` destroys it
+    distinct_groups: bool = False  # every dimension has its own process group (build_meshes)
+    flattened: dict[str, DeviceMesh] = field(default_factory=dict, compare=False)  # made so far, by name
 
     def mesh(self, name: str) -> DeviceMesh:
         """The 1-D mesh of dimension `name` (dense: pp dp cp tp; expert: edp ep etp) that holds this rank, or of
@@ -39,10 +41,15 @@ class ParallelContext:
             return self.dense[name]
         if name in EXPERT_DIMS:
             return self.expert[name]
+        if name in self.flattened:
+            return self.flattened[name]
         dims = tuple(name.split("_"))
         for mesh, names in ((self.dense, DENSE_DIMS), (self.expert, EXPERT_DIMS)):
             if len(dims) > 1 and set(dims) <= set(names):
-                return mesh[dims]._flatten(name)
+                spans_world = mesh[dims].size() == self.world_size > 1
+                own = _default_backend() if self.distinct_groups and spans_world else None
+                self.flattened[name] = mesh[dims]._flatten(name, backend_override=own)
+                return self.flattened[name]
         raise KeyError(f"unknown mesh dimension {name!r}; known: {', '.join(DENSE_DIMS + EXPERT_DIMS[1:])} "
                        "or adjacent ones joined by _")
 
@@ -65,13 +72,21 @@ class ParallelContext:
         )
 
     def group_name(self, group: ProcessGroup) -> str:
-        """The mesh dimension a process group belongs to (for per-group byte counts); `world` for the default
-        group when it is not one of the dimensions, `?` for a group this context did not create."""
+        """The mesh dimension a process group belongs to (for per-group byte counts; flattened ones made so far
+        included); `world` for the default group when it is not one of the dimensions, `?` for a group this
+        context did not create. Dimensions that share a group (see `distinct_groups`) go by the first of
+        pp dp cp tp edp ep etp."""
         import torch.distributed as dist
 
-        for name in DENSE_DIMS + EXPERT_DIMS[1:]:
+        for name in (*DENSE_DIMS, *EXPERT_DIMS[1:], *self.flattened):
             if self.mesh(name).get_group() is group:
                 return name
         if group is None or group is dist.group.WORLD:
             return "world"
         return "?"
+
+
+def _default_backend() -> str:
+    import torch.distributed as dist
+
+    return dist.get_backend()

@@ -101,17 +101,28 @@ class Meshes:
     expert: DeviceMesh
 
 
-def build_meshes(shape: MeshShape, device_type: str) -> Meshes:
+def build_meshes(shape: MeshShape, device_type: str, *, distinct_groups: bool = False) -> Meshes:
     """Create both meshes (and their process groups) on an initialised default process group.
 
-    Every rank must call this, in the same order: each mesh dimension makes a collective new_group.
+    Every rank must call this, in the same order: each mesh dimension makes a collective new_group. A dimension
+    that spans every rank reuses the default group, so two such dimensions (dp and ep, say) share one group;
+    `distinct_groups` gives each its own instead (`moe-train measure` names every collective by its group).
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    problems = shape.problems(dist.get_world_size())
+    world = dist.get_world_size()
+    problems = shape.problems(world)
     if problems:
         raise ValueError("; ".join(problems))
-    dense = init_device_mesh(device_type, shape.dense, mesh_dim_names=DENSE_DIMS)
-    expert = init_device_mesh(device_type, shape.expert, mesh_dim_names=EXPERT_DIMS)
+
+    def own_groups(names: tuple[str, ...], sizes: tuple[int, ...]) -> dict[str, str] | None:
+        if not distinct_groups:
+            return None
+        return {name: dist.get_backend() for name, size in zip(names, sizes, strict=True) if size == world > 1}
+
+    dense = init_device_mesh(device_type, shape.dense, mesh_dim_names=DENSE_DIMS,
+                             backend_override=own_groups(DENSE_DIMS, shape.dense))
+    expert = init_device_mesh(device_type, shape.expert, mesh_dim_names=EXPERT_DIMS,
+                              backend_override=own_groups(EXPERT_DIMS, shape.expert))
     return Meshes(shape=shape, dense=dense, expert=expert)

@@ -15,12 +15,16 @@ tensor parallelism run again on every rank in the same order). Nothing is counte
 the balancing-loss collectives are skipped while recomputing (`models.moe.layer.in_recompute`), and the
 gradient attached in the first forward is the one the backward uses. Non-reentrant checkpointing does not
 re-run a region's last op (its output is already known): docs/parallel.md counts the recompute FLOPs so.
+`in_recomputation()` tells code that runs inside a region whether this is the recomputation (checkpoint's
+recompute context, entered only then): `moe-train measure` books those FLOPs to `recompute`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,12 +39,39 @@ if TYPE_CHECKING:
     from moe_train.models.model import Transformer
 
 
+_state = threading.local()
+
+
+def in_recomputation() -> bool:
+    """Whether a checkpointed region is running again (in backward) on this thread."""
+    return getattr(_state, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _recomputing() -> Iterator[None]:
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
+
+
+def _contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """checkpoint's (forward, recomputation) contexts: only the recomputation is marked."""
+    return contextlib.nullcontext(), _recomputing()
+
+
+def recomputed(fn: Callable[..., torch.Tensor], *args, **kwargs) -> torch.Tensor:
+    """fn(*args, **kwargs), keeping only its inputs for backward, where it runs again (non-reentrant)."""
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
+
+
 def checkpointed(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """`fn` whose saved tensors are dropped after forward and recomputed in backward."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return recomputed(fn, *args, **kwargs)
 
     return run
 
@@ -76,10 +107,10 @@ def run_layers_recomputed(layers: list[DecoderBlock], hidden: torch.Tensor, *arg
     """The decoder stack under full recomputation (see the module docstring for the two methods)."""
     if method == "uniform":
         for start in range(0, len(layers), num_layers):
-            hidden = checkpoint(run_layers, layers[start: start + num_layers], hidden, *args, use_reentrant=False)
+            hidden = recomputed(run_layers, layers[start: start + num_layers], hidden, *args)
         return hidden
     for index, layer in enumerate(layers):
-        hidden = checkpoint(layer, hidden, *args, use_reentrant=False) if index < num_layers else layer(hidden, *args)
+        hidden = recomputed(layer, hidden, *args) if index < num_layers else layer(hidden, *args)
     return hidden
 
 

@@ -7,11 +7,14 @@ each token's owner gets the sum over all ranks, i.e. over all its experts. The t
 size, not with the routing, so it suits small groups and heavily skewed or dense routing (Megatron-Core's
 "allgather" dispatcher).
 Ranks may hold different token counts: tokens are padded to the group's largest count, padding never routed.
+Token counts and the number of gathered slots routed here are host values, read back from the device unless
+the caller knows every rank's routing counts on the host (`host_counts`, as the all-to-all dispatcher).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,12 +67,15 @@ class AllGatherDispatcher:
         *,
         keep: torch.Tensor | None = None,
         pad_to: int | None = None,
+        host_counts: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AllGatherPlan]:
         """hidden [T, H], topk_indices [T, K] (global expert ids) -> (rows [N, H] sorted by local expert,
         rows per local expert [E_local] int64, plan).
 
         keep [T, K] drops slots as decided on their source rank; pad_to (per source rank, as the all-to-all
-        dispatcher) gives each local expert the sum over the group's ranks of their pad_to rows.
+        dispatcher) gives each local expert the sum over the group's ranks of their pad_to rows. host_counts
+        [E]: the rows per expert that topk_indices makes, identical on every rank of the group (no keep, no
+        pad_to), so every rank holds T tokens too.
         """
         tokens = hidden.shape[0]
         shard = self.shard
@@ -80,8 +86,16 @@ class AllGatherDispatcher:
             return rows, counts, AllGatherPlan(permutation, None, None, tokens, tokens)
         # Every rank's token count and padding (capacities differ where token counts do).
         sizes = torch.tensor([[tokens, pad_to or 0]], device=hidden.device)
-        sizes = all_gather_rows(sizes, group=shard.group, sent_bytes=self.metadata_bytes).tolist()
-        max_tokens = max(count for count, _ in sizes)
+        sizes = all_gather_rows(sizes, group=shard.group, sent_bytes=self.metadata_bytes)
+        if host_counts is None:
+            sizes = sizes.tolist()
+            max_tokens = max(count for count, _ in sizes)
+            local_slots_count = None
+        else:
+            sizes = [[tokens, 0]] * shard.size
+            max_tokens = tokens
+            mine = host_counts[shard.first_expert: shard.first_expert + self.num_local_experts]
+            local_slots_count = shard.size * sum(mine)
         # Dropped slots and padding tokens are marked -1: no rank holds that expert.
         routing = topk_indices if keep is None else topk_indices.masked_fill(~keep, -1)
         routing = F.pad(routing, (0, 0, 0, max_tokens - tokens), value=-1)
@@ -96,8 +110,12 @@ class AllGatherDispatcher:
             num_experts=self.num_local_experts,
             keep=is_local,
             pad_to=None if pad_to is None else sum(pad for _, pad in sizes),
+            kept=local_slots_count,
         )
-        local_slots = is_local.reshape(-1).nonzero().squeeze(1)
+        if local_slots_count is None:
+            local_slots = is_local.reshape(-1).nonzero().squeeze(1)
+        else:
+            local_slots = torch.nonzero_static(is_local.reshape(-1), size=local_slots_count).squeeze(1)
         local_rows = permutation.slot_rows.index_select(0, local_slots)
         return rows, counts, AllGatherPlan(permutation, local_slots, local_rows, tokens, max_tokens)
 

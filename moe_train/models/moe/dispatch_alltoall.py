@@ -6,11 +6,17 @@ all-to-all of uneven splits, and sort the received rows (source-major) by local 
 all-to-all the expert outputs back with the splits swapped, and unpermute and weight them on the source rank.
 Dropless unless the caller passes a keep-mask. The traffic grows with the routed rows, not the group size,
 which is why Megatron-Core defaults to it for expert parallelism.
+
+The split sizes are host values: read from the exchanged counts (one device-to-host copy per dispatch), or,
+when the caller knows every rank's counts on the host (`host_counts`: forced even routing, where they are a
+function of the shapes), taken from there: the counts are still exchanged, so the traffic is the same, but
+nothing is read back (`moe-train measure --fake` runs on tensors without values).
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,12 +60,14 @@ class AllToAllDispatcher:
         *,
         keep: torch.Tensor | None = None,
         pad_to: int | None = None,
+        host_counts: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AllToAllPlan]:
         """hidden [T, H], topk_indices [T, K] (global expert ids) -> (rows [N, H] sorted by local expert,
         rows per local expert [E_local] int64, plan).
 
         keep [T, K] drops slots on this (source) rank; pad_to gives each expert pad_to rows from this source
-        rank, so a local expert receives the sum over the group's ranks of their pad_to rows.
+        rank, so a local expert receives the sum over the group's ranks of their pad_to rows. host_counts [E]:
+        the rows per expert that topk_indices makes, identical on every rank of the group (no keep, no pad_to).
         """
         rows, counts, permutation = permute(
             hidden, topk_indices, num_experts=self.num_experts, keep=keep, pad_to=pad_to
@@ -72,8 +80,13 @@ class AllToAllDispatcher:
         dist.all_to_all_single(received, counts, group=shard.group)
         self.metadata_bytes["all_to_all"] += (shard.size - 1) * self.num_local_experts * counts.element_size()
         received = received.view(shard.size, self.num_local_experts)
-        send_splits = counts.view(shard.size, self.num_local_experts).sum(dim=1).tolist()
-        recv_splits = received.sum(dim=1).tolist()
+        if host_counts is None:
+            send_splits = counts.view(shard.size, self.num_local_experts).sum(dim=1).tolist()
+            recv_splits = received.sum(dim=1).tolist()
+        else:
+            per_rank = [sum(host_counts[r * self.num_local_experts: (r + 1) * self.num_local_experts])
+                        for r in range(shard.size)]
+            send_splits, recv_splits = per_rank, [per_rank[shard.rank]] * shard.size
         arrived = all_to_all_rows(
             rows, send_splits=send_splits, recv_splits=recv_splits, group=shard.group, sent_bytes=self.sent_bytes
         )
@@ -81,7 +94,8 @@ class AllToAllDispatcher:
             local_order = None  # one local expert: source-major order already is expert-major
         else:
             local_expert = torch.arange(self.num_local_experts, device=hidden.device).repeat(shard.size)
-            local_order = torch.argsort(local_expert.repeat_interleave(received.reshape(-1)), stable=True)
+            rows_by_expert = local_expert.repeat_interleave(received.reshape(-1), output_size=sum(recv_splits))
+            local_order = torch.argsort(rows_by_expert, stable=True)
             arrived = arrived.index_select(0, local_order)
         plan = AllToAllPlan(permutation, send_splits, recv_splits, local_order)
         return arrived, received.sum(dim=0), plan

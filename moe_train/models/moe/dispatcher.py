@@ -2,16 +2,19 @@
 
 As in Megatron-Core, dispatch is separate from routing and from the expert computation, so that expert
 parallelism replaces only this piece. Every dispatcher has the same pair:
-    dispatch(hidden [T, H], topk_indices [T, K], *, keep=None, pad_to=None)
+    dispatch(hidden [T, H], topk_indices [T, K], *, keep=None, pad_to=None, host_counts=None)
         -> (rows [N, H] sorted by local expert, tokens_per_local_expert [E_local] int64, plan)
     combine(expert_out [N, H], topk_weights [T, K], plan) -> [T, H] fp32
 `LocalDispatcher` is the no-communication case (every expert on this process); the expert-parallel ones
 (dispatch_alltoall.py, dispatch_allgather.py) are built by `dispatcher_for` from `model.moe.dispatcher`.
+`host_counts` (the rows per expert, known on the host and the same on every rank: forced even routing) lets an
+expert-parallel dispatcher size its collectives without reading the device.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -36,6 +39,7 @@ class TokenDispatcher(Protocol):
         *,
         keep: torch.Tensor | None = None,
         pad_to: int | None = None,
+        host_counts: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
 
     def combine(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, plan: Any) -> torch.Tensor: ...
@@ -56,11 +60,12 @@ class LocalDispatcher:
         *,
         keep: torch.Tensor | None = None,
         pad_to: int | None = None,
+        host_counts: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, Permutation]:
         """hidden [T, H], topk_indices [T, K] -> (rows [N, H] sorted by expert, tokens per expert [E], plan).
 
         keep [T, K] (bool) drops the assignments that are False. pad_to gives every expert exactly that many
-        rows (zeros after its real ones), for static shapes.
+        rows (zeros after its real ones), for static shapes. host_counts: unused (nothing to size here).
         """
         return permute(hidden, topk_indices, num_experts=self.num_experts, keep=keep, pad_to=pad_to)
 

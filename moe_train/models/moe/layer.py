@@ -31,7 +31,7 @@ from moe_train.models.moe.aux_loss import ScoreGradient, attach_loss, attach_sco
 from moe_train.models.moe.capacity import capacity_keep_mask, expert_capacity
 from moe_train.models.moe.dispatcher import LocalDispatcher
 from moe_train.models.moe.experts import GroupedExperts
-from moe_train.models.moe.router import Router, count_per_expert
+from moe_train.models.moe.router import Router, count_per_expert, even_counts
 
 SWITCH_LOSSES = ("aux_loss", "global_aux_loss", "all_layers_aux_loss")
 
@@ -121,8 +121,11 @@ class MoELayer(nn.Module):
                 capacity=capacity,
                 policy=self.moe.drop_policy,
             )
+        # Forced even routing (measure): every rank's counts follow from the shapes, no device read needed.
+        known = even_counts(tokens, top_k, self.moe.num_experts) if Router.force_even_routing and keep is None else None
         rows, rows_per_expert, plan = self.dispatcher.dispatch(
-            x, routing.topk_indices, keep=keep, pad_to=capacity if self.moe.pad_to_capacity else None
+            x, routing.topk_indices, keep=keep, pad_to=capacity if self.moe.pad_to_capacity else None,
+            host_counts=known,
         )
         out = self.experts(rows, rows_per_expert)
         out = self.dispatcher.combine(out, routing.topk_weights, plan).to(hidden.dtype)

@@ -31,10 +31,12 @@ def permute(
     num_experts: int,
     keep: torch.Tensor | None = None,
     pad_to: int | None = None,
+    kept: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Permutation]:
     """hidden [T, H], topk_indices [T, K] -> (rows [N, H] sorted by expert, rows per expert [E] int64, perm).
 
-    keep [T, K] (bool) drops the slots that are False (their expert index may then be anything in range).
+    keep [T, K] (bool) drops the slots that are False (their expert index may then be anything in range);
+    `kept`, when the caller knows how many slots `keep` keeps, spares the device read that counts them.
     pad_to gives every expert exactly that many rows (zeros after its real ones), for static shapes; each
     expert must then have at most pad_to kept slots (the capacity keep-mask guarantees it).
     """
@@ -44,7 +46,8 @@ def permute(
         experts = experts.masked_fill(~keep.reshape(-1), num_experts)  # dropped slots sort last
     counts = count_per_expert(experts, num_experts + 1)[:num_experts]
     order = torch.argsort(experts, stable=True)
-    kept = int(counts.sum()) if keep is not None else tokens * top_k
+    if kept is None:
+        kept = int(counts.sum()) if keep is not None else tokens * top_k
     order = order[:kept]
     source_tokens = order // top_k
     if pad_to is None:

@@ -100,6 +100,13 @@ def even_topk_indices(tokens: int, top_k: int, num_experts: int, *, device: torc
     return slots % num_experts
 
 
+def even_counts(tokens: int, top_k: int, num_experts: int) -> list[int]:
+    """Slots per expert of `even_topk_indices(tokens, top_k, num_experts)`, computed on the host: slot s
+    (token s // K) goes to expert s mod E. What a dispatcher needs for its split sizes without a device read."""
+    slots = tokens * top_k
+    return [slots // num_experts + (expert < slots % num_experts) for expert in range(num_experts)]
+
+
 def count_per_expert(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[E] int64 count of each expert id in `indices` (a scatter-add: unlike bincount, no device-host sync)."""
     flat = indices.reshape(-1)
