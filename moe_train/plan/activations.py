@@ -18,7 +18,7 @@ parameters excluded). What the code saves, and so what is listed:
   storage), silu(gate) and the product; the combine keeps the gathered expert outputs in fp32 (the weighted
   sum runs in fp32) and the weights.
 - Rotary tables: cos/sin are computed once per forward and shared by every layer (counted once, under
-  `other`); in a bf16 run each layer's q and k rotation keep their own bf16 casts of them.
+  `other`); in a bf16 run FSDP2 hands each layer its own bf16 cast of them, kept by its rotations.
 
 Every item carries the region a recompute policy can drop and how it shards (see `_shard`). Tensor and
 sequence parallelism follow Korthikanti et al. (2022): head- and ffn-sharded tensors divide by tp; the rest
@@ -120,11 +120,12 @@ def _swiglu(region: str, prefix: str, rows: float, ffn: float, a: int) -> list[S
 
 
 def _rope_casts(cfg: ModelConfig, lay: ActivationLayout, rope_dim: int) -> list[Saved]:
-    """bf16 runs: the q and k rotations each keep a cast cos and sin [position rows, s, rope_dim / 2]."""
+    """bf16 runs: FSDP2 casts each layer's floating-point inputs to bf16, the fp32 rotary tables among them, so
+    the q and k rotations share one cast cos and sin [position rows, s, rope_dim / 2] per layer."""
     if lay.act_bytes == FP32:
         return []
     seq = lay.seq_length / lay.cp
-    return [Saved("attention", "rope.cos_sin_casts", 4 * lay.act_bytes * lay.position_batch * seq * rope_dim / 2)]
+    return [Saved("attention", "rope.cos_sin_casts", 2 * lay.act_bytes * lay.position_batch * seq * rope_dim / 2)]
 
 
 def _attention(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
@@ -205,17 +206,30 @@ def _moe(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
         items += [Saved("moe", "z_loss.logits", FP32 * t * e), Saved("moe", "z_loss.logsumexp", FP32 * t)]
     rows = expert_rows(cfg, lay)
     ffn = moe.ffn_hidden_size / lay.etp
+    gathered = moe.dispatcher == "allgather" and lay.ep * lay.etp > 1
+    # The permutation's source index: this rank's slots (t k), or the gathered slots routed here (R rows).
+    items.append(Saved("moe", "dispatch.order", INT64 * (rows if gathered else t * k)))
+    if moe.dispatcher == "alltoall" and lay.ep > 1 and e // lay.ep > 1:
+        # received rows (source-major) sorted by local expert, and back: each index_select keeps its index
+        items += [Saved("moe", "dispatch.local_order", INT64 * rows),
+                  Saved("moe", "combine.source_major", INT64 * rows)]
     items += [
-        Saved("moe", "dispatch.order", INT64 * t * k),
         Saved("moe", "experts.offsets", INT32 * e / lay.ep),
         Saved("moe", "experts.input", a * rows * h),
         Saved("moe", "experts.gate_up", a * rows * 2 * ffn),
         Saved("moe_act", "experts.silu", a * rows * ffn),
         Saved("moe_act", "experts.down_input", a * rows * ffn),
-        Saved("moe", "combine.slot_rows", INT64 * t * k),
-        Saved("moe", "combine.expert_out_fp32", FP32 * t * k * h),
-        Saved("moe", "combine.weights", FP32 * t * k),
     ]
+    if gathered:
+        # the local rows weighted in fp32 and scatter-added into per-token sums (dispatch_allgather.py): the
+        # rows and the weighted rows in fp32, their weights, and three indices (rows, slots, tokens)
+        items += [Saved("moe", "combine.indices", 3 * INT64 * rows), Saved("moe", "combine.weights", FP32 * rows),
+                  Saved("moe", "combine.rows_fp32", FP32 * rows * h),
+                  Saved("moe", "combine.weighted_fp32", FP32 * rows * h)]
+    else:
+        items += [Saved("moe", "combine.slot_rows", INT64 * t * k),
+                  Saved("moe", "combine.expert_out_fp32", FP32 * t * k * h),
+                  Saved("moe", "combine.weights", FP32 * t * k)]
     if moe.shared_expert_ffn_hidden_size:
         # The shared expert's input is the norm's output: the router's fp32 input itself in an fp32 run.
         if a != FP32:
@@ -250,45 +264,67 @@ class RecomputePolicy:
         return cls(granularity=rc.granularity, modules=modules, method=rc.method, num_layers=rc.num_layers)
 
 
+# Recomputed regions (parallel/recompute.py) keep their inputs; what their outputs' consumers save stays too.
+SWIGLU = ("gate", "up", "silu", "down_input")
+
+
+def _without(items: list[Saved], names: set[str]) -> list[Saved]:
+    return [i for i in items if i.name not in names]
+
+
 def _layernorm_recomputed(items: list[Saved], lay: ActivationLayout, h: int) -> list[Saved]:
-    """Both pre-norms are recomputed and their outputs discarded until a consumer's backward (Megatron-Core's
-    checkpoint-without-output): each norm keeps only its input (the residual stream), and the consumers' saved
-    reference to the norm output goes too. The router's fp32 copy is its own storage (in bf16) and stays."""
-    a = lay.act_bytes
-    norm_outputs = {"attn_input", "mlp_input", "shared_experts_input"}
-    kept = [i for i in items if i.region not in ("input_layernorm", "post_attention_layernorm", *norm_outputs)]
-    if a == FP32:  # in fp32 the router's input is the norm output itself
-        kept = [i for i in kept if i.name != "router.input_fp32"]
-    residual = a * lay.seq_tokens * h
+    """Both pre-norms run again in backward: each keeps its input (the residual stream, a x Ts x h) instead of
+    its fp32 copy, rstd and normalised value. Their outputs stay where a consumer saved them (the next GEMM's
+    input, the router's fp32 copy): our checkpoint keeps a region's output like any tensor (Megatron-Core's
+    checkpoint-without-output discards those too)."""
+    kept = [i for i in items if i.region not in ("input_layernorm", "post_attention_layernorm")]
+    residual = lay.act_bytes * lay.seq_tokens * h
     return [Saved("layernorm", "input_layernorm.input", residual), Saved("layernorm", "post_norm.input", residual),
             *kept]
 
 
-# The regions each selective recompute module drops (a region absent from a layer drops nothing there).
-DROPPED_REGIONS = {
-    "core_attn": {"core_attn"},
-    "mla_up_proj": {"mla_up_proj"},
-    "mlp": {"mlp"},
-    "moe_act": {"moe_act"},
-    "shared_experts": {"shared_experts"},
-    "moe": {"moe", "moe_act", "shared_experts", "shared_experts_input"},
-    "layernorm": set(),  # `_layernorm_recomputed`
-}
+def _mla_up_recomputed(items: list[Saved], cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
+    """MLA's up projections, rotary embeddings and attention run again: SDPA's q, k, v, output and logsumexp
+    go; the region keeps its inputs: the latents (already kept by the up projections), the rotary tables (in
+    bf16 the layer's casts, already an item) and the shared rope key: under SP the gathered key (a x T x r, a
+    storage of its own), without SP a view of kv_a_proj's output, which keeps that whole storage
+    (a x Ts x (kv_lora + r)) unless the fp32 kv norm already keeps it."""
+    a, r = lay.act_bytes, cfg.qk_rope_head_dim
+    dropped = {"sdpa.q", "sdpa.k", "sdpa.v", "sdpa.out", "sdpa.logsumexp"}  # the rotary casts are its inputs
+    out = _without(items, dropped)
+    if lay.sequence_parallel and lay.tp > 1:
+        out.append(Saved("mla_up_proj", "mla_up_proj.rope_key", a * lay.tokens * r))
+    elif a != FP32:
+        out.append(Saved("mla_up_proj", "kv_a_proj.output", a * lay.seq_tokens * (cfg.kv_lora_rank + r)))
+    return out
 
 
 def apply_selective(items: list[Saved], modules: tuple[str, ...], cfg: ModelConfig, lay: ActivationLayout):
     """The items left when the `modules` of selective recompute run again in backward.
 
-    core_attn: SDPA keeps its inputs only (its output and logsumexp go). mla_up_proj: q, k, v come back from the
-    kept latents. mlp / moe / shared_experts: the block keeps its input only (the shared expert's and the dense
-    MLP's input are already items; the MoE block's is added). moe_act: the experts' activation (silu and
-    product) is recomputed from the kept gate/up output. layernorm: see `_layernorm_recomputed`.
+    core_attn: SDPA keeps its inputs only (its output and logsumexp go). mla_up_proj: see `_mla_up_recomputed`.
+    mlp / shared_experts: the MLP keeps its input only (already an item). moe: the whole layer keeps its input,
+    the post-attention norm's output (a x Ts x h). moe_act: silu(gate) goes; gate and up are its inputs and the
+    product its output, kept by the down projection. layernorm: see `_layernorm_recomputed`.
     """
-    drop = set().union(*(DROPPED_REGIONS[m] for m in modules))
-    out = [i for i in items if i.region not in drop]
-    if "moe" in modules and any(i.region == "moe" for i in items):
-        out.append(Saved("moe", "moe.input", lay.act_bytes * lay.moe_tokens * cfg.hidden_size))
-    if "layernorm" in modules:
+    names = set(modules)
+    out = list(items)
+    if cfg.family == "deepseek_v3" and "mla_up_proj" in names:
+        out = _mla_up_recomputed(out, cfg, lay)
+    elif "core_attn" in names:
+        out = _without(out, {"sdpa.out", "sdpa.logsumexp"})
+    moe_layer = any(i.region == "moe" for i in items)
+    if moe_layer and "moe" in names:
+        out = [i for i in out if i.region not in ("moe", "moe_act", "shared_experts", "shared_experts_input")]
+        out.append(Saved("moe", "moe.input", lay.act_bytes * lay.seq_tokens * cfg.hidden_size))
+    elif moe_layer:
+        if "moe_act" in names:
+            out = _without(out, {"experts.silu"})
+        if "shared_experts" in names:
+            out = _without(out, {f"shared_experts.{n}" for n in SWIGLU})
+    elif "mlp" in names:
+        out = _without(out, {f"mlp.{n}" for n in SWIGLU})
+    if "layernorm" in names:
         out = _layernorm_recomputed(out, lay, cfg.hidden_size)
     return out
 
@@ -297,8 +333,19 @@ def layer_activation_bytes(
     cfg: ModelConfig, lay: ActivationLayout, *, layer_index: int, policy: RecomputePolicy = RecomputePolicy()
 ) -> float:
     """Bytes one layer keeps for backward under a selective (or no) policy; full recompute is per chunk
-    (see `chunk_activation_bytes`)."""
+    (see `chunk_activation_bytes`, and `full_recompute_layer_bytes` for one layer's share)."""
     return _kind_bytes(cfg, lay, cfg.is_moe_layer(layer_index), policy)
+
+
+def full_recompute_layer_bytes(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy, *,
+                               layer_index: int, position: int) -> float:
+    """What the layer at `position` (0-based) of its model chunk keeps under full recompute: a checkpointed group
+    keeps only its input, counted for the group's first layer (its other layers keep nothing); block's layers
+    after the first num_layers keep everything."""
+    n = policy.num_layers
+    if policy.method == "block" and position >= n:
+        return layer_activation_bytes(cfg, lay, layer_index=layer_index)
+    return layer_input_bytes(cfg, lay) if policy.method == "block" or position % n == 0 else 0.0
 
 
 _KIND_CACHE: dict[tuple, tuple[ModelConfig, float]] = {}
@@ -341,7 +388,7 @@ def chunk_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, chunk, polic
         return sum(_kind_bytes(cfg, lay, moe, policy) * n for moe, n in counts.items() if n), 0.0
     kinds = {moe: _kind_bytes(cfg, lay, moe, RecomputePolicy()) for moe, n in counts.items() if n}
     full = [kinds[cfg.is_moe_layer(i)] for i in layers]
-    n = policy.num_layers
+    n = min(policy.num_layers, len(layers))
     if policy.method == "block":
         return n * layer_input_bytes(cfg, lay) + sum(full[n:]), max(full[:n])
     groups = [full[g : g + n] for g in range(0, len(full), n)]
@@ -356,15 +403,26 @@ def head_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, *, vocab_para
     return norm + a * ts * h + FP32 * lay.tokens * vocab
 
 
-def mtp_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) -> float:
-    """One MTP module: its two input norms, the 2h->h projection's input, one decoder block of the last
-    layer's kind, its final norm, and its own loss over the vocabulary."""
+def mtp_items(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) -> list[Saved]:
+    """One MTP module's saves (its head and loss aside): the embedding's norm, the hidden state's norm (whose
+    input, the main model's final norm output, the head keeps too: counted there in an fp32 run), the 2h -> h
+    projection's input, one decoder block of the last layer's kind (selective recompute applies, full does not:
+    MTP blocks are not part of the stack) and the final norm."""
     a, ts, h = lay.act_bytes, lay.seq_tokens, cfg.hidden_size
-    norms = 2 * (FP32 * ts * h + FP32 * ts + a * ts * h)
-    block = layer_activation_bytes(cfg, lay, layer_index=cfg.num_layers, policy=policy)
-    if policy.granularity == "full":
-        block = layer_input_bytes(cfg, lay)
-    return norms + a * ts * 2 * h + block + head_activation_bytes(cfg, lay, vocab_parallel=True)
+    hnorm = _norm("mtp", "hnorm", ts, h, a)
+    if a == FP32:
+        hnorm = hnorm[1:]
+    items = [*_norm("mtp", "enorm", ts, h, a), *hnorm, Saved("mtp", "eh_proj.input", a * ts * 2 * h)]
+    block = layer_items(cfg, lay, layer_index=cfg.num_layers)
+    if policy.granularity == "selective":
+        block = apply_selective(block, policy.modules, cfg, lay)
+    return [*items, *block, *_norm("mtp", "norm", ts, h, a)]
+
+
+def mtp_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) -> float:
+    """One MTP module with its own head loss over the (tp-sharded) vocabulary."""
+    module = sum(i.bytes for i in mtp_items(cfg, lay, policy))
+    return module + head_activation_bytes(cfg, lay, vocab_parallel=True)
 
 
 def other_activation_bytes(cfg: ModelConfig, lay: ActivationLayout) -> float:

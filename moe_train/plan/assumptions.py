@@ -53,7 +53,7 @@ class Assumptions:
     """CUDA context, NCCL buffers and the allocator's own slack, per GPU."""
     fsdp_prefetch_units: int = 2
     """Unsharded layers' parameters live at once under FSDP2 (the current one and the prefetched next)."""
-    fsdp_reduce_every_micro_batch: bool = True
+    fsdp_reduce_every_micro_batch: bool = False
     """Without pipelining: FSDP2's default, gradients reduce-scattered after every micro-batch's backward
     (sharded gradients, micro-batches times the gradient traffic). False: accumulated unsharded in fp32 and
     reduced once per step (`set_requires_gradient_sync(False)` until the last micro-batch)."""

@@ -4,21 +4,38 @@ Payload (DECISIONS.md): all-reduce and reduce-scatter count their input tensor, 
 sent, all-to-all the bytes sent to other ranks, pipeline `send` the bytes sent; forward, backward and
 recompute together. Bus bytes, for the time model, use the usual collective-benchmark factors for a group of
 n: all-reduce 2(n-1)/n of the input, reduce-scatter (n-1)/n of the input, all-gather (n-1) shards, all-to-all
-and send as sent. Per micro-batch and layer (T tokens of the micro-batch, a bytes per activation, h hidden):
-- tp without SP: 2 all-reduces of a*T*h forward (after attention and after the MLP), 2 backward.
-- tp with SP: forward 2 all-gathers (shard a*T*h/tp) and 2 reduce-scatters (a*T*h); backward the mirror
-  images, plus one all-gather per sequence-parallel GEMM input (the saved shard, gathered again): 6 shards
-  gathered and 4 reduce-scatters per layer. The vocabulary-parallel head and loss add one of each and three
-  fp32 all-reduces of T values (max, sum, target logit).
-- ep (alltoall dispatcher): dispatch and combine forward and backward, each a*Tm*k*h*(ep-1)/ep sent at even
-  routing (Tm = T/tp routed tokens). etp > 1 adds an all-gather of the received rows and a reduce-scatter of
-  the expert outputs (and their backward mirror images). The allgather dispatcher gathers tokens and routing
-  over ep*etp instead.
-- dp / dp_cp and edp (FSDP2): all-gather of this rank's parameter shard in the parameter dtype for forward
-  (and again for backward when resharding after forward), reduce-scatter of the full fp32 gradient, each
-  micro-batch; under pipelining once per step (Assumptions).
-- pp: activations forward and their gradients backward, a*T*h (/tp under SP) per crossing of a stage boundary.
-A forward repeated by recompute (full, or selective `moe`) repeats that forward's collectives.
+and send as sent. Every collective the engine issues is listed, read from the code (parallel/tensor.py,
+parallel/collectives.py, models/moe/, train/grad_norm.py, FSDP2), per micro-batch (T tokens of the
+micro-batch on this rank, Ts of them in the sequence region, Tm routed; a bytes per activation, h hidden):
+
+- tp without SP, per block: an all-reduce of a T h after attention and after the MLP, and in backward one per
+  region entry (GQA: q/k/v share one; MLA: the q and kv latents and the rope key each enter); with SP the
+  entries are all-gathers of the shard (backward: reduce-scatters of a T width) and the exits reduce-scatters
+  (backward: all-gathers), and every column-parallel GEMM reading a gathered input gathers its saved shard
+  again in backward (GQA's q, k, v: 3; MLP gate, up: 2; MLA's q_b and kv_b: 1 each). MoE layers route their
+  slice (without SP: cut from the replicated input, whose backward all-gathers, and gathered again); a shared
+  expert is a sequence-parallel MLP over the slices. The embedding (each call: the main one and one per MTP
+  depth) all-reduces (SP: reduce-scatters) its output; each head enters a region; each loss all-reduces three
+  fp32 values per token. Switch-style balancing losses all-reduce E + 1 int64 counts over tp (and, for
+  global_aux_loss, over dp) in forward only, seq_aux_loss b x E fp32 counts in every forward (recompute too).
+- ep, alltoall: per MoE forward, the counts exchange ((ep - 1) x E/ep int64) and the rows a x h each: to
+  other ranks Tm k minus this rank's share, back the rows it received; backward the mirror image. Exact at
+  even routing (expert e gets floor or ceil of Tm k / E). allgather over ep (ep x etp: `ep_etp`): token
+  counts, routing ids, hidden states and weights gathered, fp32 per-token sums reduce-scattered, and their
+  backward (docs/plan.md lists each).
+- dp (dp_cp) and edp, FSDP2: per unit (a block, its experts, an MTP module, the root) an all-gather of this
+  rank's padded shard in the parameter dtype in each micro-batch's forward and again in its backward (when
+  resharding after forward), and one reduce-scatter of the fp32 gradient (padded, all shards) per step (the
+  trainer syncs gradients in the last micro-batch only); under pipelining once per step (Assumptions).
+- per step: the sum over tp of replicated parameters' partial gradients (one fp32 all-reduce of their local
+  shards) and the gradient norm: one fp32 value per parameter tensor, all-reduced over each dimension of its
+  mesh (plain tensors: dp; tensor-parallel ones: dp and tp; experts: edp, and ep, or ep x etp at once over
+  the flattened group the all-gather dispatcher made, which DTensor then uses).
+- pp: activations forward and their gradients backward, a Ts h per crossing of a stage boundary.
+Recompute repeats a region's forward collectives up to its last saved tensor (recompute.py): not the exit of a
+dense MLP (or of a shared expert with nothing saved after it, or else the all-gather dispatcher's final
+reduce-scatter when nothing follows it), nor a MoE layer's final gather; a full-recompute group skips its last
+layer's only.
 """
 
 from __future__ import annotations
@@ -26,11 +43,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moe_train.config.hardware import Hardware
-from moe_train.config.schema import Recipe
+from moe_train.config.schema import ModelConfig, Recipe
 
 from .activations import ActivationLayout
 from .assumptions import Assumptions
 from .layout import Chunk, PlanLayout, crosses_network, ranks_within_domain
+from .params import RankParams, fsdp_rows
+from .recompute import recompute_groups, saves_after_shared_experts
+
+INT64, FP32 = 8, 4
+
+# One collective: (group, op, payload bytes). A pass is the list of collectives one forward (or backward)
+# of some piece of the model issues.
+Collective = tuple[str, str, float]
 
 
 @dataclass
@@ -39,7 +64,7 @@ class CommCounter:
     bus: dict[str, float] = field(default_factory=dict)
 
     def add(self, group: str, op: str, payload: float, size: int, times: float = 1.0) -> None:
-        if size <= 1 or payload <= 0:
+        if size <= 1 or payload <= 0 or times <= 0:
             return
         key = f"{group}/{op}"
         factor = {"all_reduce": 2 * (size - 1) / size, "reduce_scatter": (size - 1) / size,
@@ -51,71 +76,262 @@ class CommCounter:
         return {key: ("network" if crosses_network(layout, key.split("/")[0], nvlink_domain=hw.nvlink_domain)
                       else "nvlink") for key in sorted(self.payload)}
 
+    def add_pass(self, collectives: list[Collective], sizes: dict[str, int], times: float) -> None:
+        for group, op, payload in collectives:
+            self.add(group, op, payload, sizes[group], times)
+
     @classmethod
     def for_rank(cls, recipe: Recipe, layout: PlanLayout, lay: ActivationLayout, chunks: list[Chunk],
-                 params, param_bytes: int, a: Assumptions) -> CommCounter:
-        m = recipe.model
+                 params: RankParams, param_bytes: int, a: Assumptions) -> CommCounter:
         out = cls()
+        m = recipe.model
+        model = _ModelComm(m, layout, lay)
+        sizes = {"pp": layout.pp, "dp": layout.dp, "dp_cp": layout.dp * layout.cp, "tp": layout.tp,
+                 "edp": layout.edp, "ep": layout.ep, "etp": layout.etp, "ep_etp": layout.ep * layout.etp}
         mb = layout.micro_batches
-        t, h, act = lay.tokens, m.hidden_size, lay.act_bytes
-        full = act * t * h
-        tp = layout.tp
         policy = layout.recompute
-        n_layers = sum(len(c.layers) + c.mtp for c in chunks)
-        moe_layers = sum(c.moe_layers for c in chunks) + sum(c.mtp for c in chunks) * (m.moe is not None)
-        # forward passes of a layer per micro-batch: 1, plus the recompute of full granularity
-        forwards = 2 if policy.granularity == "full" else 1
-        moe_forwards = 2 if policy.granularity == "full" or "moe" in policy.modules else 1
+        modules = set(policy.modules) if policy.granularity == "selective" else set()
 
-        # tensor (and sequence) parallel
-        heads = sum(c.loss for c in chunks) + sum(c.mtp for c in chunks)
-        if layout.sequence_parallel:
-            out.add("tp", "all_gather", full / tp, tp, mb * n_layers * (2 * forwards + 4))
-            out.add("tp", "reduce_scatter", full, tp, mb * n_layers * (2 * forwards + 2))
-            out.add("tp", "all_gather", full / tp, tp, mb * heads * 2)
-            out.add("tp", "reduce_scatter", full, tp, mb * (heads + sum(c.embedding for c in chunks)))
-        else:
-            out.add("tp", "all_reduce", full, tp, mb * n_layers * (2 * forwards + 2))
-            out.add("tp", "all_reduce", full, tp, mb * (heads + sum(c.embedding for c in chunks)))
-        out.add("tp", "all_reduce", 4 * t, tp, mb * heads * 3)
+        def layer(moe: bool, *, stack: bool) -> None:
+            out.add_pass(model.block(moe, "forward"), sizes, mb)
+            out.add_pass(model.block(moe, "backward"), sizes, mb)
+            if modules:
+                out.add_pass(model.selective_recompute(moe, modules), sizes, mb)
 
-        # expert parallel
-        if m.moe is not None and moe_layers:
-            k = m.moe.top_k
-            routed = t / tp
-            rows = act * routed * k * h
-            ep, etp = layout.ep, layout.etp
-            if m.moe.dispatcher == "alltoall":
-                out.add("ep", "all_to_all", rows * (ep - 1) / ep, ep, mb * moe_layers * (2 * moe_forwards + 2))
-                out.add("etp", "all_gather", rows, etp, mb * moe_layers * (moe_forwards + 1))
-                out.add("etp", "reduce_scatter", rows * etp, etp, mb * moe_layers * (moe_forwards + 1))
-            else:
-                group = "ep_etp" if etp > 1 else "ep"
-                n = ep * etp
-                tokens_and_routing = act * routed * h + routed * k * (8 + 4)
-                out.add(group, "all_gather", tokens_and_routing, n, mb * moe_layers * moe_forwards)
-                out.add(group, "all_gather", act * routed * h, n, mb * moe_layers)
-                out.add(group, "reduce_scatter", act * routed * h * n, n, mb * moe_layers * (moe_forwards + 1))
+        for chunk in chunks:
+            for index in chunk.layers:
+                layer(m.is_moe_layer(index), stack=True)
+            if policy.granularity == "full":
+                for group in recompute_groups(chunk.layers, policy):
+                    out.add_pass(model.group_recompute([m.is_moe_layer(i) for i in group]), sizes, mb)
+            embeddings = int(chunk.embedding) + chunk.mtp  # each MTP depth looks its tokens up again
+            out.add_pass(model.embedding() * embeddings, sizes, mb)
+            heads = int(chunk.loss) + chunk.mtp
+            out.add_pass(model.head() * heads, sizes, mb)
+            for _ in range(chunk.mtp):
+                layer(m.moe is not None, stack=False)
 
-        # FSDP2 over dp (dp_cp) for dense parameters and edp for experts
-        if layout.pp > 1 or a.fsdp_once_per_step:
-            gathers, reduces = 1, 1
-        else:
-            gathers = mb * (2 if a.fsdp_reshard_after_forward else 1)
-            reduces = mb if a.fsdp_reduce_every_micro_batch else 1
-        dense_group = "dp_cp" if layout.cp > 1 else "dp"
-        for group, count, size in ((dense_group, params.dense, layout.dp * layout.cp),
-                                   ("edp", params.experts, layout.edp)):
-            out.add(group, "all_gather", param_bytes * count / size, size, gathers)
-            out.add(group, "reduce_scatter", 4 * count, size, reduces)
+        _per_step(out, recipe, layout, params, sizes)
+        _fsdp(out, recipe, layout, params, param_bytes, a, sizes)
 
         # pipeline: forward activations out of every chunk but the model's last, gradients back out of every
         # chunk but the first
-        boundary = act * (t / tp if layout.sequence_parallel else t) * h
+        boundary = lay.act_bytes * lay.seq_tokens * m.hidden_size
         last = layout.pp * layout.vpp - 1
         sends = sum((c.virtual_index != last) + (c.virtual_index != 0) for c in chunks)
         out.add("pp", "send", boundary, layout.pp, mb * sends)
         return out
+
+
+def even_share(slots: int, num_experts: int, local_experts: int, coordinate: int = 0) -> int:
+    """Slots of `slots` (forced even routing: slot s to expert s mod E) that the experts of one expert-parallel
+    rank receive."""
+    base, extra = divmod(slots, num_experts)
+    first = coordinate * local_experts
+    return local_experts * base + max(0, min(extra, first + local_experts) - first)
+
+
+class _ModelComm:
+    """The collectives of each piece of the model for one micro-batch on this rank (see the module docstring)."""
+
+    def __init__(self, m: ModelConfig, layout: PlanLayout, lay: ActivationLayout) -> None:
+        self.m, self.layout = m, layout
+        self.tp = layout.tp
+        self.sp = layout.sequence_parallel and layout.tp > 1
+        self.a, self.h = lay.act_bytes, m.hidden_size
+        self.t, self.ts, self.tm = lay.tokens, lay.seq_tokens, lay.moe_tokens
+        self.batch = lay.micro_batch
+
+    # ---- tensor parallelism: one region entered with `width` features, one row-parallel exit of h
+    def _enter(self, width: float, direction: str, *, gemms: int, sp: bool | None = None,
+               rows: float | None = None) -> list[Collective]:
+        """A region's entry for `gemms` column-parallel GEMMs reading an input of `width` features (`rows` of
+        them on this rank: the sequence region's by default). `direction`: forward, backward or recompute (a
+        forward run again)."""
+        sp = self.sp if sp is None else sp
+        rows = self.ts if rows is None else rows
+        a = self.a
+        if self.tp == 1:
+            return []
+        if not sp:  # a copy whose gradient is all-reduced
+            return [("tp", "all_reduce", a * self.t * width)] if direction == "backward" else []
+        if direction != "backward":
+            return [("tp", "all_gather", a * rows * width)]
+        gathers = [("tp", "all_gather", a * rows * width)] * gemms  # the saved shard, gathered again
+        return [("tp", "reduce_scatter", a * rows * self.tp * width), *gathers]
+
+    def _exit(self, direction: str, *, sp: bool | None = None, rows: float | None = None) -> list[Collective]:
+        """A row-parallel GEMM's partial sums to the replicated value (all-reduce) or this rank's shard (SP)."""
+        sp = self.sp if sp is None else sp
+        if self.tp == 1:
+            return []
+        full = self.a * (rows if rows is not None else self.t) * self.h
+        if not sp:
+            return [("tp", "all_reduce", full)] if direction != "backward" else []
+        return [("tp", "reduce_scatter", full)] if direction != "backward" else [("tp", "all_gather", full / self.tp)]
+
+    def attention(self, direction: str) -> list[Collective]:
+        m = self.m
+        if m.family != "deepseek_v3":
+            return self._enter(self.h, direction, gemms=3) + self._exit(direction)
+        q_width = m.q_lora_rank or self.h
+        out = self._enter(q_width, direction, gemms=1) + self._enter(m.kv_lora_rank, direction, gemms=1)
+        out += self._enter(m.qk_rope_head_dim, direction, gemms=0)  # the shared rope key joins the heads
+        return out + self._exit(direction)
+
+    def mlp(self, direction: str) -> list[Collective]:
+        return self._enter(self.h, direction, gemms=2) + self._exit(direction)
+
+    def moe(self, direction: str, *, recompute: bool = False) -> list[Collective]:
+        """A MoE layer's tensor- and expert-parallel collectives (forward includes its recompute when asked)."""
+        moe, a, h, tp = self.m.moe, self.a, self.h, self.tp
+        router = moe.router
+        out: list[Collective] = []
+        forward = direction == "forward"
+        if tp > 1 and not self.sp and not forward:
+            out.append(("tp", "all_gather", a * self.tm * h))  # the slice's backward
+        if forward and router.aux_loss_coeff > 0 and not recompute:
+            counts = (moe.num_experts + 1) * INT64  # switch-style losses: the token set's counts
+            if router.load_balancing in ("aux_loss", "global_aux_loss") and tp > 1:
+                out.append(("tp", "all_reduce", counts))
+            if router.load_balancing == "global_aux_loss":
+                out.append(("dp", "all_reduce", counts))
+        if forward and router.load_balancing == "seq_aux_loss" and router.aux_loss_coeff > 0 and tp > 1:
+            out.append(("tp", "all_reduce", self.batch * moe.num_experts * FP32))
+        out += self._dispatch(direction)
+        if moe.shared_expert_ffn_hidden_size:  # a sequence-parallel MLP over the layer's token slices
+            out += self._enter(h, direction, gemms=2, sp=True, rows=self.tm)
+            out += self._exit(direction, sp=True, rows=self.tm * tp)
+        if tp > 1 and not self.sp and forward:
+            out.append(("tp", "all_gather", a * self.tm * h))  # the outputs gathered again
+        return out
+
+    def _dispatch(self, direction: str) -> list[Collective]:
+        moe, lay, a, h = self.m.moe, self.layout, self.a, self.h
+        ep, etp, k, tm = lay.ep, lay.etp, moe.top_k, self.tm
+        forward = direction == "forward"
+        if moe.dispatcher == "alltoall":
+            if ep == 1:
+                return []
+            slots, local = tm * k, moe.num_experts // ep
+            mine = even_share(int(slots), moe.num_experts, local)
+            out = [("ep", "all_to_all", (ep - 1) * local * INT64)] if forward else []
+            return out + [("ep", "all_to_all", (slots - mine) * h * a), ("ep", "all_to_all", (ep - 1) * mine * h * a)]
+        group, n = ("ep_etp" if etp > 1 else "ep"), ep * etp
+        if n == 1:
+            return []
+        if forward:
+            return [(group, "all_gather", 2 * INT64), (group, "all_gather", tm * k * INT64),
+                    (group, "all_gather", a * tm * h), (group, "all_gather", tm * k * FP32),
+                    (group, "reduce_scatter", n * tm * h * FP32)]
+        return [(group, "reduce_scatter", n * tm * h * a), (group, "reduce_scatter", n * tm * k * FP32),
+                (group, "all_gather", tm * h * FP32)]
+
+    def block(self, moe: bool, direction: str) -> list[Collective]:
+        return self.attention(direction) + (self.moe(direction) if moe else self.mlp(direction))
+
+    def _tail(self, moe: bool) -> list[Collective]:
+        """What a recomputation that ends with this layer does not re-run (everything after its last save)."""
+        if not moe:
+            return self._exit("forward")
+        out = []
+        shared, saves_after = self.m.moe.shared_expert_ffn_hidden_size, saves_after_shared_experts(self.m)
+        if not shared and not saves_after and self.m.moe.dispatcher == "allgather":
+            out += [c for c in self._dispatch("forward") if c[1] == "reduce_scatter"]  # the combine's
+        if shared and not saves_after:
+            out += self._exit("forward", sp=True, rows=self.tm * self.tp)
+        if self.tp > 1 and not self.sp:
+            out.append(("tp", "all_gather", self.a * self.tm * self.h))
+        return out
+
+    def selective_recompute(self, moe: bool, modules: set[str]) -> list[Collective]:
+        out: list[Collective] = []
+        m = self.m
+        if m.family == "deepseek_v3" and "mla_up_proj" in modules:  # the up projections enter their regions
+            out += self._enter(m.q_lora_rank or self.h, "recompute", gemms=1)
+            out += self._enter(m.kv_lora_rank, "recompute", gemms=1)
+        if not moe:
+            return out + (self._enter(self.h, "recompute", gemms=2) if "mlp" in modules else [])
+        if "moe" in modules:
+            return out + _minus(self.moe("forward", recompute=True), self._tail(True))
+        if "shared_experts" in modules and m.moe.shared_expert_ffn_hidden_size:
+            out += self._enter(self.h, "recompute", gemms=2, sp=True, rows=self.tm)
+        return out
+
+    def group_recompute(self, kinds: list[bool]) -> list[Collective]:
+        """A full-recompute group (its layers' kinds in order): every forward collective but the last tail."""
+        out: list[Collective] = []
+        for moe in kinds:
+            out += self.attention("forward") + (self.moe("forward", recompute=True) if moe else self.mlp("forward"))
+        return _minus(out, self._tail(kinds[-1]))
+
+    def embedding(self) -> list[Collective]:
+        """The vocabulary-parallel lookup's reduction (forward), and under SP its backward all-gather."""
+        if self.tp == 1:
+            return []
+        full = self.a * self.t * self.h
+        if not self.sp:
+            return [("tp", "all_reduce", full)]
+        return [("tp", "reduce_scatter", full), ("tp", "all_gather", full / self.tp)]
+
+    def head(self) -> list[Collective]:
+        """A head's region (its column-parallel GEMM over the vocabulary) and the vocabulary-parallel loss."""
+        if self.tp == 1:
+            return []
+        region = self._enter(self.h, "forward", gemms=1) + self._enter(self.h, "backward", gemms=1)
+        return region + [("tp", "all_reduce", FP32 * self.t)] * 3
+
+
+def _minus(collectives: list[Collective], removed: list[Collective]) -> list[Collective]:
+    """`collectives` without one occurrence of each of `removed` (the latest first)."""
+    out = list(collectives)
+    for item in removed:
+        for index in range(len(out) - 1, -1, -1):
+            if out[index] == item:
+                del out[index]
+                break
+    return out
+
+
+def _per_step(out: CommCounter, recipe: Recipe, layout: PlanLayout, params: RankParams,
+              sizes: dict[str, int]) -> None:
+    """Once per step: the replicated parameters' partial gradients summed over tp, and the gradient norm."""
+    partial = sum(unit.count * fsdp_rows(t.shape[0], unit.shards)[0] * (t.numel // t.shape[0])
+                  for unit in params.units for t in unit.tensors if t.partial)
+    out.add("tp", "all_reduce", FP32 * partial, layout.tp)
+    tensors = {"dense": 0, "tp": 0, "experts": 0}
+    for tensor, count in params.tensors:
+        tensors[tensor.mesh] += count
+    out.add("dp", "all_reduce", FP32 * tensors["dense"], layout.dp)
+    out.add("dp", "all_reduce", FP32 * tensors["tp"], layout.dp)
+    out.add("tp", "all_reduce", FP32 * tensors["tp"], layout.tp)
+    # Experts: over edp, and as DTensors over ep and etp too; DTensor reduces over several dimensions at once
+    # when a flattened group of exactly those exists (ep_etp, made for the all-gather dispatcher).
+    expert_dims = [(d, n) for d, n in (("edp", layout.edp), ("ep", layout.ep), ("etp", layout.etp)) if n > 1]
+    if [d for d, _ in expert_dims] == ["ep", "etp"]:
+        expert_dims = [("ep_etp", layout.ep * layout.etp)]
+    for group, size in expert_dims:
+        out.add(group, "all_reduce", FP32 * tensors["experts"], size)
+    out.add("pp", "all_reduce", FP32, layout.pp)  # the stages' squared norms
+
+
+def _fsdp(out: CommCounter, recipe: Recipe, layout: PlanLayout, params: RankParams, param_bytes: int,
+          a: Assumptions, sizes: dict[str, int]) -> None:
+    """FSDP2 over dp (dp_cp) for dense units and edp for experts: each unit's padded shard gathered per micro-batch
+    (forward, and backward when resharding), its fp32 gradient reduce-scattered once per step."""
+    mb = layout.micro_batches
+    if layout.pp > 1 or a.fsdp_once_per_step:
+        gathers, reduces = 1, 1
+    else:
+        reshard = recipe.parallel.reshard_after_forward and a.fsdp_reshard_after_forward
+        gathers = mb * (2 if reshard else 1)
+        reduces = mb if a.fsdp_reduce_every_micro_batch else 1
+    dense_group = "dp_cp" if layout.cp > 1 else "dp"
+    for unit in params.units:
+        group = "edp" if unit.tensors[0].unit == "experts" else dense_group
+        shard = unit.padded_shard
+        out.add(group, "all_gather", param_bytes * shard, unit.shards, gathers * unit.count)
+        out.add(group, "reduce_scatter", FP32 * shard * unit.shards, unit.shards, reduces * unit.count)
 
 
 def comm_time(counter: CommCounter, layout: PlanLayout, hw: Hardware, a: Assumptions) -> dict[str, dict]:

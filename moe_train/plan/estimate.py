@@ -15,16 +15,19 @@ from .activations import (
     ActivationLayout,
     chunk_activation_bytes,
     expert_rows,
+    full_recompute_layer_bytes,
     head_activation_bytes,
     layer_activation_bytes,
     mtp_activation_bytes,
+    mtp_items,
     other_activation_bytes,
 )
 from .assumptions import Assumptions
 from .comm import CommCounter, comm_time
 from .flops import forward_flops_per_token, layer_flops_by_region
 from .layout import Chunk, PlanLayout, in_flight, rank_chunks
-from .params import attention_matrices
+from .params import RankParams, rank_params
+from .recompute import recompute_groups, saves_after_shared_experts
 
 PARAM_BYTES = {"bf16": 2, "fp8": 2, "fp32": 4}  # fp8 keeps bf16 weights; the GEMMs quantise on the fly
 MASTER_BYTES = 4
@@ -33,65 +36,6 @@ ADAM_BYTES = 8  # fp32 m and v
 
 
 # ----------------------------------------------------------------------------------------------- params
-
-
-def _layer_params(m: ModelConfig, layer: int, tp: int, ep: int, etp: int) -> tuple[float, float, float]:
-    """(dense parameters on one rank, expert parameters on one rank, dense parameters of the whole layer)."""
-    h = m.hidden_size
-    if m.family == "deepseek_v3":
-        replicated = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + (
-            h * m.q_lora_rank + m.q_lora_rank if m.q_lora_rank else 0
-        )
-        sharded = attention_matrices(m) - h * (m.kv_lora_rank + m.qk_rope_head_dim) - (
-            h * m.q_lora_rank if m.q_lora_rank else 0
-        )
-    else:
-        replicated = 2 * m.attention_head_dim if m.qk_norm else 0
-        sharded = attention_matrices(m)
-    replicated += 2 * h
-    experts = 0.0
-    if m.is_moe_layer(layer):
-        moe = m.moe
-        replicated += moe.num_experts * h
-        sharded += 3 * h * moe.shared_expert_ffn_hidden_size
-        experts = moe.num_experts * 3 * h * moe.ffn_hidden_size / (ep * etp)
-    else:
-        sharded += 3 * h * m.ffn_hidden_size
-    return replicated + sharded / tp, experts, replicated + sharded
-
-
-@dataclass
-class RankParams:
-    dense: float = 0.0  # on this rank before FSDP sharding (after tp)
-    experts: float = 0.0  # on this rank before FSDP sharding (after ep, etp)
-    largest_unit: float = 0.0  # the largest FSDP unit (a layer, or the embedding/head), unsharded on this rank
-
-
-def rank_params(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk]) -> RankParams:
-    out = RankParams()
-    vocab = m.padded_vocab_size() * m.hidden_size / layout.tp
-    kinds = {moe: _layer_params(m, m.num_layers if moe else 0, layout.tp, layout.ep, layout.etp)
-             for moe in (False, True)}
-    for chunk in chunks:
-        for moe, count in ((True, chunk.moe_layers), (False, len(chunk.layers) - chunk.moe_layers)):
-            if count:
-                dense, experts, _ = kinds[moe]
-                out.dense += dense * count
-                out.experts += experts * count
-                out.largest_unit = max(out.largest_unit, dense + experts)
-        if chunk.embedding:
-            out.dense += vocab
-            out.largest_unit = max(out.largest_unit, vocab)
-        if chunk.loss and (not m.tie_embeddings or layout.pp > 1):
-            out.dense += vocab + m.hidden_size
-            out.largest_unit = max(out.largest_unit, vocab)
-        for _ in range(chunk.mtp):
-            dense, experts, _ = _layer_params(m, m.num_layers, layout.tp, layout.ep, layout.etp)
-            out.dense += dense + 2 * m.hidden_size * m.hidden_size / layout.tp + 3 * m.hidden_size
-            out.experts += experts
-            if layout.pp > 1 and not chunk.embedding:  # the last stage's own copy of the embedding
-                out.dense += vocab
-    return out
 
 
 # ------------------------------------------------------------------------------------------------ plan
@@ -165,64 +109,99 @@ def _activation_layout(recipe: Recipe, layout: PlanLayout, a: Assumptions) -> Ac
     )
 
 
+def _kernel(region: str) -> str:
+    return "attention" if region == "core_attn" else "grouped_gemm" if region == "experts" else "gemm"
+
+
+def _layer_flops(m: ModelConfig, layout: PlanLayout, moe_layer: bool, a: Assumptions) -> dict[str, float]:
+    """Forward FLOPs per token of the micro-batch that this rank runs for one layer, by region: sharded work
+    divides by tp, MLA's replicated down projections only under SP (they run on the sequence region), routed
+    experts scale by the stated imbalance."""
+    regions = dict(_regions_of(m, moe_layer, layout.seq_length))
+    tp = layout.tp
+    out = {"attention": (regions["attention"] - regions.get("mla_down_proj", 0.0)) / tp,
+           "mla_down_proj": regions.get("mla_down_proj", 0.0) / (tp if layout.sequence_parallel else 1),
+           "core_attn": regions["core_attn"] / tp}
+    if "mla_up_proj" in regions:
+        out["mla_up_proj"] = regions["mla_up_proj"] / tp  # part of `attention`
+    for name in ("mlp", "router", "shared_experts"):
+        if name in regions:
+            out[name] = regions[name] / tp
+    if "experts" in regions:
+        out["experts"] = regions["experts"] / tp * a.moe_imbalance
+    return out
+
+
+def _regions_of(m: ModelConfig, moe_layer: bool, seq: int) -> dict[str, float]:
+    index = m.num_layers if moe_layer else 0  # an index past first_k_dense is MoE where the model has MoE
+    return layer_flops_by_region(m, layer=index, seq_length=seq, executed=True)
+
+
+def _selective_recompute(m: ModelConfig, flops: dict[str, float], modules: set[str], moe_layer: bool) -> dict:
+    """{region: FLOPs} that selective recompute runs again: each region up to its last saved tensor (the final
+    down projection of an MLP is not re-run: nothing after it saves anything)."""
+    out: dict[str, float] = {}
+    if "mla_up_proj" in modules and "mla_up_proj" in flops:
+        out["mla_up_proj"], out["core_attn"] = flops["mla_up_proj"], flops["core_attn"]  # the region ends in SDPA
+    elif "core_attn" in modules:
+        out["core_attn"] = flops["core_attn"]
+    if not moe_layer:
+        if "mlp" in modules:
+            out["mlp"] = flops["mlp"] * 2 / 3
+        return out
+    shared = flops.get("shared_experts", 0.0)
+    if "moe" in modules:
+        out["router"], out["experts"] = flops["router"], flops["experts"]
+        out["shared_experts"] = shared if saves_after_shared_experts(m) else shared * 2 / 3
+    elif "shared_experts" in modules:
+        out["shared_experts"] = shared * 2 / 3
+    return out
+
+
+def _group_tail(m: ModelConfig, flops: dict[str, float], moe_layer: bool) -> dict[str, float]:
+    """What a recomputation ending with this layer does not re-run: everything after the last saved tensor."""
+    if not moe_layer:
+        return {"mlp": flops["mlp"] / 3}
+    if flops.get("shared_experts") and not saves_after_shared_experts(m):
+        return {"shared_experts": flops["shared_experts"] / 3}
+    return {}
+
+
 def _rank_flops(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk], a: Assumptions) -> tuple[dict, dict]:
     """Executed FLOPs of one rank per step ({forward, backward, recompute, total}) and the same split by kind
     of kernel ({gemm, grouped_gemm, attention}, forward + backward + recompute) for the time model."""
-    seq = layout.seq_length
-    tokens = layout.micro_batches * layout.micro_batch * seq / layout.cp  # this rank's share of the sequence
+    tokens = layout.micro_batches * layout.micro_batch * layout.seq_length / layout.cp  # this rank's share
     policy = layout.recompute
     fwd = {"gemm": 0.0, "grouped_gemm": 0.0, "attention": 0.0}
     rec = {"gemm": 0.0, "grouped_gemm": 0.0, "attention": 0.0}
+    kinds = {moe: _layer_flops(m, layout, moe, a) for moe in {False, m.moe is not None}}
 
-    def add(target: dict, kind: str, per_token: float, scale: float = 1.0) -> None:
-        target[kind] += per_token * tokens / layout.tp * scale
-
-    def layer(index: int, count: int) -> None:
-        if count == 0:
-            return
-        regions = {k: v * count for k, v in layer_flops_by_region(m, layer=index, seq_length=seq,
-                                                                   executed=True).items()}
-        moe = "experts" in regions
+    def add(target: dict, regions: dict[str, float], sign: float = 1.0) -> None:
         for name, value in regions.items():
-            if name == "mla_up_proj":
-                continue  # part of `attention`
-            kind = "attention" if name == "core_attn" else "grouped_gemm" if name == "experts" else "gemm"
-            scale = a.moe_imbalance if name == "experts" else 1.0
-            add(fwd, kind, value, scale)
-        if policy.granularity == "full":
-            last = "shared_experts" if moe and regions.get("shared_experts") else ("mlp" if not moe else None)
-            for name, value in regions.items():
-                if name == "mla_up_proj":
-                    continue
-                kind = "attention" if name == "core_attn" else "grouped_gemm" if name == "experts" else "gemm"
-                # non-reentrant checkpointing stops once the last saved tensor is back: the final down
-                # projection (dense MLP or shared expert) does not run again
-                value -= value / 3 if name == last else 0.0
-                add(rec, kind, value, a.moe_imbalance if name == "experts" else 1.0)
-        elif policy.granularity == "selective":
-            mods = set(policy.modules)
-            if "core_attn" in mods:
-                add(rec, "attention", regions["core_attn"])
-            if "mla_up_proj" in mods and "mla_up_proj" in regions:
-                add(rec, "gemm", regions["mla_up_proj"])
-            if "mlp" in mods and "mlp" in regions:
-                add(rec, "gemm", regions["mlp"])
-            if moe and "moe" in mods:
-                add(rec, "gemm", regions["router"] + regions["shared_experts"])
-                add(rec, "grouped_gemm", regions["experts"], a.moe_imbalance)
-            elif moe and "shared_experts" in mods:
-                add(rec, "gemm", regions["shared_experts"])
+            if name != "mla_up_proj" or target is rec:  # forward: part of `attention`
+                target[_kernel(name)] += sign * value * tokens
 
-    moe_layers = sum(c.moe_layers for c in chunks)
-    dense_layers = sum(len(c.layers) for c in chunks) - moe_layers
-    layer(0, dense_layers)
-    layer(m.num_layers, moe_layers)  # m.num_layers: an index past first_k_dense (MoE where the model has MoE)
+    def forward_layer(moe: bool) -> None:
+        add(fwd, kinds[moe])
+        if policy.granularity == "selective":
+            add(rec, _selective_recompute(m, kinds[moe], set(policy.modules), moe))
+
+    replicated = 1 if layout.sequence_parallel else layout.tp  # MTP's eh_proj runs on the sequence region
+    head = 2.0 * m.hidden_size * m.padded_vocab_size() / layout.tp  # executed: the padding columns too
     for chunk in chunks:
+        for index in chunk.layers:
+            forward_layer(m.is_moe_layer(index))
+        if policy.granularity == "full":
+            for group in recompute_groups(chunk.layers, policy):
+                for index in group:
+                    add(rec, {k: v for k, v in kinds[m.is_moe_layer(index)].items() if k != "mla_up_proj"})
+                last = m.is_moe_layer(group[-1])
+                add(rec, _group_tail(m, kinds[last], last), sign=-1.0)
         if chunk.loss:
-            add(fwd, "gemm", 2.0 * m.hidden_size * m.vocab_size)
+            add(fwd, {"head": head})
         for _ in range(chunk.mtp):
-            layer(m.num_layers, 1)
-            add(fwd, "gemm", 2.0 * 2 * m.hidden_size * m.hidden_size + 2.0 * m.hidden_size * m.vocab_size)
+            forward_layer(m.moe is not None)
+            add(fwd, {"eh_proj": 2.0 * 2 * m.hidden_size * m.hidden_size / layout.tp * replicated, "head": head})
     forward = sum(fwd.values())
     recompute = sum(rec.values())
     split = {k: 3 * fwd[k] + rec[k] for k in fwd}
@@ -235,8 +214,7 @@ def _plan_rank(recipe: Recipe, layout: PlanLayout, hw: Hardware, a: Assumptions,
     m = recipe.model
     lay = _activation_layout(recipe, layout, a)
     params = rank_params(m, layout, chunks)
-    fsdp_dense = layout.dp * layout.cp
-    local = params.dense / fsdp_dense + params.experts / layout.edp
+    local = params.local
     precision = recipe.train.precision
     param_bytes = PARAM_BYTES[precision]
 
@@ -244,12 +222,19 @@ def _plan_rank(recipe: Recipe, layout: PlanLayout, hw: Hardware, a: Assumptions,
     activations = 0.0
     transient = 0.0
     counts = in_flight(layout, rank)
-    kind_bytes = {moe: layer_activation_bytes(m, lay, layer_index=m.num_layers if moe else 0,
-                                              policy=layout.recompute) for moe in (False, True)}
+    policy = layout.recompute
+    kind_bytes = {moe: layer_activation_bytes(m, lay, layer_index=m.num_layers if moe else 0, policy=policy)
+                  for moe in (False, True)}
+    mtp_index = m.num_layers  # MTP modules are numbered after the decoder layers, as measure numbers them
     for chunk, count in zip(chunks, counts, strict=False):
-        kept, extra = chunk_activation_bytes(m, lay, chunk, layout.recompute)
+        kept, extra = chunk_activation_bytes(m, lay, chunk, policy)
         if detail:
-            per_layer.update({i: kind_bytes[m.is_moe_layer(i)] for i in chunk.layers})
+            for position, index in enumerate(chunk.layers):
+                per_layer[index] = (full_recompute_layer_bytes(m, lay, policy, layer_index=index, position=position)
+                                    if policy.granularity == "full" else kind_bytes[m.is_moe_layer(index)])
+            for _ in range(chunk.mtp):
+                per_layer[mtp_index] = sum(i.bytes for i in mtp_items(m, lay, policy))
+                mtp_index += 1
         activations += kept * count
         transient = max(transient, extra)
         if chunk.loss:
@@ -341,8 +326,7 @@ def estimate(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None
         executed = sum(r.flops["total"] for r in ranks) * layout.pp / len(ranks) * layout.dp * layout.cp * layout.tp
     times = []
     for r in ranks:
-        local = r.params.dense / (layout.dp * layout.cp) + r.params.experts / layout.edp
-        times.append(_time(r, layout, hardware, a, recipe.train.precision, local))
+        times.append(_time(r, layout, hardware, a, recipe.train.precision, r.params.local))
     worst = max(ranks, key=lambda r: r.memory["total"])
     plan = Plan(recipe, hardware, layout, a, ranks, worst, model_flops, executed)
     plan.time = max(times, key=lambda t: t["step"])
@@ -370,7 +354,7 @@ def plan_json(plan: Plan) -> dict:
         "comm_links": w.comm.links(layout, plan.hardware),
         "activation_bytes_per_layer": {str(k): int(v) for k, v in w.activation_bytes_per_layer.items()},
         "params": {"dense_per_rank": int(w.params.dense), "experts_per_rank": int(w.params.experts),
-                   "local_after_fsdp": int(w.params.dense / (layout.dp * layout.cp) + w.params.experts / layout.edp)},
+                   "local_after_fsdp": w.params.local},
         "layout": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "cp": layout.cp, "dp": layout.dp,
                    "ep": layout.ep, "etp": layout.etp, "edp": layout.edp,
                    "sequence_parallel": layout.sequence_parallel, "micro_batch_size": layout.micro_batch,

@@ -59,9 +59,10 @@ def training_flops_per_token(cfg: ModelConfig, *, seq_length: int) -> float:
 def layer_flops_by_region(cfg: ModelConfig, *, layer: int, seq_length: int, executed: bool = False) -> dict[str, float]:
     """Forward FLOPs per token of one decoder layer, by the region a recompute policy names.
 
-    Regions: `attention` (projections), `core_attn` (QK^T and AV), `mla_up_proj` (the part of `attention` that
-    MLA's up projections are), `mlp` (dense), `router`, `experts` (top_k routed), `shared_experts`. `executed`
-    counts what runs rather than model FLOPs: MLA's SDPA runs q, k, v zero-padded to one head width.
+    Regions: `attention` (projections), `core_attn` (QK^T and AV), `mla_up_proj` and `mla_down_proj` (the parts
+    of `attention` that MLA's up and down projections are; the down projections are replicated over tp), `mlp`
+    (dense), `router`, `experts` (top_k routed), `shared_experts`. `executed` counts what runs rather than model
+    FLOPs: MLA's SDPA runs q, k, v zero-padded to one head width.
     """
     return dict(_regions(cfg, cfg.is_moe_layer(layer), seq_length, executed))
 
@@ -78,6 +79,7 @@ def _regions(cfg: ModelConfig, moe_layer: bool, seq_length: int, executed: bool)
         q_up = (cfg.q_lora_rank or 0) * heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         kv_up = cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
         out["mla_up_proj"] = 2.0 * (q_up + kv_up)
+        out["mla_down_proj"] = 2.0 * h * ((cfg.q_lora_rank or 0) + cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     else:
         qk_dim = v_dim = cfg.attention_head_dim
     out["core_attn"] = 2.0 * seq_length * heads * (qk_dim + v_dim)

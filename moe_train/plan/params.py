@@ -8,9 +8,11 @@ The matrix counts (`attention_matrices`, `ffn_matrices`) are also what the FLOPs
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moe_train.config.schema import ModelConfig
+
+from .layout import Chunk, PlanLayout
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,10 @@ def _layer(m: ModelConfig, *, moe_layer: bool, active: bool) -> int:
     )
 
 
-def count_parameters(m: ModelConfig, *, padded: bool = False, tp: int = 1) -> ParameterCount:
-    vocab = m.padded_vocab_size(tp) if padded else m.vocab_size
+def count_parameters(m: ModelConfig, *, padded: bool = False) -> ParameterCount:
+    """`padded`: the vocabulary as allocated, padded to `make_vocab_size_divisible_by` (never by tp: every layout
+    has the same parameter shapes, DECISIONS.md)."""
+    vocab = m.padded_vocab_size() if padded else m.vocab_size
     embedding = vocab * m.hidden_size * (1 if m.tie_embeddings else 2)
     total = active = embedding + m.hidden_size  # + final norm
     for index in range(m.num_layers):
@@ -67,3 +71,194 @@ def count_parameters(m: ModelConfig, *, padded: bool = False, tp: int = 1) -> Pa
     mtp_block = _layer(m, moe_layer=m.moe is not None, active=False)
     mtp = m.mtp_layers * (mtp_block + 2 * m.hidden_size * m.hidden_size + 3 * m.hidden_size)
     return ParameterCount(total=total, active=active, embedding=embedding, mtp=mtp)
+
+
+# ------------------------------------------------------------------------------- tensors as a rank holds them
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter tensor as one rank holds it after tensor and expert parallelism, before FSDP2 shards its
+    dim 0 (`fsdp_rows`).
+
+    `unit` is the FSDP2 unit that gathers it (parallel/data_parallel.py): `block` (a decoder block but its routed
+    experts), `experts`, `mtp` (an MTP module's own projection and norms), `root` (embedding, final norm, head).
+    `mesh` is the group of its gradient norm (train/grad_norm.py): `dense` (plain tensors, FSDP over dp), `tp`
+    (tensor-parallel DTensors, FSDP over dp x tp), `experts` (over edp, or edp x ep x etp when expert-parallel).
+    `partial`: replicated over tp with a partial gradient on each rank, summed over tp once per step."""
+
+    shape: tuple[int, ...]
+    unit: str
+    mesh: str
+    partial: bool = False
+
+    @property
+    def numel(self) -> int:
+        out = 1
+        for size in self.shape:
+            out *= size
+        return out
+
+
+def fsdp_rows(rows: int, shards: int, coordinate: int = 0) -> tuple[int, int]:
+    """(rows this FSDP2 rank holds, rows it sends in an all-gather): dim 0 is cut into `shards` chunks of
+    ceil(rows / shards); the ranks past the end hold fewer or none, and every rank's chunk is padded to the
+    full chunk in the collectives."""
+    chunk = -(-rows // shards)
+    return max(0, min(chunk, rows - coordinate * chunk)), chunk
+
+
+def _linear(out: int, inp: int, unit: str, *, shard: int | None, tp: int, partial: bool = False) -> Tensor:
+    """A linear weight [out, in]: `shard` 0 (column-parallel) or 1 (row-parallel) over tp, None: replicated."""
+    if shard is None or tp == 1:
+        return Tensor((out, inp), unit, "dense", partial and tp > 1)
+    shape = (out // tp, inp) if shard == 0 else (out, inp // tp)
+    return Tensor(shape, unit, "tp")
+
+
+def block_tensors(m: ModelConfig, *, moe_layer: bool, tp: int, sequence_parallel: bool, ep: int,
+                  etp: int) -> tuple[Tensor, ...]:
+    """The parameters of one decoder block (parallel/tensor.py's plan, parallel/expert.py's expert shards)."""
+    h, heads, sp = m.hidden_size, m.num_attention_heads, sequence_parallel and tp > 1
+    out = [Tensor((h,), "block", "dense", sp), Tensor((h,), "block", "dense", sp)]  # the two pre-norms
+    if m.family == "deepseek_v3":
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank:
+            out += [_linear(m.q_lora_rank, h, "block", shard=None, tp=tp, partial=sp),
+                    Tensor((m.q_lora_rank,), "block", "dense", sp),
+                    _linear(heads * qk, m.q_lora_rank, "block", shard=0, tp=tp)]
+        else:
+            out.append(_linear(heads * qk, h, "block", shard=0, tp=tp))
+        out += [_linear(m.kv_lora_rank + m.qk_rope_head_dim, h, "block", shard=None, tp=tp, partial=sp),
+                Tensor((m.kv_lora_rank,), "block", "dense", sp),
+                _linear(heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, "block", shard=0, tp=tp),
+                _linear(h, heads * m.v_head_dim, "block", shard=1, tp=tp)]
+    else:
+        d = m.attention_head_dim
+        out += [_linear(heads * d, h, "block", shard=0, tp=tp), _linear(m.kv_heads * d, h, "block", shard=0, tp=tp),
+                _linear(m.kv_heads * d, h, "block", shard=0, tp=tp), _linear(h, heads * d, "block", shard=1, tp=tp)]
+        if m.qk_norm:  # one weight per head_dim, on this rank's heads
+            out += [Tensor((d,), "block", "dense", tp > 1), Tensor((d,), "block", "dense", tp > 1)]
+    if not moe_layer:
+        f = m.ffn_hidden_size
+        return (*out, _linear(f, h, "block", shard=0, tp=tp), _linear(f, h, "block", shard=0, tp=tp),
+                _linear(h, f, "block", shard=1, tp=tp))
+    moe = m.moe
+    out.append(Tensor((moe.num_experts, h), "block", "dense", tp > 1))  # the router
+    experts, f = moe.num_experts // ep, moe.ffn_hidden_size // etp
+    out += [Tensor((experts, f, h), "experts", "experts"), Tensor((experts, f, h), "experts", "experts"),
+            Tensor((experts, h, f), "experts", "experts")]
+    if moe.shared_expert_ffn_hidden_size:
+        fs = moe.shared_expert_ffn_hidden_size
+        out += [_linear(fs, h, "block", shard=0, tp=tp), _linear(fs, h, "block", shard=0, tp=tp),
+                _linear(h, fs, "block", shard=1, tp=tp)]
+    return tuple(out)
+
+
+def root_tensors(m: ModelConfig, *, tp: int, sequence_parallel: bool, embedding: bool = True,
+                 head: bool = True) -> tuple[Tensor, ...]:
+    """Embedding and head (vocabulary-parallel: rows over tp; one tensor when tied) and the final norm."""
+    vocab = m.padded_vocab_size()
+    out = []
+    if embedding:
+        out.append(_linear(vocab, m.hidden_size, "root", shard=0, tp=tp))
+    if head:
+        out.append(Tensor((m.hidden_size,), "root", "dense", sequence_parallel and tp > 1))
+        if not (m.tie_embeddings and embedding):
+            out.append(_linear(vocab, m.hidden_size, "root", shard=0, tp=tp))
+    return tuple(out)
+
+
+def mtp_tensors(m: ModelConfig, *, tp: int, sequence_parallel: bool) -> tuple[Tensor, ...]:
+    """An MTP module's own enorm, hnorm, eh_proj (2h -> h) and norm, all replicated over tp (its block aside)."""
+    h, sp = m.hidden_size, sequence_parallel and tp > 1
+    return (Tensor((h,), "mtp", "dense", sp), Tensor((h,), "mtp", "dense", sp),
+            Tensor((h, 2 * h), "mtp", "dense", sp), Tensor((h,), "mtp", "dense", sp))
+
+
+# ------------------------------------------------------------------------------- a rank's FSDP2 units
+
+
+@dataclass
+class Unit:
+    """One FSDP2 unit of a rank, `count` times alike: its tensors (params.Tensor) and the ranks it shards over."""
+
+    tensors: tuple[Tensor, ...]
+    shards: int
+    count: int
+
+    def local(self, coordinate: int = 0) -> int:
+        """Elements the rank at this FSDP2 coordinate holds."""
+        return self.count * sum(fsdp_rows(t.shape[0], self.shards, coordinate)[0] * (t.numel // t.shape[0])
+                                for t in self.tensors)
+
+    @property
+    def padded_shard(self) -> int:
+        """Elements one rank sends in the unit's all-gather (every chunk padded to ceil(dim 0 / shards))."""
+        return sum(fsdp_rows(t.shape[0], self.shards)[1] * (t.numel // t.shape[0]) for t in self.tensors)
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+
+@dataclass
+class RankParams:
+    units: list[Unit] = field(default_factory=list)
+    largest_unit: float = 0.0  # the largest FSDP unit (a layer with its experts, or the embedding/head)
+
+    @property
+    def tensors(self) -> list[tuple[Tensor, int]]:
+        """Every tensor of the rank with the number of units holding one like it."""
+        return [(t, unit.count) for unit in self.units for t in unit.tensors]
+
+    @property
+    def dense(self) -> float:
+        """Dense parameters on this rank before FSDP sharding (after tp)."""
+        return sum(unit.numel * unit.count for unit in self.units if unit.tensors[0].unit != "experts")
+
+    @property
+    def experts(self) -> float:
+        """Expert parameters on this rank before FSDP sharding (after ep, etp)."""
+        return sum(unit.numel * unit.count for unit in self.units if unit.tensors[0].unit == "experts")
+
+    @property
+    def local(self) -> int:
+        """Elements this rank holds after FSDP2 (dp coordinate 0: full chunks, the most loaded)."""
+        return sum(unit.local() for unit in self.units)
+
+
+def rank_params(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk]) -> RankParams:
+    """The FSDP2 units of one pipeline rank (parallel/data_parallel.py): each decoder block, its routed experts
+    apart, each MTP module's own projection and norms, and the root (embedding, final norm, head)."""
+    out = RankParams()
+    dense_shards, sp = layout.dp * layout.cp, layout.sequence_parallel
+    kinds = {moe: block_tensors(m, moe_layer=moe, tp=layout.tp, sequence_parallel=sp, ep=layout.ep, etp=layout.etp)
+             for moe in {False, m.moe is not None}}
+
+    def add_block(moe: bool, count: int) -> None:
+        tensors = kinds[moe]
+        block = tuple(t for t in tensors if t.unit == "block")
+        experts = tuple(t for t in tensors if t.unit == "experts")
+        out.units.append(Unit(block, dense_shards, count))
+        if experts:
+            out.units.append(Unit(experts, layout.edp, count))
+        out.largest_unit = max(out.largest_unit, sum(t.numel for t in tensors))
+
+    root: list[Tensor] = []
+    for chunk in chunks:
+        for moe, count in ((True, chunk.moe_layers), (False, len(chunk.layers) - chunk.moe_layers)):
+            if count:
+                add_block(moe, count)
+        for _ in range(chunk.mtp):
+            add_block(m.moe is not None, 1)
+            out.units.append(Unit(mtp_tensors(m, tp=layout.tp, sequence_parallel=sp), dense_shards, 1))
+        # the last stage's own copy of the embedding for MTP (and the tied head) when pp > 1 (DECISIONS.md)
+        embedding = chunk.embedding or (layout.pp > 1 and chunk.mtp > 0)
+        if chunk.embedding or chunk.loss or embedding:
+            root += root_tensors(m, tp=layout.tp, sequence_parallel=sp, embedding=embedding, head=chunk.loss)
+    if root:
+        out.units.append(Unit(tuple(root), dense_shards, 1))
+        vocab = m.padded_vocab_size() * m.hidden_size / layout.tp
+        out.largest_unit = max(out.largest_unit, vocab)
+    return out

@@ -1,0 +1,33 @@
+"""What activation recomputation runs again in backward (parallel/recompute.py), for the FLOPs and the
+collectives the planner counts (torch-free).
+
+Non-reentrant checkpointing re-runs a region's forward until the last tensor the region saved for backward is
+back, then stops (early stop): whatever runs after that last save is not repeated. In a dense MLP that is the
+down projection and the collective after it; in a MoE layer the shared expert's down projection (when nothing
+saves after it) and, without sequence parallelism, the gather of the layer's token slices.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moe_train.config.schema import ModelConfig
+
+    from .activations import RecomputePolicy
+
+
+def saves_after_shared_experts(m: ModelConfig) -> bool:
+    """Whether a MoE layer's balancing losses save tensors after its shared expert (seq_aux_loss, z-loss): then a
+    recomputation of the layer runs to its end, the shared expert's down projection included."""
+    router = m.moe.router
+    return (router.load_balancing == "seq_aux_loss" and router.aux_loss_coeff > 0) or router.z_loss_coeff > 0
+
+
+def recompute_groups(layers: list[int], policy: RecomputePolicy) -> list[list[int]]:
+    """The layers of a chunk that full recompute checkpoints together (uniform: groups of num_layers; block:
+    each of the first num_layers alone)."""
+    n = policy.num_layers
+    if policy.method == "block":
+        return [[i] for i in layers[:n]]
+    return [layers[g: g + n] for g in range(0, len(layers), n)]
