@@ -102,5 +102,5 @@ def test_expert_parallel_dispatch_equals_single_process(world, tmp_path):
     result = run_ranks("dispatch", world, {}, tmp_path, timeout=90)
     assert not result["failures"], "\n".join(result["failures"])
     # groups x expert counts x cases x dispatchers, + the fp32 agreement, + at 4 ranks the ep x etp cases
-    expected = 2 * 9 * 2 + 1 if world == 2 else 2 * 2 * 9 * 2 + 1 + 9
+    expected = 2 * 10 * 2 + 1 if world == 2 else 2 * 2 * 10 * 2 + 1 + 10
     assert result["checks"] == [expected] * world

@@ -174,10 +174,14 @@ def test_fake_full_size_deepseek_v3_layers():
     assert report["param_bytes"] == report["grad_bytes"] == 4 * shard
     assert report["optimizer_bytes"] == 2 * 4 * shard + 4 * tensors
     # Every FSDP unit is gathered (bf16) in each micro-batch's forward and again in its backward; gradients
-    # are reduce-scattered once (fp32 input: the padded full gradient, dp shards).
+    # are reduce-scattered once (fp32 input: the padded full gradient, dp shards). The routed experts are
+    # their own unit on the expert mesh's edp dimension (here the same 256 ranks as dp, its own group).
     comm = report["comm_bytes"]
-    assert comm["dp/all_gather"] == micro_batches * 2 * 2 * shard
-    assert comm["dp/reduce_scatter"] == 4 * dp * shard
+    assert comm["dp/all_gather"] + comm["edp/all_gather"] == micro_batches * 2 * 2 * shard
+    assert comm["dp/reduce_scatter"] + comm["edp/reduce_scatter"] == 4 * dp * shard
+    experts = sum(math.ceil(p.shape[0] / dp) * (p.numel() // p.shape[0])
+                  for p in model.layers["3"].mlp.experts.parameters())
+    assert comm["edp/reduce_scatter"] == 4 * dp * experts
     # FLOPs: a 2-layer model with one dense-first layer has the same matmuls as layers 0 and 3.
     two = cfg.model_copy(update={"num_layers": 2, "first_k_dense": 1, "mtp_layers": 0})
     forward = report["tokens"] * executed_forward_flops_per_token(two, recipe.train.seq_length)
@@ -206,19 +210,21 @@ def test_measure_counts_what_the_trainer_runs_two_ranks(tmp_path):
     assert set(report) == CONTRACT_KEYS | EXTRA_KEYS
     assert report["flops"] == trainer["flops"]
     comm = report["comm_bytes"]
-    for key in ("dp/all_gather", "dp/reduce_scatter"):
+    for key in ("dp/all_gather", "dp/reduce_scatter", "edp/all_gather", "edp/reduce_scatter"):
         assert comm[key] == trainer["comm_bytes"][key], key
     # The trainer's reductions of host figures (loss sums, MoE telemetry: counted by the worker as they pass
     # through Trainer._all_reduce) are the only difference.
     assert trainer["telemetry_bytes"] > 0
     assert trainer["comm_bytes"]["dp/all_reduce"] - comm["dp/all_reduce"] == trainer["telemetry_bytes"]
     # The analytic FSDP2 count at dp 2, fp32: each rank's shard gathered in every micro-batch's forward and
-    # backward (2 micro-batches of 2), the full gradient reduce-scattered once.
+    # backward (2 micro-batches of 2), the full gradient reduce-scattered once; the routed experts over edp.
     cfg = load_recipe("qwen3-moe-tiny", ["model.num_layers=2"]).model
     full = count_parameters(cfg, padded=True).total
     assert report["param_bytes"] == 4 * full // 2  # every dim 0 of qwen3-moe-tiny is even: no padding
-    assert comm["dp/all_gather"] == 2 * 2 * 4 * full // 2
-    assert comm["dp/reduce_scatter"] == 4 * full
+    assert comm["dp/all_gather"] + comm["edp/all_gather"] == 2 * 2 * 4 * full // 2
+    assert comm["dp/reduce_scatter"] + comm["edp/reduce_scatter"] == 4 * full
+    experts = 2 * 3 * cfg.moe.num_experts * cfg.hidden_size * cfg.moe.ffn_hidden_size  # 2 MoE layers
+    assert comm["edp/reduce_scatter"] == 4 * experts
     assert report["micro_batches"] == 2 and report["tokens"] == 2 * 2 * 128
     # --fake playing rank 0 of 2 in this process reports what the real rank 0 measured, collectives included.
     fake = measure_json("qwen3-moe-tiny", *(arg for o in overrides[:3] for arg in ("--set", o)), "--fake",

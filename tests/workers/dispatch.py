@@ -21,6 +21,7 @@ from workers.common import finish, start  # noqa: E402
 
 from moe_train.models.moe.capacity import capacity_keep_mask, expert_capacity  # noqa: E402
 from moe_train.models.moe.dispatcher import LocalDispatcher, dispatcher_for  # noqa: E402
+from moe_train.models.moe.router import even_counts, even_topk_indices  # noqa: E402
 
 HIDDEN = 8
 
@@ -35,6 +36,7 @@ class Shard:
     cotangent: torch.Tensor  # [T, H] gradient of the output (the loss is sum(out * cotangent))
     keep: torch.Tensor | None
     pad_to: int | None
+    host_counts: list[int] | None = None  # rows per expert known on the host (forced even routing)
 
 
 def distinct_topk(tokens: int, top_k: int, experts: list[int], generator: torch.Generator) -> torch.Tensor:
@@ -65,6 +67,9 @@ def make_shards(case: str, *, size: int, num_experts: int, local: int, dtype: to
     for rank in range(size):
         tokens = 0 if case == "empty_rank" and rank == 1 else 3 + 2 * rank
         indices = distinct_topk(tokens, top_k, pool(rank), generator)
+        if case == "even":  # what `measure --fake` routes: every rank the same count, split sizes from shapes
+            tokens = 5
+            indices = even_topk_indices(tokens, top_k, num_experts, device=torch.device("cpu"))
         weights = torch.rand(tokens, top_k, generator=generator, dtype=torch.float64).to(dtype)
         keep, pad_to = None, None
         if case.startswith("capacity"):
@@ -80,6 +85,7 @@ def make_shards(case: str, *, size: int, num_experts: int, local: int, dtype: to
                 cotangent=torch.randn(tokens, HIDDEN, generator=generator, dtype=torch.float64).to(dtype),
                 keep=keep,
                 pad_to=pad_to,
+                host_counts=even_counts(tokens, top_k, num_experts) if case == "even" else None,
             )
         )
     return shards
@@ -117,7 +123,8 @@ def run(dispatcher, shard: Shard, experts: torch.Tensor, first: int, columns: sl
     weights = shard.weights.clone().requires_grad_()
     experts = experts.clone().requires_grad_()
     dispatcher.sent_bytes.clear()
-    rows, counts, plan = dispatcher.dispatch(hidden, shard.indices, keep=shard.keep, pad_to=shard.pad_to)
+    rows, counts, plan = dispatcher.dispatch(hidden, shard.indices, keep=shard.keep, pad_to=shard.pad_to,
+                                             host_counts=shard.host_counts)
     assert rows.shape[0] == int(counts.sum()), "rows and tokens_per_local_expert disagree"
     assert counts.shape == (dispatcher.num_local_experts,) and counts.dtype == torch.int64
     out = dispatcher.combine(apply_experts(rows, counts, experts, first, columns), weights, plan)
@@ -210,7 +217,7 @@ def check_case(case: str, kind: str, *, group, num_experts: int, dtype: torch.dt
     return got
 
 
-CASES = ["random", "one_expert", "empty_experts", "silent_ranks", "empty_rank"] + [
+CASES = ["random", "one_expert", "empty_experts", "silent_ranks", "empty_rank", "even"] + [
     f"capacity_{policy}_{pad}" for policy in ("probs", "position") for pad in ("pad", "nopad")
 ]
 

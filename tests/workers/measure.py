@@ -54,7 +54,7 @@ def trainer_step(recipe) -> dict:
     from moe_train.parallel.bootstrap import bootstrap
     from moe_train.train.loop import Trainer
 
-    trainer = Trainer(recipe, bootstrap(recipe))
+    trainer = Trainer(recipe, bootstrap(recipe, distinct_groups=True))  # groups named as measure names them
     comm, flops = CommCounter(trainer.ctx.group_name), PhaseFlopCounter(LayerTracker(trainer.model))
     # The trainer's small reductions of host figures (loss sums, MoE telemetry) all go through _all_reduce.
     telemetry = {"bytes": 0}
@@ -83,7 +83,7 @@ def main() -> None:
     known = [None] * world
     dist.all_gather_object(known, known_collectives(rank))
     recipe = load_recipe(spec["recipe"], spec["overrides"])
-    report = measure_step(recipe, Target(), bootstrap(recipe))
+    report = measure_step(recipe, Target(), bootstrap(recipe, distinct_groups=True))
     trainer = trainer_step(recipe)
     finish({"known": known, "measure": report, "trainer": trainer}, result_path, rank)
 

@@ -1,0 +1,297 @@
+"""`plan` held to `measure` (DECISIONS.md: forced even routing, the same rank): parameter bytes exactly, and
+activation bytes per layer, FLOPs per step by phase and bytes per `<group>/<op>`: exactly on the tiny recipes
+(every tensor-parallel layout at t = 1, 2, 4 with SP on and off, against every recompute policy), within 3% on
+a pairwise sample of full-size single layers through `--fake`, and the same on real gloo layouts
+(tests/workers/measure_layouts.py, several cases per job), where `--fake` must also report what the real
+ranks measured. The recompute figures (what a policy keeps per layer, `flops.recompute`) come from the same
+formulas (moe_train/plan/activations.py, moe_train/plan/recompute.py; docs/parallel.md).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+import torch
+from multirank import run_ranks
+from test_measure import assert_same_step
+
+from moe_train.config import load_recipe
+from moe_train.config.hardware import HARDWARE
+from moe_train.measure.driver import Target, measure
+from moe_train.measure.versus_plan import against, disagreements
+from moe_train.plan.estimate import estimate, plan_json
+
+# The planner's figures are hardware-independent; a GPU is needed only to plan at all.
+GPU = HARDWARE["h100"]
+
+
+@pytest.fixture(autouse=True)
+def no_default_process_group():
+    """measure's fake process group needs this process's default group slot (see test_measure)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def recompute(policy: str) -> list[str]:
+    """`none`, `full-uniform-N`, `full-block-N`, or selective modules joined by `+`."""
+    if policy == "none":
+        return ["parallel.recompute.granularity=none"]
+    if policy.startswith("full-"):
+        _, method, layers = policy.split("-")
+        return ["parallel.recompute.granularity=full", f"parallel.recompute.method={method}",
+                f"parallel.recompute.num_layers={layers}"]
+    return ["parallel.recompute.granularity=selective", f"parallel.recompute.modules=[{policy.replace('+', ',')}]"]
+
+
+def plan_against_measure(recipe, report: dict, *, tolerance: float) -> list[str]:
+    return disagreements(against(plan_json(estimate(recipe, GPU)), report), tolerance=tolerance)
+
+
+# ---------------------------------------------------------------------------------------------- tiny, fake
+
+LAYOUTS = [(1, False), (2, False), (2, True), (4, False), (4, True)]  # (tp, sequence parallel)
+POLICIES = ["none", "core_attn", "layernorm", "mla_up_proj", "mlp", "moe", "moe_act", "shared_experts",
+            "full-uniform-1", "full-uniform-2", "full-block-1"]
+# The models a policy applies to: mla_up_proj and shared experts are DeepSeek-V3's, qwen3-moe has no dense MLP.
+APPLIES = {"mla_up_proj": ["deepseek-v3-tiny"], "shared_experts": ["deepseek-v3-tiny"],
+           "mlp": ["qwen3-tiny", "deepseek-v3-tiny"], "moe": ["qwen3-moe-tiny", "deepseek-v3-tiny"],
+           "moe_act": ["qwen3-moe-tiny", "deepseek-v3-tiny"]}
+MODELS = ["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny"]
+# Two layers (DeepSeek-V3: dense, MoE, and its MTP module), one micro-batch of 64-token sequences.
+SHAPE = ["model.num_layers=2", "train.seq_length=64"]
+
+
+def tiny_cases() -> list[tuple[str, int, bool, str, str]]:
+    """Every (layout, policy) pair once, the models that the policy applies to taken in turn, fp32 and bf16
+    alternating: (model, tp, sp, policy, precision)."""
+    cases = []
+    for number, ((tp, sp), policy) in enumerate(itertools.product(LAYOUTS, POLICIES)):
+        models = APPLIES.get(policy, MODELS)
+        cases.append((models[number % len(models)], tp, sp, policy, ("fp32", "bf16")[number % 2]))
+    return cases
+
+
+def tiny_recipe(name: str, tp: int, sp: bool, policy: str, precision: str, *extra: str):
+    """fp32 cases: micro-batches of 2 sequences; bf16 cases: of 1 (where a sequence slice is a contiguous view of
+    the whole micro-batch), and DeepSeek-V3 without its MTP module (a third block and head: seconds each)."""
+    batch = 2 if precision == "fp32" else 1
+    if name == "deepseek-v3-tiny" and precision == "bf16":
+        extra = ("model.mtp_layers=0", *extra)
+    return load_recipe(name, [*SHAPE, f"train.precision={precision}", f"launch.gpus_per_node={tp}",
+                              f"parallel.tp={tp}", f"parallel.sequence_parallel={str(sp).lower()}",
+                              f"train.micro_batch_size={batch}", f"train.global_batch_size={batch}",
+                              *recompute(policy), *extra], check_files=False)
+
+
+@pytest.mark.parametrize(("name", "tp", "sp", "policy", "precision"), tiny_cases(),
+                         ids=[f"{n}-tp{t}{'sp' if s else ''}-{p}-{d}" for n, t, s, p, d in tiny_cases()])
+def test_tiny_layouts_and_recompute_policies_plan_exactly_what_measure_counts(name, tp, sp, policy, precision):
+    """Each layer's saved bytes under the policy, the recompute FLOPs and every collective's bytes: exact."""
+    recipe = tiny_recipe(name, tp, sp, policy, precision)
+    report = measure(recipe, Target(fake=True))
+    assert plan_against_measure(recipe, report, tolerance=1e-9) == []
+
+
+# --------------------------------------------------------------------------------------- real gloo layouts
+
+SMALL = ["model.num_layers=2", "train.seq_length=64"]
+# (id, recipe, overrides, even routing); each job runs every case of its world size.
+REAL = {
+    2: [
+        ("qwen3-sp2-bf16-core_attn+layernorm", "qwen3-tiny",
+         ["parallel.tp=2", "parallel.sequence_parallel=true", "train.precision=bf16",
+          "train.global_batch_size=2", *recompute("core_attn+layernorm")], True),
+        ("moe-tp2-full", "qwen3-moe-tiny", ["parallel.tp=2", "train.global_batch_size=2",
+                                            *recompute("full-uniform-1")], True),
+        ("dsv3-sp2-bf16-mla_up_proj+moe", "deepseek-v3-tiny",
+         ["parallel.tp=2", "parallel.sequence_parallel=true", "train.precision=bf16", "train.global_batch_size=2",
+          *recompute("mla_up_proj+moe")], True),
+        ("moe-dp2-ep2-alltoall", "qwen3-moe-tiny", ["parallel.ep=2", "train.global_batch_size=8"], True),
+        ("dsv3-dp2-ep2-allgather-bf16", "deepseek-v3-tiny",
+         ["parallel.ep=2", "model.moe.dispatcher=allgather", "train.precision=bf16", "train.global_batch_size=4"],
+         True),
+        # the recipe's own routing: the dispatch bytes the routing implies
+        ("moe-dp2-ep2-alltoall-routed", "qwen3-moe-tiny", ["parallel.ep=2", "train.global_batch_size=8"], False),
+        ("dsv3-dp2-ep2-allgather-routed", "deepseek-v3-tiny",
+         ["parallel.ep=2", "model.moe.dispatcher=allgather", "train.global_batch_size=4"], False),
+    ],
+    4: [
+        ("moe-tp2dp2-ep4-sp-moe_act", "qwen3-moe-tiny",
+         ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=4", "train.global_batch_size=4",
+          *recompute("moe_act")], True),
+        ("dsv3-tp2dp2-ep2etp2-allgather-bf16", "deepseek-v3-tiny",
+         ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2", "model.moe.dispatcher=allgather",
+          "train.precision=bf16", "train.global_batch_size=4", *recompute("full-block-1")], True),
+    ],
+}
+
+
+def _run_real(world: int, tmp_path) -> tuple[dict, dict]:
+    cases = [{"id": case_id, "recipe": name, "overrides": [*SMALL, *overrides, f"run_dir={tmp_path / case_id}"],
+              "even": even} for case_id, name, overrides, even in REAL[world]]
+    result = run_ranks("measure_layouts", world, {"cases": cases}, tmp_path, timeout=120 * world)
+    recipes = {case["id"]: load_recipe(case["recipe"], [*case["overrides"], f"launch.gpus_per_node={world}"])
+               for case in cases}
+    return result, recipes
+
+
+def routed_all_to_all_bytes(case: dict, recipe) -> int:
+    """What the alltoall dispatcher must send for the routing this rank and its peers chose: per MoE layer
+    forward, the rows to other ranks (dispatch) and the rows it received (combine sends them back), each a
+    hidden-size row in the activation dtype, both again in backward; plus the row-count exchange."""
+    me, moe = case["ep_rank"], recipe.model.moe
+    slots = {int(rank): forwards for rank, forwards in case["slots"].items()}
+    mine = slots[0]
+    ep = len(slots)
+    row = recipe.model.hidden_size * (2 if recipe.train.precision == "bf16" else 4)
+    total = 0
+    for forward, to_ranks in enumerate(mine):
+        sent = sum(to_ranks) - to_ranks[me]
+        received = sum(slots[peer][forward][me] for peer in slots if peer != 0)
+        total += 2 * (sent + received) * row + (ep - 1) * (moe.num_experts // ep) * 8
+    return total
+
+
+def check_real(result: dict, recipes: dict, world: int) -> None:
+    for case_id, _, _, even in REAL[world]:
+        case, recipe = result[case_id], recipes[case_id]
+        real = case["report"]
+        if even:
+            fake = measure(recipe, Target(fake=True))  # rank 0 of the same world, in this process
+            assert_same_step(fake, real)
+            assert plan_against_measure(recipe, real, tolerance=1e-9) == [], case_id
+        elif recipe.model.moe.dispatcher == "alltoall":
+            assert real["comm_bytes"]["ep/all_to_all"] == routed_all_to_all_bytes(case, recipe), case_id
+        else:  # all-gather volumes do not depend on the routing: the planner's count, exactly
+            planned = plan_json(estimate(recipe, GPU))["comm_bytes"]
+            for key in ("ep/all_gather", "ep/reduce_scatter"):
+                assert real["comm_bytes"][key] == planned[key], (case_id, key)
+
+
+def test_real_two_rank_layouts_measure_what_fake_and_plan_say(tmp_path):
+    result, recipes = _run_real(2, tmp_path)
+    check_real(result, recipes, 2)
+    # the recipe's routing is not even: the count above is not the even-routing one
+    routed, even = (result[f"moe-dp2-ep2-alltoall{suffix}"]["report"]["comm_bytes"]["ep/all_to_all"]
+                    for suffix in ("-routed", ""))
+    assert routed != even
+
+
+def test_real_four_rank_layouts_measure_what_fake_and_plan_say(tmp_path):
+    result, recipes = _run_real(4, tmp_path)
+    check_real(result, recipes, 4)
+
+
+# ------------------------------------------------------------------------------- full-size layers, fake
+
+# (model, tp, ep, sequence parallel, recompute): every pair of values of any two of these five factors occurs
+# (test_the_full_size_sample_covers_every_pair); qwen3's query groups (4) cap its tp at 4, and only DeepSeek-V3
+# has MLA, a dense MLP and shared experts.
+FULL_SIZE = [
+    ("deepseek-v3", 1, 1, False, "none"),
+    ("qwen3-235b-a22b", 2, 1, True, "core_attn+layernorm"),
+    ("qwen3-30b-a3b", 2, 8, False, "moe"),
+    ("deepseek-v3", 8, 8, True, "moe_act+shared_experts"),
+    ("qwen3-235b-a22b", 4, 64, False, "moe_act"),
+    ("qwen3-30b-a3b", 4, 1, True, "full-uniform-1"),
+    ("deepseek-v3", 2, 64, True, "mla_up_proj+mlp"),
+    ("qwen3-235b-a22b", 1, 8, False, "full-uniform-1"),
+    ("qwen3-30b-a3b", 1, 64, False, "core_attn+layernorm"),
+    ("deepseek-v3", 8, 1, False, "full-block-1"),
+    ("qwen3-235b-a22b", 4, 8, True, "none"),
+    ("deepseek-v3", 8, 64, True, "moe"),
+    ("qwen3-235b-a22b", 2, 8, True, "full-block-1"),
+    ("deepseek-v3", 1, 1, False, "mla_up_proj+mlp"),
+    ("qwen3-235b-a22b", 1, 1, False, "moe"),
+    ("qwen3-30b-a3b", 1, 1, False, "moe_act"),
+    ("deepseek-v3", 8, 8, False, "core_attn+layernorm"),
+    ("qwen3-30b-a3b", 1, 64, False, "full-block-1"),
+    ("deepseek-v3", 2, 64, False, "full-uniform-2"),
+    ("qwen3-30b-a3b", 2, 64, False, "none"),
+    ("deepseek-v3", 8, 8, False, "mla_up_proj+mlp"),
+    ("deepseek-v3", 2, 1, False, "moe_act+shared_experts"),
+    ("qwen3-235b-a22b", 4, 1, False, "core_attn+layernorm"),
+    ("qwen3-235b-a22b", 4, 1, False, "moe"),
+    ("qwen3-235b-a22b", 4, 1, False, "full-block-1"),
+    ("deepseek-v3", 8, 1, False, "none"),
+    ("deepseek-v3", 8, 1, False, "full-uniform-2"),
+]
+TODAY = ["parallel.pp=1", "parallel.vpp=1", "parallel.pp_schedule=1f1b", "parallel.pp_layout=null"]
+
+
+def full_size_recipe(name: str, tp: int, ep: int, sp: bool, policy: str, *, world: int | None = None,
+                     extra: tuple[str, ...] = ()):
+    """One layer of the model (DeepSeek-V3: its first dense and first MoE layer, no MTP) at the recipe's
+    sequence length and precision, on `world` ranks (default: the layout's smallest with dp > 1), one
+    micro-batch per rank."""
+    world = world or max(2 * tp, ep, 8)
+    cut = (["model.num_layers=2", "model.first_k_dense=1", "model.mtp_layers=0"] if name == "deepseek-v3"
+           else ["model.num_layers=1"])
+    nodes = -(-world // 8)  # the recipes' GPUs have 8 per node
+    return load_recipe(name, [*TODAY, *cut, f"launch.nodes={nodes}", f"launch.gpus_per_node={world // nodes}",
+                              f"parallel.tp={tp}",
+                              f"parallel.ep={ep}", f"parallel.sequence_parallel={str(sp).lower()}",
+                              f"train.global_batch_size={world // tp}", "train.micro_batch_size=1",
+                              *recompute(policy)], check_files=False)
+
+
+FULL_LEVELS = (("deepseek-v3", "qwen3-235b-a22b", "qwen3-30b-a3b"), (1, 2, 4, 8), (1, 8, 64), (False, True),
+               ("none", "core_attn+layernorm", "moe", "moe_act", "mla_up_proj+mlp", "full-uniform", "full-block"))
+
+
+def _level(case: tuple) -> tuple:
+    """A case as the factors' levels: the policy by kind (DeepSeek-V3 adds its shared experts to moe_act; the
+    group size of full recompute does not count)."""
+    policy = case[4].split("+")[0] if case[4].startswith("moe_act") else case[4].rsplit("-", 1)[0]
+    return (*case[:4], policy if policy.startswith("full") or policy == "moe_act" else case[4])
+
+
+def _possible(case: tuple) -> bool:
+    """qwen3's 4 query groups allow tp <= 4; only DeepSeek-V3 has MLA, a dense MLP (and shared experts, which
+    its moe_act case recomputes too); DeepSeek-V3's 128 heads take tp 8, not 4 here; SP needs tp > 1."""
+    model, tp, _, sp, policy = case
+    deepseek = model == "deepseek-v3"
+    return (tp != 8 or deepseek) and (tp != 4 or not deepseek) and (deepseek or "mla" not in policy) and not (
+        sp and tp == 1)
+
+
+def test_the_full_size_sample_covers_every_pair():
+    """Each pair of values of any two factors that some possible layout has occurs in FULL_SIZE."""
+    possible = [case for case in itertools.product(*FULL_LEVELS) if _possible(case)]
+    covered = {_level(case) for case in FULL_SIZE}
+    for i, j in itertools.combinations(range(5), 2):
+        wanted = {(case[i], case[j]) for case in possible}
+        missing = wanted - {(case[i], case[j]) for case in covered}
+        assert not missing, (i, j, missing)
+
+
+def test_full_size_layers_plan_what_measure_counts():
+    """Full-size single layers through --fake against the plan: within 3% (in practice exact), in one process."""
+    start = time.monotonic()
+    failures = {}
+    for case in FULL_SIZE:
+        recipe = full_size_recipe(*case)
+        problems = plan_against_measure(recipe, measure(recipe, Target(fake=True)), tolerance=0.03)
+        if problems:
+            failures[case] = problems
+    assert failures == {}
+    assert time.monotonic() - start < 240
+
+
+def test_tensor_and_sequence_parallelism_with_recompute_store_what_the_paper_says():
+    """Korthikanti et al. (2022) on full-size layers, measured: a DeepSeek-V3 MoE layer at TP=8 + SP +
+    selective(core_attn, layernorm) stores at least 5x fewer activation bytes than at TP=1 without recompute;
+    a Qwen3-8B dense layer at s = 2h and t = 4 with SP at most 1/3.5."""
+    def saved(name, tp, sp, policy, *extra):
+        recipe = full_size_recipe(name, tp, 1, sp, policy, world=tp, extra=extra)
+        report = measure(recipe, Target(fake=True))
+        return report["activation_bytes_per_layer"][str(recipe.model.num_layers - 1)]
+
+    moe_layer = saved("deepseek-v3", 1, False, "none") / saved("deepseek-v3", 8, True, "core_attn+layernorm")
+    qwen = load_recipe("qwen3-8b").model
+    long = (f"train.seq_length={2 * qwen.hidden_size}",)
+    dense = saved("qwen3-8b", 4, True, "none", *long) / saved("qwen3-8b", 1, False, "none", *long)
+    assert moe_layer >= 5, moe_layer
+    assert dense <= 1 / 3.5, dense
