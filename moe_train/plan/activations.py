@@ -419,10 +419,18 @@ def mtp_items(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) 
     return [*items, *block, *_norm("mtp", "norm", ts, h, a)]
 
 
+def mtp_module_bytes(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) -> float:
+    """What `mtp_items` adds up to (computed once per model section, layout and policy, as `_kind_bytes`)."""
+    key = (id(cfg), lay, "mtp", policy)
+    hit = _KIND_CACHE.get(key)
+    if hit is None or hit[0] is not cfg:
+        hit = _KIND_CACHE[key] = (cfg, sum(i.bytes for i in mtp_items(cfg, lay, policy)))
+    return hit[1]
+
+
 def mtp_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) -> float:
     """One MTP module with its own head loss over the (tp-sharded) vocabulary."""
-    module = sum(i.bytes for i in mtp_items(cfg, lay, policy))
-    return module + head_activation_bytes(cfg, lay, vocab_parallel=True)
+    return mtp_module_bytes(cfg, lay, policy) + head_activation_bytes(cfg, lay, vocab_parallel=True)
 
 
 def other_activation_bytes(cfg: ModelConfig, lay: ActivationLayout) -> float:

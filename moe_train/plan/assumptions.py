@@ -54,9 +54,10 @@ class Assumptions:
     fsdp_prefetch_units: int = 2
     """Unsharded layers' parameters live at once under FSDP2 (the current one and the prefetched next)."""
     fsdp_reduce_every_micro_batch: bool = False
-    """Without pipelining: FSDP2's default, gradients reduce-scattered after every micro-batch's backward
-    (sharded gradients, micro-batches times the gradient traffic). False: accumulated unsharded in fp32 and
-    reduced once per step (`set_requires_gradient_sync(False)` until the last micro-batch)."""
+    """Without pipelining: False, what our trainer does: gradients accumulated unsharded in fp32 and reduced
+    once per step (`set_requires_gradient_sync(False)` until the last micro-batch; measure counts one
+    reduce-scatter per unit). True: FSDP2's own default, reduce-scattered after every micro-batch's backward
+    (sharded gradients, micro-batches times the gradient traffic)."""
     fsdp_reshard_after_forward: bool = True
     """Without pipelining, FSDP2 frees unsharded parameters after forward and all-gathers them again in
     backward."""

@@ -77,6 +77,8 @@ class CommCounter:
                       else "nvlink") for key in sorted(self.payload)}
 
     def add_pass(self, collectives: list[Collective], sizes: dict[str, int], times: float) -> None:
+        if times <= 0:
+            return
         for group, op, payload in collectives:
             self.add(group, op, payload, sizes[group], times)
 
@@ -85,31 +87,36 @@ class CommCounter:
                  params: RankParams, param_bytes: int, a: Assumptions) -> CommCounter:
         out = cls()
         m = recipe.model
-        model = _ModelComm(m, layout, lay)
+        model = _CachedComm(_ModelComm(m, layout, lay))
         sizes = {"pp": layout.pp, "dp": layout.dp, "dp_cp": layout.dp * layout.cp, "tp": layout.tp,
                  "edp": layout.edp, "ep": layout.ep, "etp": layout.etp, "ep_etp": layout.ep * layout.etp}
         mb = layout.micro_batches
         policy = layout.recompute
         modules = set(policy.modules) if policy.granularity == "selective" else set()
 
-        def layer(moe: bool, *, stack: bool) -> None:
-            out.add_pass(model.block(moe, "forward"), sizes, mb)
-            out.add_pass(model.block(moe, "backward"), sizes, mb)
-            if modules:
-                out.add_pass(model.selective_recompute(moe, modules), sizes, mb)
+        def layers(moe: bool, count: int) -> None:
+            """`count` layers of one kind: each the same forward, backward and selective recompute."""
+            if count:
+                out.add_pass(model.block(moe, "forward"), sizes, mb * count)
+                out.add_pass(model.block(moe, "backward"), sizes, mb * count)
+                if modules:
+                    out.add_pass(model.selective_recompute(moe, modules), sizes, mb * count)
 
+        groups: dict[tuple[bool, ...], int] = {}  # full recompute: each group's layer kinds, how many such groups
         for chunk in chunks:
-            for index in chunk.layers:
-                layer(m.is_moe_layer(index), stack=True)
+            layers(True, chunk.moe_layers)
+            layers(False, len(chunk.layers) - chunk.moe_layers)
             if policy.granularity == "full":
                 for group in recompute_groups(chunk.layers, policy):
-                    out.add_pass(model.group_recompute([m.is_moe_layer(i) for i in group]), sizes, mb)
+                    kinds = tuple(m.is_moe_layer(i) for i in group)
+                    groups[kinds] = groups.get(kinds, 0) + 1
             embeddings = int(chunk.embedding) + chunk.mtp  # each MTP depth looks its tokens up again
-            out.add_pass(model.embedding() * embeddings, sizes, mb)
+            out.add_pass(model.embedding(), sizes, mb * embeddings)
             heads = int(chunk.loss) + chunk.mtp
-            out.add_pass(model.head() * heads, sizes, mb)
-            for _ in range(chunk.mtp):
-                layer(m.moe is not None, stack=False)
+            out.add_pass(model.head(), sizes, mb * heads)
+            layers(m.moe is not None, chunk.mtp)
+        for kinds, count in groups.items():
+            out.add_pass(model.group_recompute(list(kinds)), sizes, mb * count)
 
         _per_step(out, recipe, layout, params, sizes)
         _fsdp(out, recipe, layout, params, param_bytes, a, sizes)
@@ -121,6 +128,45 @@ class CommCounter:
         sends = sum((c.virtual_index != last) + (c.virtual_index != 0) for c in chunks)
         out.add("pp", "send", boundary, layout.pp, mb * sends)
         return out
+
+
+class _CachedComm:
+    """`_ModelComm`'s passes, each summed by `(group, op)` (bus bytes are linear in the payload) and kept across
+    plans: `plan --search` plans hundreds of layouts whose layers are alike."""
+
+    _cache: dict[tuple, tuple[tuple[Collective, ...], ModelConfig]] = {}
+
+    def __init__(self, model: _ModelComm) -> None:
+        self.model = model
+        self.key = (id(model.m), model.tp, model.sp, model.a, model.t, model.ts, model.tm, model.batch,
+                    model.layout.ep, model.layout.etp, model.layout.dp > 1)
+
+    def _get(self, name: str, *args) -> list[Collective]:
+        key = (*self.key, name, args)
+        hit = self._cache.get(key)
+        if hit is None or hit[1] is not self.model.m:  # the entry keeps the model section alive (its id)
+            sums: dict[tuple[str, str], float] = {}
+            for group, op, payload in getattr(self.model, name)(*args):
+                sums[group, op] = sums.get((group, op), 0.0) + payload
+            if len(self._cache) > 65536:
+                self._cache.clear()
+            hit = self._cache[key] = (tuple((g, o, v) for (g, o), v in sums.items()), self.model.m)
+        return list(hit[0])
+
+    def block(self, moe: bool, direction: str) -> list[Collective]:
+        return self._get("block", moe, direction)
+
+    def selective_recompute(self, moe: bool, modules: set[str]) -> list[Collective]:
+        return self._get("selective_recompute", moe, frozenset(modules))
+
+    def group_recompute(self, kinds: list[bool]) -> list[Collective]:
+        return self._get("group_recompute", tuple(kinds))
+
+    def embedding(self) -> list[Collective]:
+        return self._get("embedding")
+
+    def head(self) -> list[Collective]:
+        return self._get("head")
 
 
 def even_share(slots: int, num_experts: int, local_experts: int, coordinate: int = 0) -> int:

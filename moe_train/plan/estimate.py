@@ -19,7 +19,7 @@ from .activations import (
     head_activation_bytes,
     layer_activation_bytes,
     mtp_activation_bytes,
-    mtp_items,
+    mtp_module_bytes,
     other_activation_bytes,
 )
 from .assumptions import Assumptions
@@ -176,27 +176,30 @@ def _rank_flops(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk], a: Assu
     rec = {"gemm": 0.0, "grouped_gemm": 0.0, "attention": 0.0}
     kinds = {moe: _layer_flops(m, layout, moe, a) for moe in {False, m.moe is not None}}
 
-    def add(target: dict, regions: dict[str, float], sign: float = 1.0) -> None:
+    def add(target: dict, regions: dict[str, float], times: float = 1.0) -> None:
         for name, value in regions.items():
             if name != "mla_up_proj" or target is rec:  # forward: part of `attention`
-                target[_kernel(name)] += sign * value * tokens
+                target[_kernel(name)] += times * value * tokens
 
-    def forward_layer(moe: bool) -> None:
-        add(fwd, kinds[moe])
+    def forward_layer(moe: bool, count: int = 1) -> None:
+        add(fwd, kinds[moe], count)
         if policy.granularity == "selective":
-            add(rec, _selective_recompute(m, kinds[moe], set(policy.modules), moe))
+            add(rec, _selective_recompute(m, kinds[moe], set(policy.modules), moe), count)
 
     replicated = 1 if layout.sequence_parallel else layout.tp  # MTP's eh_proj runs on the sequence region
     head = 2.0 * m.hidden_size * m.padded_vocab_size() / layout.tp  # executed: the padding columns too
     for chunk in chunks:
-        for index in chunk.layers:
-            forward_layer(m.is_moe_layer(index))
+        for moe, count in ((True, chunk.moe_layers), (False, len(chunk.layers) - chunk.moe_layers)):
+            if count:
+                forward_layer(moe, count)
         if policy.granularity == "full":
             for group in recompute_groups(chunk.layers, policy):
-                for index in group:
-                    add(rec, {k: v for k, v in kinds[m.is_moe_layer(index)].items() if k != "mla_up_proj"})
+                moe_layers = sum(m.is_moe_layer(i) for i in group)
+                for moe, count in ((True, moe_layers), (False, len(group) - moe_layers)):
+                    if count:
+                        add(rec, {k: v for k, v in kinds[moe].items() if k != "mla_up_proj"}, count)
                 last = m.is_moe_layer(group[-1])
-                add(rec, _group_tail(m, kinds[last], last), sign=-1.0)
+                add(rec, _group_tail(m, kinds[last], last), -1.0)
         if chunk.loss:
             add(fwd, {"head": head})
         for _ in range(chunk.mtp):
@@ -233,7 +236,7 @@ def _plan_rank(recipe: Recipe, layout: PlanLayout, hw: Hardware, a: Assumptions,
                 per_layer[index] = (full_recompute_layer_bytes(m, lay, policy, layer_index=index, position=position)
                                     if policy.granularity == "full" else kind_bytes[m.is_moe_layer(index)])
             for _ in range(chunk.mtp):
-                per_layer[mtp_index] = sum(i.bytes for i in mtp_items(m, lay, policy))
+                per_layer[mtp_index] = mtp_module_bytes(m, lay, policy)
                 mtp_index += 1
         activations += kept * count
         transient = max(transient, extra)

@@ -8,6 +8,7 @@ The matrix counts (`attention_matrices`, `ffn_matrices`) are also what the FLOPs
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from moe_train.config.schema import ModelConfig
@@ -92,7 +93,7 @@ class Tensor:
     mesh: str
     partial: bool = False
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         out = 1
         for size in self.shape:
@@ -116,6 +117,7 @@ def _linear(out: int, inp: int, unit: str, *, shard: int | None, tp: int, partia
     return Tensor(shape, unit, "tp")
 
 
+@functools.lru_cache(maxsize=1024)
 def block_tensors(m: ModelConfig, *, moe_layer: bool, tp: int, sequence_parallel: bool, ep: int,
                   etp: int) -> tuple[Tensor, ...]:
     """The parameters of one decoder block (parallel/tensor.py's plan, parallel/expert.py's expert shards)."""
@@ -155,6 +157,7 @@ def block_tensors(m: ModelConfig, *, moe_layer: bool, tp: int, sequence_parallel
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=1024)
 def root_tensors(m: ModelConfig, *, tp: int, sequence_parallel: bool, embedding: bool = True,
                  head: bool = True) -> tuple[Tensor, ...]:
     """Embedding and head (vocabulary-parallel: rows over tp; one tensor when tied) and the final norm."""
@@ -169,6 +172,7 @@ def root_tensors(m: ModelConfig, *, tp: int, sequence_parallel: bool, embedding:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=256)
 def mtp_tensors(m: ModelConfig, *, tp: int, sequence_parallel: bool) -> tuple[Tensor, ...]:
     """An MTP module's own enorm, hnorm, eh_proj (2h -> h) and norm, all replicated over tp (its block aside)."""
     h, sp = m.hidden_size, sequence_parallel and tp > 1
@@ -187,19 +191,30 @@ class Unit:
     shards: int
     count: int
 
-    def local(self, coordinate: int = 0) -> int:
-        """Elements the rank at this FSDP2 coordinate holds."""
-        return self.count * sum(fsdp_rows(t.shape[0], self.shards, coordinate)[0] * (t.numel // t.shape[0])
-                                for t in self.tensors)
+    @property
+    def local(self) -> int:
+        """Elements the rank at FSDP2 coordinate 0 holds (full chunks: the most loaded)."""
+        return self.count * _unit_sizes(self.tensors, self.shards)[0]
 
     @property
     def padded_shard(self) -> int:
         """Elements one rank sends in the unit's all-gather (every chunk padded to ceil(dim 0 / shards))."""
-        return sum(fsdp_rows(t.shape[0], self.shards)[1] * (t.numel // t.shape[0]) for t in self.tensors)
+        return _unit_sizes(self.tensors, self.shards)[1]
 
     @property
     def numel(self) -> int:
-        return sum(t.numel for t in self.tensors)
+        return _unit_sizes(self.tensors, self.shards)[2]
+
+
+@functools.lru_cache(maxsize=4096)
+def _unit_sizes(tensors: tuple[Tensor, ...], shards: int) -> tuple[int, int, int]:
+    """(elements at FSDP2 coordinate 0, elements of its padded shard, elements unsharded) of one unit."""
+    held = padded = total = 0
+    for t in tensors:
+        rows, chunk = fsdp_rows(t.shape[0], shards)
+        row = t.numel // t.shape[0]
+        held, padded, total = held + rows * row, padded + chunk * row, total + t.numel
+    return held, padded, total
 
 
 @dataclass
@@ -225,7 +240,7 @@ class RankParams:
     @property
     def local(self) -> int:
         """Elements this rank holds after FSDP2 (dp coordinate 0: full chunks, the most loaded)."""
-        return sum(unit.local() for unit in self.units)
+        return sum(unit.local for unit in self.units)
 
 
 def rank_params(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk]) -> RankParams:
