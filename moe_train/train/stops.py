@@ -58,5 +58,5 @@ class StopRequests:
         if by_signal:
             return "a stop requested on another rank"
         if by_notice:
-            return f"preemption notice {self.notice} (read by another rank)"
+            return "the preemption notice (read by another rank)"
         return None

@@ -23,6 +23,16 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().cpu().clone()
 
 
+def full_state(trainer) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer, and every optimizer state tensor (`{param}/exp_avg` etc.), as full tensors:
+    what a checkpoint holds of the model and optimizer, whatever the layout. Every rank must call it."""
+    state = {k: full(v) for k, v in trainer.model.state_dict().items()}
+    for name, param in trainer.model.named_parameters():
+        for key, value in trainer.optimizer.state.get(param, {}).items():
+            state[f"{name}/{key}"] = full(value)
+    return state
+
+
 def record_run(recipe_name: str, overrides: list[str], *, world: int, run_dir: Path, steps: int, ctx=None,
                prepare: Callable | None = None) -> dict:
     """{"losses", "grads" (step 1), "state" (after `steps`), "moe" (balance figures per step)}; every rank
