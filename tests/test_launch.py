@@ -61,6 +61,20 @@ def test_run_dir_written_with_provenance_and_reused_only_when_recipe_matches(tmp
     assert str(run_dir) in error.value.problems[0] and "train.lr" in error.value.problems[0]
 
 
+def test_a_changed_layout_continues_the_same_run_and_recipe_yaml_records_it(tmp_path):
+    """parallel.*, launch.* and train.micro_batch_size spread the same math over devices: a run folder accepts
+    them changed (its checkpoints reshard) and keeps the latest launch's layout; the math itself may not change."""
+    run_dir = prepare_run_dir(tiny(tmp_path, "launch.gpus_per_node=4", "parallel.tp=2", "parallel.ep=2"))
+    relaid = tiny(tmp_path, "launch.gpus_per_node=8", "parallel.ep=8", "train.micro_batch_size=1",
+                  "launch.timeout_minutes=3", "launch.slurm.partition=big")
+    assert prepare_run_dir(relaid) == run_dir
+    stored = read_run_recipe(run_dir)
+    assert (stored.parallel, stored.launch, stored.train) == (relaid.parallel, relaid.launch, relaid.train)
+    for field in ("train.global_batch_size=32", "train.seq_length=64", "model.moe.top_k=1"):
+        with pytest.raises(LaunchError, match=field.split("=")[0]):
+            prepare_run_dir(tiny(tmp_path, field))
+
+
 def test_run_dir_mismatch_through_the_cli_exits_2_naming_the_folder(tmp_path):
     run_dir = tmp_path / "runs" / "r"
     assert run_cli("render", "qwen3-moe-tiny", "--set", f"run_dir={run_dir}", "-t", "torchrun").code == 0
