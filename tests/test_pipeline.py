@@ -13,17 +13,22 @@ holds only a dense layer and whose last holds MTP, tied embeddings, recompute, e
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from cli_helpers import assert_bad_input, run_cli
 from multirank import run_ranks
+from processes import run_bounded
 from test_data_parallel import SHRINK, STEPS, assert_same_run
 from workers.record import record_run
 
+from moe_train.checkpoint.layout import latest_checkpoint
+from moe_train.checkpoint.state import load_model_weights
 from moe_train.config import load_recipe
 from moe_train.config.pp_layout import pipeline_stages
+from moe_train.models import build_model
 
 FP32 = ["train.precision=fp32", "train.micro_batch_size=1", "model.num_layers=4"]  # 8 (dp 1) or 4 micro-batches
 TP_EPS = ["train.adam_eps=1e-5"]  # test_tensor_parallel explains: TP sums per-head parts in another order
@@ -133,3 +138,23 @@ def test_zero_bubble_is_refused_before_training(tmp_path: Path) -> None:
     result = run_cli("run", "qwen3-tiny", "--nproc", "2", "--set", "parallel.pp=2", "--set",
                      "parallel.pp_schedule=zero_bubble", "--set", f"run_dir={tmp_path / 'zb'}")
     assert_bad_input(result, "parallel.pp_schedule: the zero_bubble schedule with FSDP2", "not supported yet")
+
+
+def test_run_nproc_trains_a_pipeline_and_the_last_stage_reports(tmp_path: Path) -> None:
+    """`moe-train run --nproc 2` with pp 2 (torchrun, the entry): the summary and metrics come from the last stage's
+    rank, the run completes with a checkpoint that a single process loads."""
+    run_dir = tmp_path / "run"
+    sets = [*SHRINK, *FP32, "train.steps=2", "parallel.pp=2", f"run_dir={run_dir}"]
+    argv = [sys.executable, "-m", "moe_train.cli.main", "run", "deepseek-v3-tiny", "--nproc", "2",
+            *(arg for item in [*sets, UNEVEN] for arg in ("--set", item))]
+    done = run_bounded(argv, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("complete at step 2/2") == 1
+    train = [json.loads(line) for line in (run_dir / "metrics.jsonl").open() if '"train"' in line]
+    assert [r["step"] for r in train] == [1, 2] and all(r["mtp_loss"] > 0 for r in train)
+    assert (run_dir / "COMPLETE").exists() and latest_checkpoint(run_dir / "checkpoints").name == "step-0000002"
+    # The two stages' shards make the whole model: it loads, strictly by name, into one process's model.
+    model = build_model(load_recipe("deepseek-v3-tiny", [*SHRINK, *FP32]).model)
+    before = model.lm_head.weight.clone()
+    load_model_weights(latest_checkpoint(run_dir / "checkpoints"), model)
+    assert not torch.equal(model.lm_head.weight, before)  # the trained head (stage 1's), not the fresh one
