@@ -59,8 +59,8 @@ def save(ckpt_dir: Path, step: int) -> None:
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.ones(2, 4)).sum().backward()
     optimizer.step()
-    save_checkpoint(ckpt_dir, model=model, optimizer=optimizer, progress=Progress(step=step, consumed_samples=step),
-                    model_config={}, keep=None)
+    save_checkpoint(ckpt_dir, model_parts=[model], optimizers=[optimizer],
+                    progress=Progress(step=step, consumed_samples=step), model_config={}, keep=None)
 
 
 def main() -> None:

@@ -39,7 +39,7 @@ def spike(t: Trainer, step: int, factor: float = 10.0) -> None:
             return output
         return type(output)(output.lm_sum * factor, output.mtp)
 
-    t.model.register_forward_hook(hook)
+    t.model_parts[0].register_forward_hook(hook)
 
 
 def test_the_window_judges_against_applied_steps_only() -> None:
@@ -64,9 +64,9 @@ def test_a_spike_is_skipped_and_counted_and_applies_nothing(tmp_path: Path) -> N
     states = {}
 
     def keep(optimizer, args, kwargs) -> None:  # after step N's update: what step N+1 starts from
-        states[t.progress.step] = {k: v.clone() for k, v in t.model.state_dict().items()}
+        states[t.progress.step] = {k: v.clone() for k, v in t.model_parts[0].state_dict().items()}
 
-    t.optimizer.register_step_post_hook(keep)
+    t.optimizers[0].register_step_post_hook(keep)
     summary = t.train()
     lines = train_records(tmp_path)
     assert summary.status == "complete" and [lines[s]["skipped"] for s in range(1, 6)] == [0, 0, 0, 1, 1]

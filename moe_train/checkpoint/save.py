@@ -26,13 +26,14 @@ def _barrier() -> None:
 def save_checkpoint(
     ckpt_dir: Path,
     *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    model_parts: list[nn.Module],
+    optimizers: list[torch.optim.Optimizer],
     progress: Progress,
     model_config: dict,
     keep: int | None,
 ) -> Path:
-    """Write `step-NNNNNNN` for `progress.step` and make it the latest; returns its final path."""
+    """Write `step-NNNNNNN` for `progress.step` and make it the latest; returns its final path. `model_parts`:
+    this rank's model chunks (pipeline stages), each with its optimizer in `optimizers`."""
     is_rank0 = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     tmp = tmp_dir(ckpt_dir, progress.step)
     if is_rank0:
@@ -40,7 +41,8 @@ def save_checkpoint(
         if tmp.exists():  # left by a save that was killed midway
             shutil.rmtree(tmp)
     _barrier()
-    save_training_state(tmp, model=model, optimizer=optimizer, progress=progress, model_config=model_config)
+    save_training_state(tmp, model_parts=model_parts, optimizers=optimizers, progress=progress,
+                        model_config=model_config)
     if is_rank0:
         publish(tmp, step=progress.step)
         prune(ckpt_dir, keep=keep)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,37 +114,60 @@ def read_model_config(path: Path) -> dict:
     return json.loads((path / MODEL_CONFIG).read_text(encoding="utf-8"))
 
 
+def _state_dicts(
+    model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """The model and optimizer state of this rank's chunks, merged: keys are the whole model's names, so a
+    checkpoint holds the same keys whatever the pipeline split (each stage writes its own)."""
+    model_sd, optim_state = {}, {}
+    for part, optimizer in zip(model_parts, optimizers, strict=True):
+        part_sd, part_optim = get_state_dict(part, optimizer)
+        model_sd.update(part_sd)
+        optim_state.update(part_optim["state"])
+    return model_sd, optim_state
+
+
 def save_training_state(
-    path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, progress: Progress,
+    path: Path, *, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], progress: Progress,
     model_config: dict | None = None,
 ) -> None:
-    """Write model, optimizer, progress and RNG states into `path` (a fresh folder), with `model_config` as
-    model.json when given, and the manifest.
+    """Write model, optimizer, progress and RNG states of this rank's model chunks (each with its optimizer)
+    into `path` (a fresh folder), with `model_config` as model.json when given, and the manifest.
 
-    An optimizer that has never stepped (a stop before the first applied step) has no state, and none is
-    written: `get_state_dict` would create it by taking a step of lr 0, whose step count changes the next real
-    update's bias correction (the resumed run would differ from the uninterrupted one)."""
+    Optimizers that have never stepped (a stop before the first applied step; the chunks' optimizers step
+    together) have no state, and none is written: `get_state_dict` would create it by taking a step of lr 0,
+    whose step count changes the next real update's bias correction (the resumed run would differ from the
+    uninterrupted one)."""
     state = {"progress": _progress_tensors(progress), "rng": _rng_state()}
-    if optimizer.state:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state["optim"] = {"state": optim_sd["state"]}
+    if any(optimizer.state for optimizer in optimizers):
+        model_sd, optim_state = _state_dicts(model_parts, optimizers)
+        state["optim"] = {"state": optim_state}
     else:
-        model_sd = get_model_state_dict(model)
+        model_sd = {k: v for part in model_parts for k, v in get_model_state_dict(part).items()}
     state["model"] = model_sd
     _write_files(path, state, model_config)
 
 
-def load_training_state(path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        own: bool = False) -> Progress:
-    """Restore what `save_training_state` wrote into a freshly built model and optimizer (of any layout).
-    `own`: the checkpoint is one this run wrote (read with DCP's own reader; see trust.py)."""
+def load_training_state(
+    path: Path,
+    *,
+    model_parts: list[nn.Module],
+    optimizers: list[torch.optim.Optimizer],
+    model_keys: Collection[str] | None = None,
+    own: bool = False,
+) -> Progress:
+    """Restore what `save_training_state` wrote (under any layout) into freshly built model chunks and their
+    optimizers. `model_keys`: the whole model's state-dict keys when the chunks are pipeline stages (checked
+    against the checkpoint's), None when they hold the whole model. `own`: the checkpoint is one this run wrote
+    (read with DCP's own reader; see trust.py)."""
     saved = _saved_tensors(path, own=own)
     stepped = any(key.startswith("optim.state.") for key in saved)  # see save_training_state
     if stepped:
-        model_sd, optim_sd = get_state_dict(model, optimizer)  # also materialises empty optimizer state to fill
+        model_sd, optim_state = _state_dicts(model_parts, optimizers)  # also creates empty optimizer state to fill
     else:
-        model_sd = get_model_state_dict(model)
-    _check_model_matches(path, saved, model_sd)
+        part_sds = [get_model_state_dict(part) for part in model_parts]
+        model_sd = {k: v for part_sd in part_sds for k, v in part_sd.items()}
+    _check_model_matches(path, saved, model_sd, model_keys)
     if "progress.step" not in saved:
         raise CheckpointError(f"{path}: a model-only checkpoint cannot be resumed; use it as checkpoint.init_from")
     rng = {k: v for k, v in _rng_state().items() if f"rng.{k}" in saved}
@@ -155,12 +179,17 @@ def load_training_state(path: Path, *, model: nn.Module, optimizer: torch.optim.
         progress["recent_losses"] = torch.empty(tuple(recent.size), dtype=torch.float64)
     state = {"model": model_sd, "progress": progress, "rng": rng}
     if stepped:
-        state["optim"] = {"state": optim_sd["state"]}
-    _dcp_load(state, path, own=own)
+        state["optim"] = {"state": optim_state}
+    _dcp_load(state, path, own=own)  # fills the tensors of model_sd and optim_state in place
     if stepped:
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        for part, optimizer in zip(model_parts, optimizers, strict=True):
+            part_sd, part_optim = get_state_dict(part, optimizer)
+            set_state_dict(part, optimizer, model_state_dict={k: model_sd[k] for k in part_sd},
+                           optim_state_dict={"state": {k: optim_state[k] for k in part_optim["state"]},
+                                             "param_groups": part_optim["param_groups"]})
     else:
-        set_model_state_dict(model, model_sd)
+        for part, part_sd in zip(model_parts, part_sds, strict=True):
+            set_model_state_dict(part, part_sd)
     prefix = f"rank{_rank()}"
     if f"{prefix}.cpu" in rng:
         torch.set_rng_state(rng[f"{prefix}.cpu"])
@@ -181,11 +210,15 @@ def _saved_tensors(path: Path, *, own: bool) -> dict:
     return reader_for(path, own=own).read_metadata().state_dict_metadata
 
 
-def _check_model_matches(path: Path, saved: dict, model_sd: dict[str, torch.Tensor]) -> None:
-    """Names and shapes of the checkpoint's `model.*` against the model: a CheckpointError before any read."""
+def _check_model_matches(path: Path, saved: dict, model_sd: dict[str, torch.Tensor],
+                         model_keys: Collection[str] | None) -> None:
+    """Names and shapes of the checkpoint's `model.*` against the model: a CheckpointError before any read.
+    `model_sd` holds this rank's tensors (every one must be in the checkpoint, in its shape); `model_keys` names
+    the whole model's (a pipeline stage holds some), None when `model_sd` is the whole model."""
     prefix = "model."
+    whole = set(model_sd if model_keys is None else model_keys)
     missing = sorted(k for k in model_sd if prefix + k not in saved)
-    unexpected = sorted(k[len(prefix) :] for k in saved if k.startswith(prefix) and k[len(prefix) :] not in model_sd)
+    unexpected = sorted(k[len(prefix) :] for k in saved if k.startswith(prefix) and k[len(prefix) :] not in whole)
     if missing or unexpected:
         raise CheckpointError(
             f"{path}: does not match the model: {len(missing)} tensors missing {missing[:3]}, "
@@ -200,9 +233,11 @@ def _check_model_matches(path: Path, saved: dict, model_sd: dict[str, torch.Tens
         raise CheckpointError(f"{path}: {len(reshaped)} tensors differ in shape from the model, e.g. {reshaped[0]}")
 
 
-def load_model_weights(path: Path, model: nn.Module, *, own: bool = False) -> None:
-    """Load the `model.*` part of any checkpoint (model-only or full) into `model`, strictly by name."""
+def load_model_weights(path: Path, model: nn.Module, model_keys: Collection[str] | None = None, *,
+                       own: bool = False) -> None:
+    """Load the `model.*` part of any checkpoint (model-only or full) into `model` (the whole model, or a
+    pipeline stage of the model whose keys are `model_keys`), strictly by name. `own`: see load_training_state."""
     model_sd = model.state_dict()
-    _check_model_matches(path, _saved_tensors(path, own=own), model_sd)
+    _check_model_matches(path, _saved_tensors(path, own=own), model_sd, model_keys)
     _dcp_load({"model": model_sd}, path, own=own)
     model.load_state_dict(model_sd, strict=True)

@@ -7,8 +7,8 @@
   and optimizer right after the save and right after each load, and each layout's logged losses.
 - poison: after every gradient reduction of step `poison_step` and before the norm is taken, one rank makes
   one element of its own shard of an expert gradient NaN (through the real trainer object: its model's
-  `parameters()`, which the trainer's clipping calls); records what each rank decided and whether its state
-  moved.
+  `parameters()`, which the trainer calls for the clipping); records what each rank decided and whether its
+  state moved.
 """
 
 from __future__ import annotations
@@ -103,18 +103,19 @@ def poison_case(case: dict, run_root: Path, world: int, rank: int) -> dict:
                                           f"run_dir={run_root / case['id']}", f"train.steps={case['steps']}"])
     trainer = Trainer(recipe)
     current = {"step": 0}
-    real_parameters = trainer.model.parameters
+    (model,) = trainer.model_parts
+    real_parameters = model.parameters
 
     def parameters(recurse: bool = True):
-        if rank == case["poison_rank"] and current["step"] == case["poison_step"]:
-            for name, param in trainer.model.named_parameters():
+        if recurse and rank == case["poison_rank"] and current["step"] == case["poison_step"]:
+            for name, param in model.named_parameters():
                 if ".experts." in name and param.grad is not None:
                     grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
                     grad.view(-1)[0] = float("nan")
                     break
         return real_parameters(recurse)
 
-    trainer.model.parameters = parameters
+    model.parameters = parameters
     states, verdicts = [full_state(trainer)], []
     for step in range(1, case["steps"] + 1):
         current["step"] = step
