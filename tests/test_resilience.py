@@ -1,11 +1,12 @@
 """Resilience on real gloo ranks: one 4-rank job (tests/workers/resilience.py) runs every case, this process
 compares them with the single-process run of the same recipe.
 
-- Resharding resume: a checkpoint saved at TP=2 x EP=2 resumes at TP=1 x EP=4 (same ranks, same run folder) and
-  at world size 1 (this process, a checkpoint from elsewhere): every parameter's and optimizer state's full
-  tensor equals the saved one exactly, and the following steps' losses equal the uninterrupted single-process
-  run's (relative 1e-5, the layouts' own agreement). `convert to-hf` of the sharded checkpoint holds every
-  expert and shard and gives transformers the logits of the single-process checkpoint's export.
+- Resharding resume: a checkpoint saved at TP=2 x EP=2 or at PP=2 x EP=2 resumes at TP=1 x EP=4 (same ranks,
+  same run folder) and at world size 1 (this process, a checkpoint from elsewhere): every parameter's and
+  optimizer state's full tensor equals the saved one exactly, and the following steps' losses equal the
+  uninterrupted single-process run's (relative 1e-5, the layouts' own agreement). `convert to-hf` of the sharded
+  checkpoint holds every expert and shard and gives transformers the logits of the single-process checkpoint's
+  export.
 - A NaN in one rank's own shard of one gradient (after every reduction): every rank rejects the step, no rank's
   state moves, and the next step trains.
 - Stop requests: only the logging rank reads the notice file; a notice or one rank's SIGTERM stops all ranks.
@@ -36,7 +37,7 @@ SHRINK = ["model.num_layers=2", "train.seq_length=32", "train.global_batch_size=
           "train.precision=fp32", "train.eval_interval=null", "checkpoint.interval=null", "logging.interval=1"]
 STEPS, STOP_AT = 4, 2
 # Layouts a checkpoint is saved under (4 ranks); one more line here adds a case (e.g. pipeline parallelism).
-SAVE_LAYOUTS = {"tp2-ep2": ["parallel.tp=2", "parallel.ep=2"]}
+SAVE_LAYOUTS = {"tp2-ep2": ["parallel.tp=2", "parallel.ep=2"], "pp2-ep2": ["parallel.pp=2", "parallel.ep=2"]}
 # Layouts each of those checkpoints resumes under on the same 4 ranks (world size 1 is resumed in this process).
 RESUME_LAYOUTS = {"tp1-ep4": ["parallel.ep=4"]}
 
