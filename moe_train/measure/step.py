@@ -22,6 +22,7 @@ from moe_train.models.model import Transformer
 from moe_train.models.moe import MoELayer
 from moe_train.models.moe.aux_loss import set_aux_loss_scale
 from moe_train.parallel.context import ParallelContext
+from moe_train.parallel.data_parallel import set_gradient_sync
 from moe_train.train.grad_norm import clip_grad_norm
 
 
@@ -54,7 +55,7 @@ def train_step(
     reset_telemetry(model)
     optimizer.zero_grad(set_to_none=True)
     for index, micro in enumerate(micro_batches):
-        model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+        set_gradient_sync(model, index == len(micro_batches) - 1)
         terms = model(micro.inputs, micro.positions, labels=micro.labels)
         (terms.lm_sum / tokens_per_step + terms.mtp * share).backward()
     clip_grad_norm(model.parameters(), train.grad_clip, stage_group=ctx.group("pp"))

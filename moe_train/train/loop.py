@@ -46,6 +46,7 @@ from moe_train.models.moe import MoELayer, update_expert_bias
 from moe_train.models.moe.aux_loss import set_aux_loss_scale
 from moe_train.parallel import parallelize
 from moe_train.parallel.context import ParallelContext
+from moe_train.parallel.data_parallel import set_gradient_sync
 from moe_train.parallel.tensor import reduce_replicated_gradients
 from moe_train.plan.flops import training_flops_per_token
 from moe_train.train.errors import TrainingError
@@ -199,7 +200,7 @@ class Trainer:
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # lm and mtp contributions to the mean
         for index, micro in enumerate(micro_batches):
             # FSDP2 reduces gradients once per step, in the last micro-batch's backward.
-            self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+            set_gradient_sync(self.model, index == len(micro_batches) - 1)
             inputs, labels, positions = self._inputs(micro)
             terms = self.model(inputs, positions, labels=labels)
             lm = terms.lm_sum / self.tokens_per_step
