@@ -42,6 +42,8 @@ def _problems(recipe: Recipe, *, fake: bool, rank: int, nproc: int | None, layer
         problems += layer_problems(recipe.model, layers)
     if fake and nproc is not None:
         problems.append("--fake and --nproc exclude each other: --fake plays one rank of the recipe's world size")
+    if recipe.parallel.pp > 1:
+        problems.append("parallel.pp: measuring a pipeline-parallel step is not supported yet (the trainer runs it)")
     if fake and recipe.model.moe is not None and recipe.model.moe.capacity_factor is not None:
         problems.append("model.moe.capacity_factor: token dropping under --fake is not supported yet "
                         "(which tokens drop depends on values fake tensors do not have)")

@@ -40,7 +40,8 @@ def write_tmp(ckpt_dir: Path, step: int, consumed: int) -> Path:
     """A complete, unpublished save of `step`; `consumed` tells one save of a step from another."""
     model, optimizer = model_and_optimizer()
     tmp = tmp_dir(ckpt_dir, step)
-    save_training_state(tmp, model=model, optimizer=optimizer, progress=Progress(step=step, consumed_samples=consumed))
+    save_training_state(tmp, model_parts=[model], optimizers=[optimizer],
+                        progress=Progress(step=step, consumed_samples=consumed))
     return tmp
 
 
@@ -57,7 +58,7 @@ def resumed_progress(ckpt_dir: Path) -> Progress | None:
     if start is None:
         return None
     model, optimizer = model_and_optimizer()
-    return load_training_state(start, model=model, optimizer=optimizer)
+    return load_training_state(start, model_parts=[model], optimizers=[optimizer])
 
 
 def step_folders(ckpt_dir: Path) -> dict[str, bool]:
@@ -104,7 +105,8 @@ def test_killed_between_writing_a_step_and_updating_latest(tmp_path: Path) -> No
     assert latest_checkpoint(tmp_path) == tmp_path / "step-0000001"  # step 2 was never named
     assert resumed_progress(tmp_path) == Progress(step=1, consumed_samples=1)
     model, optimizer = model_and_optimizer()  # the resumed run saves step 2 again
-    save_checkpoint(tmp_path, model=model, optimizer=optimizer, progress=Progress(step=2, consumed_samples=22),
+    save_checkpoint(tmp_path, model_parts=[model], optimizers=[optimizer],
+                    progress=Progress(step=2, consumed_samples=22),
                     model_config={}, keep=2)
     assert resumed_progress(tmp_path) == Progress(step=2, consumed_samples=22)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-0000001", "step-0000002"]
@@ -132,7 +134,8 @@ def test_killed_while_saving_a_step_again(tmp_path: Path, kill_after: int) -> No
     expected = Progress(step=2, consumed_samples=20) if kill_after == 4 else Progress(step=1, consumed_samples=1)
     assert resumed_progress(tmp_path) == expected  # never the old step 2, never a fresh start
     model, optimizer = model_and_optimizer()
-    save_checkpoint(tmp_path, model=model, optimizer=optimizer, progress=Progress(step=2, consumed_samples=21),
+    save_checkpoint(tmp_path, model_parts=[model], optimizers=[optimizer],
+                    progress=Progress(step=2, consumed_samples=21),
                     model_config={}, keep=2)
     assert resumed_progress(tmp_path) == Progress(step=2, consumed_samples=21)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-0000001", "step-0000002"]
@@ -162,14 +165,15 @@ def test_pruning_killed_midway_leaves_only_complete_steps(tmp_path: Path) -> Non
     assert step_folders(tmp_path) == {"step-0000003": True}  # step 1 gone, step 2 renamed out of the way
     assert resumed_progress(tmp_path) == Progress(step=3, consumed_samples=3)
     model, optimizer = model_and_optimizer()
-    save_checkpoint(tmp_path, model=model, optimizer=optimizer, progress=Progress(step=4), model_config={}, keep=1)
+    save_checkpoint(tmp_path, model_parts=[model], optimizers=[optimizer], progress=Progress(step=4), model_config={},
+                    keep=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-0000004"]
 
 
 def test_saving_a_step_again_replaces_it(tmp_path: Path) -> None:
     model, optimizer = model_and_optimizer()
     for consumed in (5, 6):
-        save_checkpoint(tmp_path, model=model, optimizer=optimizer, model_config={"save": consumed}, keep=2,
+        save_checkpoint(tmp_path, model_parts=[model], optimizers=[optimizer], model_config={"save": consumed}, keep=2,
                         progress=Progress(step=3, consumed_samples=consumed))
     assert resumed_progress(tmp_path) == Progress(step=3, consumed_samples=6)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-0000003"]

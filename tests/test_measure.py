@@ -209,8 +209,8 @@ def test_measure_counts_what_the_trainer_runs_two_ranks(tmp_path):
     comm = report["comm_bytes"]
     for key in ("dp/all_gather", "dp/reduce_scatter"):
         assert comm[key] == trainer["comm_bytes"][key], key
-    # The trainer's reductions of host figures (loss sums, MoE telemetry: counted by the worker as they pass
-    # through Trainer._all_reduce) are the only difference.
+    # The trainer's reduction of host figures (loss sums, MoE telemetry) over every rank, here the dp group,
+    # counted by the worker as it passes through Trainer._all_reduce, is the only difference.
     assert trainer["telemetry_bytes"] > 0
     assert trainer["comm_bytes"]["dp/all_reduce"] - comm["dp/all_reduce"] == trainer["telemetry_bytes"]
     # The analytic FSDP2 count at dp 2, fp32: each rank's shard gathered in every micro-batch's forward and
@@ -266,7 +266,7 @@ def test_even_routing_spreads_every_token_over_distinct_experts():
         (("--layers", "8"), "out of range"),
         (("--rank", "2"), "--rank"),
         (("--fake", "--nproc", "2"), "exclude each other"),
-        (("--set", "parallel.pp=2", "--set", "launch.gpus_per_node=2", "--fake"), "not supported yet"),
+        (("--set", "parallel.cp=2", "--set", "launch.gpus_per_node=2", "--fake"), "not supported yet"),
         (("--set", "model.hidden_size=oops"), "model.hidden_size"),
     ],
 )

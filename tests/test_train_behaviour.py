@@ -48,7 +48,7 @@ class StepRecord:
 def watch_optimizer(t: Trainer) -> list[StepRecord]:
     """Record, for every optimizer step, the groups' learning rates, the gradients and the parameters around it."""
     records: list[StepRecord] = []
-    params = [p for group in t.optimizer.param_groups for p in group["params"]]
+    params = [p for group in t.optimizers[0].param_groups for p in group["params"]]
 
     def pre(optimizer, args, kwargs):
         records.append(StepRecord(
@@ -60,8 +60,8 @@ def watch_optimizer(t: Trainer) -> list[StepRecord]:
     def post(optimizer, args, kwargs):
         records[-1].after = [whole(p) for p in params]
 
-    t.optimizer.register_step_pre_hook(pre)
-    t.optimizer.register_step_post_hook(post)
+    t.optimizers[0].register_step_pre_hook(pre)
+    t.optimizers[0].register_step_post_hook(post)
     return records
 
 
@@ -69,7 +69,7 @@ def hand_adamw(t: Trainer, records: list[StepRecord], lrs: list[float]) -> None:
     """Replay AdamW (decoupled decay on >= 2-D parameters only) and compare with what the optimizer produced."""
     train = t.recipe.train
     b1, b2, eps = train.adam_beta1, train.adam_beta2, train.adam_eps
-    params = [p for group in t.optimizer.param_groups for p in group["params"]]
+    params = [p for group in t.optimizers[0].param_groups for p in group["params"]]
     moments = [(torch.zeros_like(whole(p)), torch.zeros_like(whole(p))) for p in params]
     for step, (record, lr) in enumerate(zip(records, lrs, strict=True), start=1):
         for i, p in enumerate(params):
@@ -201,27 +201,27 @@ def test_a_skipped_step_leaves_every_piece_of_state_unchanged(tmp_path: Path) ->
             return out
         return type(out)(*(term * float("nan") for term in out)) if isinstance(out, tuple) else out * float("nan")
 
-    t.model.register_forward_hook(poison)
-    model_before = {k: whole(v) for k, v in t.model.state_dict().items()}
-    optimizer_before = t.optimizer.state_dict()
+    t.model_parts[0].register_forward_hook(poison)
+    model_before = {k: whole(v) for k, v in t.model_parts[0].state_dict().items()}
+    optimizer_before = t.optimizers[0].state_dict()
     moments_before = {i: {k: whole(v) for k, v in s.items()} for i, s in optimizer_before["state"].items()}
     groups_before = [{k: v for k, v in g.items() if k != "params"} for g in optimizer_before["param_groups"]]
 
     result = t.train_step(2)
     assert not result.finite and math.isnan(result.loss)
-    for key, value in t.model.state_dict().items():
+    for key, value in t.model_parts[0].state_dict().items():
         assert torch.equal(whole(value), model_before[key]), key
-    after = t.optimizer.state_dict()
+    after = t.optimizers[0].state_dict()
     assert [{k: v for k, v in g.items() if k != "params"} for g in after["param_groups"]] == groups_before
     assert after["state"].keys() == moments_before.keys()
     for index, state in after["state"].items():
         for key, value in state.items():
             assert torch.equal(whole(value), moments_before[index][key]), (index, key)
-    assert all(p.grad is None for p in t.model.parameters())
+    assert all(p.grad is None for p in t.model_parts[0].parameters())
 
     poisoned["on"] = False  # the same step again, finite this time, does train
     assert t.train_step(2).finite
-    assert any(not torch.equal(whole(v), model_before[k]) for k, v in t.model.state_dict().items())
+    assert any(not torch.equal(whole(v), model_before[k]) for k, v in t.model_parts[0].state_dict().items())
 
 
 # ----------------------------------------------------------------------------------------------- expert bias
@@ -271,14 +271,14 @@ def test_evaluate_is_the_mean_token_loss_of_the_validation_batches(tmp_path: Pat
                 "data.reset_at_eod=false")
     assert t.train_step(1).finite  # a trained model, not the initial one
     value = t.evaluate()
-    assert t.model.training  # evaluation gives the model back in training mode
+    assert t.model_parts[0].training  # evaluation gives the model back in training mode
 
     samples = torch.stack([torch.as_tensor(t.datasets.valid.sample(i), dtype=torch.int64) for i in range(8)])
     assert torch.equal(samples[:4], global_batch(t.datasets.valid, step=0, global_batch_size=4))
-    t.model.eval()
+    t.model_parts[0].eval()
     with torch.no_grad():
-        logits = t.model(samples[:, :-1]).double()
-    t.model.train()
+        logits = t.model_parts[0](samples[:, :-1]).double()
+    t.model_parts[0].train()
     log_probs = logits.log_softmax(-1).gather(-1, samples[:, 1:, None]).squeeze(-1)
     expected = -log_probs.mean().item()
     assert value == pytest.approx(expected, rel=1e-5)

@@ -64,5 +64,6 @@ def test_resume_is_bitwise_identical(name: str, tmp_path: Path) -> None:
     assert sorted(expected) == list(range(1, STEPS + 1))
     assert train_losses(split_dir) == expected  # exact float equality, loss by loss
     assert expected[STEPS] < expected[1]  # it trained
-    for (key, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
+    straight_sd, resumed_sd = straight.model_parts[0].state_dict(), resumed.model_parts[0].state_dict()
+    for (key, a), b in zip(straight_sd.items(), resumed_sd.values(), strict=True):
         assert torch.equal(a, b), key

@@ -25,13 +25,14 @@ def _barrier() -> None:
 def save_checkpoint(
     ckpt_dir: Path,
     *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    model_parts: list[nn.Module],
+    optimizers: list[torch.optim.Optimizer],
     progress: Progress,
     model_config: dict,
     keep: int | None,
 ) -> Path:
-    """Write `step-NNNNNNN` for `progress.step` and make it the latest; returns its final path."""
+    """Write `step-NNNNNNN` for `progress.step` and make it the latest; returns its final path. `model_parts`:
+    this rank's model chunks (pipeline stages), each with its optimizer in `optimizers`."""
     is_rank0 = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     tmp = tmp_dir(ckpt_dir, progress.step)
     if is_rank0:
@@ -39,7 +40,7 @@ def save_checkpoint(
         if tmp.exists():  # left by a save that was killed midway
             shutil.rmtree(tmp)
     _barrier()
-    save_training_state(tmp, model=model, optimizer=optimizer, progress=progress)
+    save_training_state(tmp, model_parts=model_parts, optimizers=optimizers, progress=progress)
     write_model_config(tmp, model_config)
     _barrier()
     if is_rank0:

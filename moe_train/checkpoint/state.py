@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,36 +80,61 @@ def read_model_config(path: Path) -> dict:
     return json.loads((path / MODEL_CONFIG).read_text(encoding="utf-8"))
 
 
+def _state_dicts(
+    model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """The model and optimizer state of this rank's chunks, merged: keys are the whole model's names, so a
+    checkpoint holds the same keys whatever the pipeline split (each stage writes its own)."""
+    model_sd, optim_state = {}, {}
+    for part, optimizer in zip(model_parts, optimizers, strict=True):
+        part_sd, part_optim = get_state_dict(part, optimizer)
+        model_sd.update(part_sd)
+        optim_state.update(part_optim["state"])
+    return model_sd, optim_state
+
+
 def save_training_state(
-    path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, progress: Progress
+    path: Path, *, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], progress: Progress
 ) -> None:
     """Write model, optimizer, progress and RNG states into `path` (a fresh folder)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_state = _state_dicts(model_parts, optimizers)
     state = {
         "model": model_sd,
-        "optim": {"state": optim_sd["state"]},
+        "optim": {"state": optim_state},
         "progress": _progress_tensors(progress),
         "rng": _rng_state(),
     }
     _dcp(dcp.save, state, path)
 
 
-def load_training_state(path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> Progress:
-    """Restore what `save_training_state` wrote into a freshly built model and optimizer."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)  # also materialises empty optimizer state to fill
+def load_training_state(
+    path: Path,
+    *,
+    model_parts: list[nn.Module],
+    optimizers: list[torch.optim.Optimizer],
+    model_keys: Collection[str] | None = None,
+) -> Progress:
+    """Restore what `save_training_state` wrote into freshly built model chunks and their optimizers.
+    `model_keys`: the whole model's state-dict keys when the chunks are pipeline stages (checked against the
+    checkpoint's), None when they hold the whole model."""
+    model_sd, optim_state = _state_dicts(model_parts, optimizers)  # also creates empty optimizer state to fill
     saved = _saved_tensors(path)
-    _check_model_matches(path, saved, model_sd)
+    _check_model_matches(path, saved, model_sd, model_keys)
     if "progress.step" not in saved:
         raise CheckpointError(f"{path}: a model-only checkpoint cannot be resumed; use it as checkpoint.init_from")
     rng = {k: v for k, v in _rng_state().items() if f"rng.{k}" in saved}
     state = {
         "model": model_sd,
-        "optim": {"state": optim_sd["state"]},
+        "optim": {"state": optim_state},
         "progress": _progress_tensors(Progress()),
         "rng": rng,
     }
-    _dcp(dcp.load, state, path)
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    _dcp(dcp.load, state, path)  # fills the tensors of model_sd and optim_state in place
+    for part, optimizer in zip(model_parts, optimizers, strict=True):
+        part_sd, part_optim = get_state_dict(part, optimizer)
+        set_state_dict(part, optimizer, model_state_dict={k: model_sd[k] for k in part_sd},
+                       optim_state_dict={"state": {k: optim_state[k] for k in part_optim["state"]},
+                                         "param_groups": part_optim["param_groups"]})
     prefix = f"rank{_rank()}"
     if f"{prefix}.cpu" in rng:
         torch.set_rng_state(rng[f"{prefix}.cpu"])
@@ -128,11 +154,15 @@ def _saved_tensors(path: Path) -> dict:
     return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
 
 
-def _check_model_matches(path: Path, saved: dict, model_sd: dict[str, torch.Tensor]) -> None:
-    """Names and shapes of the checkpoint's `model.*` against the model: a CheckpointError before any read."""
+def _check_model_matches(path: Path, saved: dict, model_sd: dict[str, torch.Tensor],
+                         model_keys: Collection[str] | None) -> None:
+    """Names and shapes of the checkpoint's `model.*` against the model: a CheckpointError before any read.
+    `model_sd` holds this rank's tensors (every one must be in the checkpoint, in its shape); `model_keys` names
+    the whole model's (a pipeline stage holds some), None when `model_sd` is the whole model."""
     prefix = "model."
+    whole = set(model_sd if model_keys is None else model_keys)
     missing = sorted(k for k in model_sd if prefix + k not in saved)
-    unexpected = sorted(k[len(prefix) :] for k in saved if k.startswith(prefix) and k[len(prefix) :] not in model_sd)
+    unexpected = sorted(k[len(prefix) :] for k in saved if k.startswith(prefix) and k[len(prefix) :] not in whole)
     if missing or unexpected:
         raise CheckpointError(
             f"{path}: does not match the model: {len(missing)} tensors missing {missing[:3]}, "
@@ -147,9 +177,10 @@ def _check_model_matches(path: Path, saved: dict, model_sd: dict[str, torch.Tens
         raise CheckpointError(f"{path}: {len(reshaped)} tensors differ in shape from the model, e.g. {reshaped[0]}")
 
 
-def load_model_weights(path: Path, model: nn.Module) -> None:
-    """Load the `model.*` part of any checkpoint (model-only or full) into `model`, strictly by name."""
+def load_model_weights(path: Path, model: nn.Module, model_keys: Collection[str] | None = None) -> None:
+    """Load the `model.*` part of any checkpoint (model-only or full) into `model` (the whole model, or a
+    pipeline stage of the model whose keys are `model_keys`), strictly by name."""
     model_sd = model.state_dict()
-    _check_model_matches(path, _saved_tensors(path), model_sd)
+    _check_model_matches(path, _saved_tensors(path), model_sd, model_keys)
     _dcp(dcp.load, {"model": model_sd}, path)
     model.load_state_dict(model_sd, strict=True)

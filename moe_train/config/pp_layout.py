@@ -80,3 +80,31 @@ def even_layout(num_layers: int, stages: int, mtp_layers: int = 0) -> list[Stage
         Stage(embedding=i == 0, layers=per_stage, mtp=mtp_layers if i == stages - 1 else 0, loss=i == stages - 1)
         for i in range(stages)
     ]
+
+
+@dataclass(frozen=True)
+class StageContents:
+    """What one virtual stage holds, by the whole model's indices: decoder layers `layers` (consecutive) and
+    MTP modules `mtp` (0-based, module k is layer num_layers + k); `rank` is its pipeline rank."""
+
+    index: int
+    rank: int
+    layers: tuple[int, ...]
+    mtp: tuple[int, ...]
+    embedding: bool
+    loss: bool
+
+
+def pipeline_stages(*, pp: int, vpp: int, layout: str | None, num_layers: int, mtp_layers: int) -> list[StageContents]:
+    """Every virtual stage of a (valid) pipeline, in order: the layout string's, or the even split. Layers are
+    dealt out in order, so each appears in exactly one stage."""
+    stages = parse_layout(layout) if layout is not None else even_layout(num_layers, pp * vpp, mtp_layers)
+    out, next_layer, next_mtp = [], 0, 0
+    for index, stage in enumerate(stages):
+        out.append(StageContents(
+            index=index, rank=index % pp, layers=tuple(range(next_layer, next_layer + stage.layers)),
+            mtp=tuple(range(next_mtp, next_mtp + stage.mtp)), embedding=stage.embedding, loss=stage.loss,
+        ))
+        next_layer += stage.layers
+        next_mtp += stage.mtp
+    return out

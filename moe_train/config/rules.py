@@ -210,6 +210,14 @@ def _pipeline(r: Recipe) -> list[Problem]:
         out.append(_p("parallel.pp_layout", "the embedding 'E' must appear once, in the first stage"))
     if not layout[-1].loss or sum(stage.loss for stage in layout) != 1:
         out.append(_p("parallel.pp_layout", "the loss 'L' must appear once, in the last stage"))
+    empty = [str(index) for index, stage in enumerate(layout) if not (stage.embedding or stage.layers or stage.mtp
+                                                                         or stage.loss)]
+    if empty:
+        out.append(_p("parallel.pp_layout", f"stage(s) {', '.join(empty)} hold nothing (between two '|' there must be "
+                      "E, t, m or L)"))
+    if any(stage.mtp for stage in layout[:-1]):
+        out.append(_p("parallel.pp_layout", "MTP modules 'm' belong to the last stage (they read its final hidden "
+                      "states and share its head)"))
     return out
 
 
@@ -239,11 +247,15 @@ def _batch(r: Recipe) -> list[Problem]:
             _p("train.global_batch_size", f"{t.global_batch_size} must be divisible by micro_batch_size * dp = "
                f"{t.micro_batch_size} * {dp}")
         )
-    elif p.pp_schedule == "interleaved_1f1b" and p.pp > 1 and (t.global_batch_size // per_step) % p.pp:
-        out.append(
-            _p("train.global_batch_size", f"interleaved 1F1B needs the micro-batch count "
-               f"{t.global_batch_size // per_step} to be a multiple of pp {p.pp}")
-        )
+    elif p.pp > 1:
+        micro_batches = t.global_batch_size // per_step
+        if p.pp_schedule in ("interleaved_1f1b", "zero_bubble") and micro_batches % p.pp:
+            out.append(_p("train.global_batch_size", f"{p.pp_schedule} needs the micro-batch count per step "
+                          f"(global_batch_size / (micro_batch_size * dp) = {micro_batches}) to be a multiple of "
+                          f"pp {p.pp}"))
+        if p.pp_schedule == "1f1b" and micro_batches < p.pp:
+            out.append(_p("train.global_batch_size", f"1f1b needs at least pp = {p.pp} micro-batches per step to fill "
+                          f"the pipeline, got global_batch_size / (micro_batch_size * dp) = {micro_batches}"))
     return out
 
 

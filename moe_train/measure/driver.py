@@ -20,13 +20,14 @@ from moe_train.measure.dtensor import local_dtensor_ops
 from moe_train.measure.flops import PhaseFlopCounter
 from moe_train.measure.layers import LayerTracker
 from moe_train.measure.memory import LiveBytes, grad_bytes, optimizer_bytes, param_bytes
-from moe_train.measure.step import MicroBatch, train_step
+from moe_train.measure.step import train_step
 from moe_train.models.init import init_weights, materialize
 from moe_train.models.model import Transformer
 from moe_train.parallel import parallelize
 from moe_train.parallel.bootstrap import bootstrap, shutdown
 from moe_train.parallel.context import ParallelContext
 from moe_train.train.optimizer import build_optimizer
+from moe_train.train.step import Batch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,7 +57,7 @@ def _build(recipe: Recipe, target: Target, ctx: ParallelContext) -> Transformer:
         model = Transformer(recipe.model)
     if target.layers is not None:
         keep_layers(model, target.layers)
-    model = parallelize(model, recipe, ctx)
+    (model,) = parallelize(model, recipe, ctx)
     if not target.fake:
         materialize(model, device=ctx.device)
         init_weights(model, seed=recipe.train.seed, init_std=recipe.model.init_std)
@@ -64,26 +65,22 @@ def _build(recipe: Recipe, target: Target, ctx: ParallelContext) -> Transformer:
     return model
 
 
-def _micro_batches(recipe: Recipe, target: Target, device: torch.device, dp_rank: int, dp_size: int) -> list:
+def _batch(recipe: Recipe, target: Target, device: torch.device, dp_rank: int, dp_size: int) -> Batch:
+    """This rank's samples of the first global batch, as the trainer lays them out (micro-batches are views of
+    this rank's [B, s + 1] samples); fake token ids of the same shapes under `--fake`."""
     train = recipe.train
-    count = train.global_batch_size // (train.micro_batch_size * dp_size)
-    if target.fake:  # as the trainer lays them out: micro-batches are views of this rank's [B, s + 1] samples
-        samples = torch.randint(recipe.model.vocab_size, (count * train.micro_batch_size, train.seq_length + 1),
-                                device=device)
-        return [MicroBatch(inputs=t[:, :-1], labels=t[:, 1:], positions=None)
-                for t in samples.split(train.micro_batch_size)]
+    rows = train.global_batch_size // dp_size
+    if target.fake:
+        samples = torch.randint(recipe.model.vocab_size, (rows, train.seq_length + 1), device=device)
+        return Batch(samples[:, :-1], samples[:, 1:], None)
     from moe_train.data import build_datasets, global_batch, position_ids
 
     datasets = build_datasets(recipe)
     tokens = global_batch(
         datasets.train, step=0, global_batch_size=train.global_batch_size, dp_rank=dp_rank, dp_size=dp_size
     ).to(device)
-    out = []
-    for micro in tokens.split(train.micro_batch_size):
-        inputs, labels = micro[:, :-1], micro[:, 1:]
-        positions = position_ids(inputs, datasets.eod) if recipe.data.reset_at_eod else None
-        out.append(MicroBatch(inputs=inputs, labels=labels, positions=positions))
-    return out
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    return Batch(inputs, labels, position_ids(inputs, datasets.eod) if recipe.data.reset_at_eod else None)
 
 
 def measure_step(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
@@ -91,7 +88,8 @@ def measure_step(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
     torch.manual_seed(recipe.train.seed)
     model = _build(recipe, target, ctx)
     optimizer = build_optimizer(model, train=recipe.train)
-    micro_batches = _micro_batches(recipe, target, ctx.device, ctx.coord("dp"), ctx.size("dp"))
+    batch = _batch(recipe, target, ctx.device, ctx.coord("dp"), ctx.size("dp"))
+    micro_batches = len(batch.inputs) // recipe.train.micro_batch_size
     grads: dict[str, int] = {}
 
     def gradients_ready(*_) -> None:  # the gradients exist between backward and the update
@@ -109,7 +107,7 @@ def measure_step(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
     with contextlib.ExitStack() as stack:
         for context in (local_dtensor_ops(), live, comm, flops, saved):
             stack.enter_context(context)
-        train_step(model, optimizer, micro_batches, recipe=recipe, ctx=ctx)
+        train_step([model], [optimizer], batch, recipe=recipe, ctx=ctx)
     layers.close()
     peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else live.peak
     per_layer = saved.per_layer()
@@ -127,8 +125,8 @@ def measure_step(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
         "peak_memory_bytes": peak,
         # Extras (docs/measure.md): how the step was run.
         "fake": target.fake,
-        "micro_batches": len(micro_batches),
-        "tokens": len(micro_batches) * recipe.train.micro_batch_size * recipe.train.seq_length,
+        "micro_batches": micro_batches,
+        "tokens": micro_batches * recipe.train.micro_batch_size * recipe.train.seq_length,
         "comm_calls": dict(sorted(comm.calls.items())),
     }
 

@@ -60,8 +60,9 @@ class Transformer(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        """Share the embedding with the head (tie_embeddings); re-run after materialising, which unties."""
-        if self.cfg.tie_embeddings:
+        """Share the embedding with the head (tie_embeddings); re-run after materialising, which unties. A
+        pipeline stage may hold neither, or (the first) only the embedding."""
+        if self.cfg.tie_embeddings and self.lm_head is not None and self.embed_tokens is not None:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
@@ -73,18 +74,32 @@ class Transformer(nn.Module):
     ) -> torch.Tensor | LossTerms:
         """input_ids [b, s] -> logits [b, s, vocab_size], or LossTerms when labels [b, s] (-100: ignored) are
         given. position_ids [b, s] or [1, s]: default 0..s-1; attention restarts wherever they fall back to 0."""
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        mask = document_mask(position_ids)
-        cos, sin = self.rope(position_ids)
+        position_ids = default_positions(input_ids, position_ids)
+        context = self.attention_context(position_ids)
         moe = self.cfg.moe
         records = RoutingRecords() if moe is not None and moe.router.load_balancing == "all_layers_aux_loss" else None
-        hidden = self.embed_tokens(input_ids)
-        hidden = self.run_layers(list(self.layers.values()), hidden, cos, sin, mask, records)
+        hidden = self.run_layers(list(self.layers.values()), self.embed_tokens(input_ids), *context, records)
+        return self.head(hidden, input_ids, position_ids, labels, context, records)
+
+    def attention_context(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(cos, sin, mask): what every block's attention reads besides its input."""
+        cos, sin = self.rope(position_ids)
+        return cos, sin, document_mask(position_ids)
+
+    def head(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        labels: torch.Tensor | None,
+        context: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+        records: RoutingRecords | None,
+    ) -> torch.Tensor | LossTerms:
+        """The decoder stack's output to logits, or to the loss terms (MTP included) when labels are given."""
         hidden = self.norm(hidden)
         mtp = torch.zeros((), device=hidden.device)
         if labels is not None and self.training and len(self.mtp) > 0:
-            mtp = self._forward_mtp(hidden, input_ids, position_ids, labels, cos, sin, mask, records)
+            mtp = self._forward_mtp(hidden, input_ids, position_ids, labels, *context, records)
         if records is not None and records.items:
             self._all_layers_aux_loss(records.items)
         logits = self.lm_head(hidden)
@@ -128,6 +143,13 @@ class Transformer(nn.Module):
         for record in records:
             record.gradient.per_expert = router.aux_loss_coeff * experts * counts.float() / rows / rows
         self.aux_loss_value += router.aux_loss_coeff * global_aux_loss(scores, counts, rows).double()
+
+
+def default_positions(input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    """position_ids, or 0..s-1 [1, s] when there are none."""
+    if position_ids is not None:
+        return position_ids
+    return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
 
 
 def run_layers(layers: list[DecoderBlock], hidden: torch.Tensor, *args) -> torch.Tensor:

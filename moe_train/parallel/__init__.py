@@ -3,9 +3,10 @@ parallelism from outside the model, in a fixed order.
 
 Models know nothing of process groups; `parallelize` changes a meta-device model in place, each step in its
 own file and a no-op where its dimension is 1. The order matters: a pipeline split decides which layers a
-rank holds; tensor parallelism turns their weights into sharded DTensors; expert parallelism hands MoE layers
-their dispatcher; recomputation wraps regions of the (now parallel) modules; FSDP2 shards what remains over
-the data-parallel dimensions last, around everything else. Steps not built yet are refused by
+rank holds (one model chunk per virtual stage, each then parallelised as a whole model is); tensor parallelism
+turns their weights into sharded DTensors; expert parallelism hands MoE layers their dispatcher; recomputation
+wraps regions of the (now parallel) modules; FSDP2 shards what remains over the data-parallel dimensions last,
+around everything else (each chunk its own root). Steps not built yet are refused by
 `moe_train.config.support` before a model is built.
 """
 
@@ -19,15 +20,19 @@ if TYPE_CHECKING:
     from moe_train.parallel.context import ParallelContext
 
 
-def parallelize(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> Transformer:
-    """Apply the recipe's layout to `model` (built on the meta device) for this rank; returns the model."""
+def parallelize(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> list[Transformer]:
+    """Apply the recipe's layout to `model` (built on the meta device) for this rank; returns this rank's model
+    chunks in virtual-stage order (the whole model alone without pipeline parallelism)."""
     from moe_train.parallel.data_parallel import apply_fsdp
     from moe_train.parallel.expert import apply_expert_parallel
+    from moe_train.parallel.pipeline import split_model
     from moe_train.parallel.recompute import apply_recompute
     from moe_train.parallel.tensor import apply_tensor_parallel
 
-    apply_tensor_parallel(model, recipe, ctx)
-    apply_expert_parallel(model, recipe, ctx)
-    apply_recompute(model, recipe)
-    apply_fsdp(model, recipe, ctx)
-    return model
+    chunks = split_model(model, recipe, ctx)
+    for chunk in chunks:
+        apply_tensor_parallel(chunk, recipe, ctx)
+        apply_expert_parallel(chunk, recipe, ctx)
+        apply_recompute(chunk, recipe)
+        apply_fsdp(chunk, recipe, ctx)
+    return chunks

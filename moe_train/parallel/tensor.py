@@ -275,17 +275,20 @@ def apply_tensor_parallel(model: Transformer, recipe: Recipe, ctx: ParallelConte
     mesh = ctx.mesh("tp")
     planner = _Planner(mesh=mesh, sequence_parallel=sequence_parallel)
     sequence = Shard(1) if sequence_parallel else Replicate()
-    parallelize_module(model, mesh, {"embed_tokens": RowwiseParallel(input_layouts=Replicate(),
-                                                                      output_layouts=sequence)})
-    planner.column(model, "lm_head", planner.region(), enters=True)
-    model.tie_weights()  # a tied head is the (now vocabulary-sharded) embedding again
-    model.lm_loss = VocabParallelLoss(vocab_size=model.cfg.vocab_size,
-                                      padded_vocab_size=model.cfg.padded_vocab_size(), group=planner.group)
+    if model.embed_tokens is not None:  # a pipeline stage holds the embedding, the head, both or neither
+        parallelize_module(model, mesh, {"embed_tokens": RowwiseParallel(input_layouts=Replicate(),
+                                                                          output_layouts=sequence)})
+    if model.lm_head is not None:
+        planner.column(model, "lm_head", planner.region(), enters=True)
+        model.tie_weights()  # a tied head is the (now vocabulary-sharded) embedding again
+        model.lm_loss = VocabParallelLoss(vocab_size=model.cfg.vocab_size,
+                                          padded_vocab_size=model.cfg.padded_vocab_size(), group=planner.group)
     blocks = [*model.layers.values(), *(module.block for module in model.mtp.values())]
     for block in blocks:
         planner.block(block)
     if sequence_parallel:
-        planner.partial_gradient(model, "norm")
+        if model.norm is not None:
+            planner.partial_gradient(model, "norm")
         for module in model.mtp.values():
             planner.partial_gradient(module, "enorm", "hnorm", "eh_proj", "norm")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from moe_train.config.pp_layout import Stage, even_layout, parse_layout
+from moe_train.config.pp_layout import StageContents, pipeline_stages
 from moe_train.config.schema import ModelConfig, Recipe
 
 from .activations import RecomputePolicy
@@ -55,12 +55,6 @@ class PlanLayout:
         """Micro-batches each data-parallel rank runs per step (gradient accumulation)."""
         return max(1, self.global_batch // (self.micro_batch * self.dp))
 
-    def stages(self, num_layers: int, mtp_layers: int) -> list[Stage]:
-        """Virtual stages in order (stage s runs on pipeline rank s % pp)."""
-        if self.pp_layout is not None:
-            return list(_parsed(self.pp_layout))
-        return even_layout(num_layers, self.pp * self.vpp, mtp_layers)
-
 
 @dataclass(frozen=True)
 class Chunk:
@@ -74,22 +68,21 @@ class Chunk:
     moe_layers: int  # how many of `layers` are MoE layers
 
 
-@functools.lru_cache(maxsize=512)
-def _parsed(text: str) -> tuple[Stage, ...]:
-    return tuple(parse_layout(text))
-
-
 def rank_chunks(layout: PlanLayout, cfg: ModelConfig) -> list[list[Chunk]]:
-    """For each pipeline rank, its chunks in virtual order, with the global indices of their decoder layers."""
+    """For each pipeline rank, its chunks in virtual order, with the global indices of their decoder layers
+    (the engine's assignment: config/pp_layout.py `pipeline_stages`)."""
     per_rank: list[list[Chunk]] = [[] for _ in range(layout.pp)]
-    first_moe = cfg.first_k_dense if cfg.moe is not None else cfg.num_layers
-    next_layer = 0
-    for index, stage in enumerate(layout.stages(cfg.num_layers, cfg.mtp_layers)):
-        layers = list(range(next_layer, next_layer + stage.layers))
-        moe = max(0, next_layer + stage.layers - max(next_layer, first_moe))
-        next_layer += stage.layers
-        per_rank[index % layout.pp].append(Chunk(index, layers, stage.embedding, stage.mtp, stage.loss, moe))
+    stages = _stages(layout.pp, layout.vpp, layout.pp_layout, cfg.num_layers, cfg.mtp_layers)
+    for stage in stages:
+        moe = sum(1 for index in stage.layers if cfg.is_moe_layer(index))
+        per_rank[stage.rank].append(Chunk(stage.index, list(stage.layers), stage.embedding, len(stage.mtp),
+                                          stage.loss, moe))
     return per_rank
+
+
+@functools.lru_cache(maxsize=512)
+def _stages(pp: int, vpp: int, layout: str | None, num_layers: int, mtp_layers: int) -> tuple[StageContents, ...]:
+    return tuple(pipeline_stages(pp=pp, vpp=vpp, layout=layout, num_layers=num_layers, mtp_layers=mtp_layers))
 
 
 def in_flight(layout: PlanLayout, rank: int) -> list[int]:

@@ -24,23 +24,41 @@ def _norm_of(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 def clip_grad_norm(
-    parameters: Iterable[torch.nn.Parameter], max_norm: float | None, *, stage_group: dist.ProcessGroup | None = None
+    parameters: Iterable[torch.nn.Parameter],
+    max_norm: float | None,
+    *,
+    stage_group: dist.ProcessGroup | None = None,
+    duplicates: Iterable[torch.nn.Parameter] = (),
 ) -> float:
     """Scale gradients so their global L2 norm is at most `max_norm` (None: no clipping); returns the norm
-    before clipping (what metrics.jsonl logs as grad_norm)."""
+    before clipping (what metrics.jsonl logs as grad_norm). `duplicates`: parameters that are another stage's
+    copy (a pipeline's second embedding), clipped like the rest but counted once in the norm."""
+    skip = {id(param) for param in duplicates}
     by_mesh: dict[object, list[torch.nn.Parameter]] = defaultdict(list)
+    counted: dict[object, list[torch.nn.Parameter]] = defaultdict(list)
     for param in parameters:
         if param.grad is not None:
             mesh = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
             by_mesh[mesh].append(param)
-    if not by_mesh:
-        return 0.0
-    squares = torch.stack([_norm_of([p.grad for p in params]).float() ** 2 for params in by_mesh.values()]).sum()
+            if id(param) not in skip:
+                counted[mesh].append(param)
+    squares = torch.zeros((), dtype=torch.float32)
+    if counted:
+        squares = torch.stack([_norm_of([p.grad for p in params]).float() ** 2 for params in counted.values()]).sum()
     if stage_group is not None and dist.get_world_size(stage_group) > 1:
+        squares = squares.to(_device_of(by_mesh))
         dist.all_reduce(squares, group=stage_group)
+    elif not by_mesh:
+        return 0.0
     total = squares.sqrt()
     if max_norm is not None:
         for params in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     value = total.item()
     return value if math.isfinite(value) else float("nan")
+
+
+def _device_of(by_mesh: dict[object, list[torch.nn.Parameter]]) -> torch.device:
+    for params in by_mesh.values():
+        return params[0].grad.device
+    return torch.device("cpu")

@@ -4,9 +4,11 @@ One optimizer step ("step N", 1-based) trains on global batch N-1 of the data (s
 over data-parallel ranks and then into micro-batches whose gradients accumulate. The optimised loss is the
 token-summed cross-entropy divided by the global batch's token count, plus the weighted MTP loss and balancing
 losses of each micro-batch times its share 1 / (micro-batches x dp), so the gradient is the same whatever the
-micro-batch size or the number of data-parallel ranks (FSDP2 sums the gradients, reduced once per step).
-The model is built on the meta device, parallelised (`moe_train.parallel.parallelize`), then allocated and
-initialised by name, or allocated and filled from a checkpoint without being initialised first.
+micro-batch size, the number of data-parallel ranks or the pipeline schedule (FSDP2 sums the gradients,
+reduced once per step; the step's passes are moe_train/train/step.py). The model is built on the meta device,
+parallelised (`moe_train.parallel.parallelize`) into this rank's model chunks (the whole model, or its pipeline
+stages, each with its own optimizer), then allocated and initialised by name, or allocated and filled from a
+checkpoint without being initialised first.
 
 The state that decides the next step is the model, the optimizer and the step number (data order and learning
 rate are functions of the step), which is exactly what a checkpoint holds: a run stopped at step K and resumed
@@ -43,11 +45,9 @@ from moe_train.models import build_model
 from moe_train.models.decoder import DecoderBlock
 from moe_train.models.init import init_weights, materialize
 from moe_train.models.moe import MoELayer, update_expert_bias
-from moe_train.models.moe.aux_loss import set_aux_loss_scale
 from moe_train.parallel import parallelize
 from moe_train.parallel.context import ParallelContext
-from moe_train.parallel.data_parallel import set_gradient_sync
-from moe_train.parallel.tensor import reduce_replicated_gradients
+from moe_train.parallel.pipeline import Pipeline, duplicate_parameters, shared_embedding_group
 from moe_train.plan.flops import training_flops_per_token
 from moe_train.train.errors import TrainingError
 from moe_train.train.grad_norm import clip_grad_norm
@@ -55,6 +55,7 @@ from moe_train.train.metrics import MetricsLogger, eval_record, expert_balance, 
 from moe_train.train.optimizer import build_optimizer, set_lr
 from moe_train.train.peak import peak_flops
 from moe_train.train.schedule import lr_at
+from moe_train.train.step import Batch, StepLoss, forward_backward, forward_only, reduce_gradients
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,23 +138,36 @@ class Trainer:
         start = start_point(
             ckpt_dir=self.ckpt_dir, resume=recipe.checkpoint.resume, init_from=recipe.checkpoint.init_from
         )
-        self.model = parallelize(build_model(recipe.model, device="meta"), recipe, ctx)
-        materialize(self.model, device=self.device)
-        if start.resume_from is None and start.init_from is None:
-            init_weights(self.model, seed=train.seed, init_std=recipe.model.init_std)
-        self.model.train()
-        self.optimizer = build_optimizer(self.model, train=train)
-        # MTP blocks count as layers num_layers + k.
+        # This rank's model chunks: the whole model, or its pipeline stages (one per virtual stage).
+        model = build_model(recipe.model, device="meta")
+        model_keys = set(model.state_dict())  # the whole model's, which a checkpoint holds at every layout
+        self.model_parts = parallelize(model, recipe, ctx)
+        for part in self.model_parts:
+            materialize(part, device=self.device)
+            if start.resume_from is None and start.init_from is None:
+                init_weights(part, seed=train.seed, init_std=recipe.model.init_std)
+            part.train()
+        self.optimizers = [build_optimizer(part, train=train) for part in self.model_parts]
+        self.pipeline = Pipeline(self.model_parts, recipe, ctx) if ctx.size("pp") > 1 else None
+        self.shared_embedding = shared_embedding_group(recipe, ctx)
+        self.duplicates = duplicate_parameters(self.model_parts)
+        # This rank's MoE layers by index (MTP blocks count as layers num_layers + k), and every MoE layer of the
+        # whole model, whose figures all ranks exchange in one tensor of the same shape whatever their stage.
         self.moe_layers: dict[int, MoELayer] = {
-            m.layer_index: m.mlp for m in self.model.modules() if isinstance(m, DecoderBlock) and m.is_moe
+            m.layer_index: m.mlp for part in self.model_parts for m in part.modules()
+            if isinstance(m, DecoderBlock) and m.is_moe
         }
+        cfg = recipe.model
+        self.all_moe_layers = [i for i in range(cfg.num_layers + cfg.mtp_layers) if cfg.is_moe_layer(i)]
         self.progress = Progress()
         self.started_from: Path | None = None
         if start.resume_from is not None:
-            self.progress = load_training_state(start.resume_from, model=self.model, optimizer=self.optimizer)
+            self.progress = load_training_state(start.resume_from, model_parts=self.model_parts,
+                                                optimizers=self.optimizers, model_keys=model_keys)
             self.started_from = start.resume_from
         elif start.init_from is not None:
-            load_model_weights(start.init_from, self.model)
+            for part in self.model_parts:
+                load_model_weights(start.init_from, part, model_keys)
             self.started_from = start.init_from
         self.tokens_per_step = train.global_batch_size * train.seq_length
         self.flops_per_token = training_flops_per_token(recipe.model, seq_length=train.seq_length)
@@ -162,17 +176,15 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ one step
 
-    def _all_reduce(self, tensor: torch.Tensor, dims: tuple[str, ...] = ("dp",)) -> torch.Tensor:
-        """Sum a small tensor over mesh dimensions `dims` in place; a host tensor goes through the device (NCCL)."""
-        on_device = tensor.to(self.device)
-        for dim in dims:
-            if self.ctx.size(dim) > 1:
-                dist.all_reduce(on_device, group=self.ctx.group(dim))
-        if on_device is not tensor:
-            tensor.copy_(on_device)
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a small tensor of step figures over every rank of the job, in place."""
+        if self.ctx.world_size > 1:
+            dist.all_reduce(tensor)
         return tensor
 
-    def _micro_batches(self, source, batch_index: int) -> list[torch.Tensor]:
+    def _batch(self, source, batch_index: int) -> Batch:
+        """This rank's samples of global batch `batch_index` (its data-parallel slice; every pipeline stage of
+        the slice reads the same samples)."""
         train = self.recipe.train
         tokens = global_batch(
             source,
@@ -181,37 +193,29 @@ class Trainer:
             dp_rank=self.ctx.coord("dp"),
             dp_size=self.dp_size,
         ).to(self.device)
-        return list(tokens.split(train.micro_batch_size))
-
-    def _inputs(self, micro: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        inputs, labels = micro[:, :-1], micro[:, 1:]
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
         positions = position_ids(inputs, self.datasets.eod) if self.recipe.data.reset_at_eod else None
-        return inputs, labels, positions
+        return Batch(inputs, labels, positions)
+
+    def _zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
 
     def train_step(self, step: int) -> StepResult:
         """Forward/backward over this rank's micro-batches of global batch step-1, then clip and update."""
         train = self.recipe.train
-        micro_batches = self._micro_batches(self.datasets.train, step - 1)
-        share = 1.0 / (len(micro_batches) * self.dp_size)  # of each micro-batch's mean losses
-        set_aux_loss_scale(share)
+        batch = self._batch(self.datasets.train, step - 1)
+        micro_batches = len(batch.inputs) // train.micro_batch_size
+        share = 1.0 / (micro_batches * self.dp_size)  # of each micro-batch's mean losses
+        loss = StepLoss(tokens_per_step=self.tokens_per_step, share=share, device=self.device)
         self._reset_telemetry()
-        self.optimizer.zero_grad(set_to_none=True)
-        # Accumulated on the device: the host reads them once per step, after the all-reduces, not per micro-batch.
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # lm and mtp contributions to the mean
-        for index, micro in enumerate(micro_batches):
-            # FSDP2 reduces gradients once per step, in the last micro-batch's backward.
-            set_gradient_sync(self.model, index == len(micro_batches) - 1)
-            inputs, labels, positions = self._inputs(micro)
-            terms = self.model(inputs, positions, labels=labels)
-            lm = terms.lm_sum / self.tokens_per_step
-            mtp = terms.mtp * share
-            (lm + mtp).backward()
-            sums += torch.stack([lm.detach(), mtp.detach()]).double()
-        reduce_replicated_gradients(self.model, self.ctx.group("tp"))
-        self._all_reduce(sums)  # every tp rank computed the same loss: summed over dp only
-        counts, moe, aux_loss = self._telemetry(share)
-        grad_norm = clip_grad_norm(self.model.parameters(), train.grad_clip, stage_group=self.ctx.group("pp"))
-        lm_loss, mtp_loss = sums.tolist()
+        self._zero_grad()
+        forward_backward(self.model_parts, self.pipeline, batch, micro_batch_size=train.micro_batch_size, loss=loss)
+        reduce_gradients(self.model_parts, tp_group=self.ctx.group("tp"), shared_embedding=self.shared_embedding)
+        lm_sum, mtp_loss, counts, moe, aux_loss = self._figures(loss.sums, share)
+        grad_norm = clip_grad_norm([p for part in self.model_parts for p in part.parameters()], train.grad_clip,
+                                   stage_group=self.ctx.group("pp"), duplicates=self.duplicates)
+        lm_loss = lm_sum / self.tokens_per_step
         result = StepResult(
             loss=lm_loss + aux_loss + mtp_loss,
             lm_loss=lm_loss,
@@ -221,44 +225,56 @@ class Trainer:
             moe=moe,
         )
         if result.finite:
-            set_lr(self.optimizer, lr_at(step, train=train))
-            self.optimizer.step()
+            for optimizer in self.optimizers:
+                set_lr(optimizer, lr_at(step, train=train))
+                optimizer.step()
             self._update_expert_bias(counts)
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         return result
 
     def _reset_telemetry(self) -> None:
         for layer in self.moe_layers.values():
             layer.reset_telemetry()
-        self.model.aux_loss_value.zero_()
+        for part in self.model_parts:
+            part.aux_loss_value.zero_()
 
-    def _telemetry(self, share: float) -> tuple[dict[int, torch.Tensor], dict | None, float]:
-        """The step's expert counts per MoE layer (summed over micro-batches and ranks, for the bias update),
-        the per-layer balance figures, and the weighted balancing loss averaged over the global batch.
+    def _figures(self, loss_sums: torch.Tensor, share: float) -> tuple[float, float, dict[int, torch.Tensor],
+                                                                         dict | None, float]:
+        """The step's loss sums, the expert counts per MoE layer of this rank (summed over micro-batches and
+        ranks, for the bias update), the per-layer balance figures of every MoE layer, and the weighted
+        balancing loss averaged over the global batch.
 
-        One all-reduce and one host read per step: every figure travels in one float64 tensor (counts are exact
-        in float64 far beyond any step's token count). Each tp rank routes (and counts) its own slice of the
-        micro-batch's tokens, so the figures sum over dp and tp."""
-        layers = [self.moe_layers[i] for i in sorted(self.moe_layers)]
-        aux = torch.stack([layer.aux_loss_value for layer in layers] + [self.model.aux_loss_value]).sum().view(1)
-        rows = [torch.cat([layer.tokens_per_expert.double(), torch.stack([layer.dropped_assignments,
-                                                                          layer.assignments]).double(),
-                           layer.router_entropy_sum.view(1)]) for layer in layers]
-        figures = self._all_reduce(torch.cat([aux.double(), *rows]), ("dp", "tp"))
+        One all-reduce over every rank and one host read per step: every figure travels in one float64 tensor
+        (counts are exact in float64 far beyond any step's token count) laid out alike on every rank, each
+        filling the rows of the layers it holds, so a stage without MoE layers (or without the loss) takes part
+        as every other. Each tp rank routes (and counts) its own slice of the micro-batch's tokens, so the MoE
+        figures sum over dp and tp; the loss, computed alike by every tp rank of the last stage, is sent by tp
+        rank 0 alone."""
+        experts = self.recipe.model.moe.num_experts if self.all_moe_layers else 0
+        rows = torch.zeros(len(self.all_moe_layers), experts + 3, dtype=torch.float64, device=self.device)
+        for row, index in enumerate(self.all_moe_layers):
+            layer = self.moe_layers.get(index)
+            if layer is not None:
+                rows[row] = torch.cat([layer.tokens_per_expert.double(), torch.stack([
+                    layer.dropped_assignments, layer.assignments]).double(), layer.router_entropy_sum.view(1)])
+        aux = torch.stack([layer.aux_loss_value for layer in self.moe_layers.values()]
+                          + [part.aux_loss_value for part in self.model_parts]).sum().view(1)
+        sends_loss = 1.0 if self.ctx.coord("tp") == 0 else 0.0
+        figures = self._all_reduce(torch.cat([loss_sums * sends_loss, aux.double(), rows.flatten()]))
         on_host = figures.cpu()
-        aux_loss = on_host[0].item() * share
-        if not layers:
-            return {}, None, aux_loss
-        experts, top_k = layers[0].tokens_per_expert.numel(), self.recipe.model.moe.top_k
-        per_layer = figures[1:].view(len(layers), experts + 3)
-        on_host = on_host[1:].view(len(layers), experts + 3)
+        lm_sum, mtp_loss, aux_loss = on_host[0].item(), on_host[1].item(), on_host[2].item() * share
+        if not self.all_moe_layers:
+            return lm_sum, mtp_loss, {}, None, aux_loss
+        per_layer, on_host = figures[3:].view(rows.shape), on_host[3:].view(rows.shape)
+        top_k = self.recipe.model.moe.top_k
         moe = {}
-        for row, index in enumerate(sorted(self.moe_layers)):
+        for row, index in enumerate(self.all_moe_layers):
             dropped, assignments, entropy = on_host[row, experts:].tolist()
             moe[str(index)] = expert_balance(on_host[row, :experts], dropped / assignments,
                                              router_entropy=entropy * top_k / assignments)
-        counts = {index: per_layer[row, :experts] for row, index in enumerate(sorted(self.moe_layers))}
-        return counts, moe, aux_loss
+        counts = {index: per_layer[row, :experts] for row, index in enumerate(self.all_moe_layers)
+                  if index in self.moe_layers}
+        return lm_sum, mtp_loss, counts, moe, aux_loss
 
     def _update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
         """Aux-loss-free balancing from the whole global batch's counts (identical on every rank)."""
@@ -271,14 +287,16 @@ class Trainer:
     def evaluate(self) -> float:
         """Cross-entropy on the validation split's first eval_steps global batches (the same ones every time)."""
         train = self.recipe.train
-        self.model.eval()
-        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for part in self.model_parts:
+            part.eval()
+        loss = StepLoss(tokens_per_step=self.tokens_per_step, share=0.0, device=self.device)
         for batch_index in range(train.eval_steps):
-            for micro in self._micro_batches(self.datasets.valid, batch_index):
-                inputs, labels, positions = self._inputs(micro)
-                total += self.model(inputs, positions, labels=labels).lm_sum
-        self.model.train()
-        self._all_reduce(total)
+            forward_only(self.model_parts, self.pipeline, self._batch(self.datasets.valid, batch_index),
+                         micro_batch_size=train.micro_batch_size, loss=loss)
+        for part in self.model_parts:
+            part.train()
+        # The last stage's tp rank 0 of each data-parallel slice holds a sum.
+        total = self._all_reduce(loss.sums[:1] * (1.0 if self.ctx.coord("tp") == 0 else 0.0))
         return total.item() / (train.eval_steps * self.tokens_per_step)
 
     # ------------------------------------------------------------------------------------------ the loop
@@ -300,8 +318,8 @@ class Trainer:
     def _save(self, logger: MetricsLogger | None) -> Path:
         path = save_checkpoint(
             self.ckpt_dir,
-            model=self.model,
-            optimizer=self.optimizer,
+            model_parts=self.model_parts,
+            optimizers=self.optimizers,
             progress=self.progress,
             model_config=self.recipe.model.model_dump(mode="json"),
             keep=self.recipe.checkpoint.keep,

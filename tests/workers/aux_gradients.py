@@ -32,7 +32,8 @@ class ZeroedLanguageModelLoss:
 
 def zero_language_model_loss(trainer) -> None:
     """A `prepare` for record_run: the trainer's model then optimises its balancing losses only."""
-    trainer.model.lm_loss = ZeroedLanguageModelLoss(trainer.model.lm_loss)
+    for part in trainer.model_parts:
+        part.lm_loss = ZeroedLanguageModelLoss(part.lm_loss)
 
 
 def main() -> None:

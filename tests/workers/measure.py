@@ -55,8 +55,8 @@ def trainer_step(recipe) -> dict:
     from moe_train.train.loop import Trainer
 
     trainer = Trainer(recipe, bootstrap(recipe))
-    comm, flops = CommCounter(trainer.ctx.group_name), PhaseFlopCounter(LayerTracker(trainer.model))
-    # The trainer's small reductions of host figures (loss sums, MoE telemetry) all go through _all_reduce.
+    comm, flops = CommCounter(trainer.ctx.group_name), PhaseFlopCounter(LayerTracker(trainer.model_parts[0]))
+    # The trainer's reduction of host figures (loss sums, MoE telemetry) goes through _all_reduce.
     telemetry = {"bytes": 0}
     all_reduce = trainer._all_reduce
 

@@ -23,10 +23,41 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().cpu().clone()
 
 
+def whole_state(trainer) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of the model as full tensors, from every pipeline stage (collective). A tensor
+    two stages hold (the last stage's copy of the embedding) must be bit-equal on both."""
+    import torch.distributed as dist
+
+    local = {k: full(v) for part in trainer.model_parts for k, v in part.state_dict().items()}
+    if trainer.ctx.size("pp") == 1:
+        return local
+    stages: list[dict] = [{} for _ in range(trainer.ctx.size("pp"))]
+    dist.all_gather_object(stages, local, group=trainer.ctx.group("pp"))
+    merged: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        for key, value in stage.items():
+            if key in merged and not torch.equal(merged[key], value):
+                raise AssertionError(f"{key}: the stages' copies differ")
+            merged[key] = value
+    return merged
+
+
+def whole_grads(trainer, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's gradients by name, merged over the pipeline stages (collective)."""
+    import torch.distributed as dist
+
+    if trainer.ctx.size("pp") == 1:
+        return grads
+    stages: list[dict] = [{} for _ in range(trainer.ctx.size("pp"))]
+    dist.all_gather_object(stages, grads, group=trainer.ctx.group("pp"))
+    return {key: value for stage in stages for key, value in stage.items()}
+
+
 def record_run(recipe_name: str, overrides: list[str], *, world: int, run_dir: Path, steps: int, ctx=None,
-               prepare: Callable | None = None) -> dict:
-    """{"losses", "grads" (step 1), "state" (after `steps`), "moe" (balance figures per step)}; every rank
-    must call it (the full tensors are gathered collectively). `prepare(trainer)` runs before the first step."""
+               prepare: Callable | None = None, evaluate: bool = False) -> dict:
+    """{"losses", "grads" (step 1), "state" (after `steps`), "moe" (balance figures per step), "eval" (the
+    validation loss after the last step, when `evaluate`)}; every rank must call it (the full tensors are
+    gathered collectively). `prepare(trainer)` runs before the first step."""
     from moe_train.train.loop import Trainer
 
     recipe = load_recipe(recipe_name, [*overrides, f"launch.gpus_per_node={world}", f"run_dir={run_dir}",
@@ -34,24 +65,28 @@ def record_run(recipe_name: str, overrides: list[str], *, world: int, run_dir: P
     trainer = Trainer(recipe, ctx)
     if prepare is not None:
         prepare(trainer)
-    initial = {k: full(v) for k, v in trainer.model.state_dict().items()}
-    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    initial = whole_state(trainer)
+    names = {id(p): n for part in trainer.model_parts for n, p in part.named_parameters()}
     grads: dict[str, torch.Tensor] = {}
+    snapshots = {"taken": 0}
 
     def snapshot(optimizer, args, kwargs) -> None:
-        if not grads:
+        if snapshots["taken"] < len(trainer.optimizers):
+            snapshots["taken"] += 1
             for group in optimizer.param_groups:
                 for p in group["params"]:
+                    assert p.grad is not None, names[id(p)]
                     grads[names[id(p)]] = full(p.grad)
 
-    trainer.optimizer.register_step_pre_hook(snapshot)
+    for optimizer in trainer.optimizers:
+        optimizer.register_step_pre_hook(snapshot)
     losses, balance = [], []
     for step in range(1, steps + 1):
         result = trainer.train_step(step)
         losses.append(result.loss)
         balance.append(result.moe)
-    state = {k: full(v) for k, v in trainer.model.state_dict().items()}
-    return {"losses": losses, "grads": grads, "state": state, "moe": balance, "initial": initial}
+    return {"losses": losses, "grads": whole_grads(trainer, grads), "state": whole_state(trainer), "moe": balance,
+            "initial": initial, "eval": trainer.evaluate() if evaluate else None}
 
 
 def record_resumed(recipe_name: str, overrides: list[str], *, world: int, run_dir: Path, steps: int,
@@ -65,7 +100,7 @@ def record_resumed(recipe_name: str, overrides: list[str], *, world: int, run_di
     resumed = Trainer(load_recipe(recipe_name, [*base, "checkpoint.resume=required"]))
     started = resumed.progress.step
     resumed.train()
-    return {"started": started, "state": {k: full(v) for k, v in resumed.model.state_dict().items()}}
+    return {"started": started, "state": whole_state(resumed)}
 
 
 def keep_record(record: dict, *, run_root: Path, case_id: str, rank: int, saved: dict[str, str]) -> None:

@@ -22,7 +22,8 @@ def main() -> None:
             record = record_resumed(case["recipe"], case["overrides"], world=world, run_dir=run_dir,
                                     steps=case["steps"], stop_at=case["stop_at"])
         else:
-            record = record_run(case["recipe"], case["overrides"], world=world, run_dir=run_dir, steps=case["steps"])
+            record = record_run(case["recipe"], case["overrides"], world=world, run_dir=run_dir, steps=case["steps"],
+                                evaluate=case.get("evaluate", False))
         keep_record(record, run_root=Path(spec["run_root"]), case_id=case["id"], rank=rank, saved=saved)
     finish(saved, result_path, rank)
 

@@ -1,0 +1,224 @@
+"""Pipeline parallelism: the first step of `parallelize`, and the schedule that runs the stages.
+
+The recipe's stages (`parallel.pp_layout` in Megatron's notation, or an even split: config/pp_layout.py) are
+dealt to pipeline ranks round-robin, virtual stage s on rank s % pp, so a rank holds vpp model chunks. A chunk
+is the whole model cut down (`split_model`): the decoder layers of its stage, under their own indices (the
+ModuleDict keys, hence the parameter names, are the single-process model's), the embedding where the stage
+holds `E`, the final norm, head and MTP modules where it holds `L` (DECISIONS: MTP lives on the last stage).
+Checkpoints therefore hold the same keys at every pp, and a chunk is parallelised (TP, EP, recompute, FSDP2)
+exactly as a whole model is.
+
+The last stage also needs the embedding's weights when it runs MTP (which embeds the tokens ahead) or ties its
+head to the embedding. It then keeps its own copy, initialised by the same name, and the two copies' gradients
+are summed before every update (`sync_shared_gradients`, over a group of the first and last stage's ranks), as
+Megatron-Core does for shared embeddings: both copies take the same step and stay bit-equal; the copy is
+counted once in the gradient norm (`duplicate_parameters`) and its checkpoint key is the embedding's own.
+
+Schedules are torch.distributed.pipelining's, given static stage inputs and outputs (a hidden-state tensor
+between stages, the loss terms after the last): 1f1b, gpipe, interleaved_1f1b (vpp > 1) and zero_bubble
+(torch's interleaved zero-bubble schedule). Every stage receives the micro-batch's token ids, labels and position
+ids as keyword arguments (the data is read on every pipeline rank; DECISIONS: the last stage reads its input ids
+from the data), so rotary tables and document masks are rebuilt per stage and MTP finds its tokens. The loss
+already divides by the whole step's tokens and micro-batches, so the schedule sums gradients unscaled
+(`scale_grads=False`) and FSDP2 reduces them once per step, after the last backward.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe_train.config.pp_layout import StageContents, pipeline_stages
+from moe_train.models.model import LossTerms, Transformer, default_positions
+
+if TYPE_CHECKING:
+    from moe_train.config import Recipe
+    from moe_train.parallel.context import ParallelContext
+
+
+def stages_of(recipe: Recipe) -> list[StageContents]:
+    p, m = recipe.parallel, recipe.model
+    return pipeline_stages(pp=p.pp, vpp=p.vpp, layout=p.pp_layout, num_layers=m.num_layers, mtp_layers=m.mtp_layers)
+
+
+class StageChunk:
+    """Mixin for a Transformer cut to one pipeline stage: its forward takes the previous stage's hidden states
+    (the token ids on the first stage) and returns hidden states, or the loss terms on the last stage."""
+
+    stage: StageContents
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        position_ids = default_positions(input_ids, position_ids)
+        context = self.attention_context(position_ids)
+        hidden = self.embed_tokens(x) if self.stage.embedding else x
+        hidden = self.run_layers(list(self.layers.values()), hidden, *context, None)
+        if not self.stage.loss:
+            return hidden
+        return tuple(self.head(hidden, input_ids, position_ids, labels, context, None))  # the schedule wants a tuple
+
+
+_CHUNK_CLASSES: dict[type, type] = {}
+
+
+def _cut(model: Transformer, stage: StageContents) -> Transformer:
+    """`model` (meta) reduced to what `stage` holds, with the stage's forward."""
+    keep = {str(index) for index in stage.layers}
+    for name in list(model.layers):
+        if name not in keep:
+            del model.layers[name]
+    keep_mtp = {str(k) for k in stage.mtp}
+    for name in list(model.mtp):
+        if name not in keep_mtp:
+            del model.mtp[name]
+    needs_embedding = stage.embedding or (stage.loss and (len(model.mtp) > 0 or model.cfg.tie_embeddings))
+    if not needs_embedding:
+        model.embed_tokens = None
+    if not stage.loss:
+        model.norm = None
+        model.lm_head = None
+    cls = type(model)
+    if cls not in _CHUNK_CLASSES:
+        _CHUNK_CLASSES[cls] = type(f"Stage{cls.__name__}", (StageChunk, cls), {})
+    model.__class__ = _CHUNK_CLASSES[cls]
+    model.stage = stage
+    return model
+
+
+def split_model(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> list[Transformer]:
+    """This rank's chunks of `model` (built on the meta device), in virtual-stage order; [model] without
+    pipeline parallelism."""
+    if ctx.size("pp") == 1:
+        return [model]
+    mine = [stage for stage in stages_of(recipe) if stage.rank == ctx.coord("pp")]
+    copies = [copy.deepcopy(model) for _ in mine[1:]] + [model]  # meta tensors: copying costs no memory
+    return [_cut(chunk, stage) for chunk, stage in zip(copies, mine, strict=True)]
+
+
+# ------------------------------------------------------------------------------------ shared embedding
+
+
+def shared_embedding_group(recipe: Recipe, ctx: ParallelContext) -> dist.ProcessGroup | None:
+    """The two-rank group of this rank's first-stage and last-stage peers (same dp, cp, tp coordinates), when
+    the last stage keeps a copy of the embedding; None on ranks outside it or when there is no copy.
+
+    Every rank calls this (creating process groups is collective)."""
+    m, pp = recipe.model, ctx.size("pp")
+    if pp == 1 or not (m.mtp_layers > 0 or m.tie_embeddings):
+        return None
+    per_stage = ctx.world_size // pp  # pp is the outermost dimension: stage rank r holds ranks [r*n, (r+1)*n)
+    pairs = [[offset, (pp - 1) * per_stage + offset] for offset in range(per_stage)]
+    group, _ = dist.new_subgroups_by_enumeration(pairs)
+    return group
+
+
+def _embedding_weight(chunk: Transformer) -> nn.Parameter | None:
+    return chunk.embed_tokens.weight if chunk.embed_tokens is not None else None
+
+
+@torch.no_grad()
+def sync_shared_gradients(chunks: list[Transformer], group: dist.ProcessGroup | None) -> None:
+    """Sum the embedding's gradient with its last-stage copy's (both end up with the sum)."""
+    if group is None:
+        return
+    for chunk in chunks:
+        weight = _embedding_weight(chunk)
+        if weight is not None and weight.grad is not None:
+            grad = weight.grad
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            dist.all_reduce(local, group=group)
+
+
+def duplicate_parameters(chunks: list[Transformer]) -> list[nn.Parameter]:
+    """Parameters that are a copy of another stage's (the last stage's embedding): counted once in the norm."""
+    return [
+        weight
+        for chunk in chunks
+        if isinstance(chunk, StageChunk) and not chunk.stage.embedding
+        for weight in [_embedding_weight(chunk)]
+        if weight is not None
+    ]
+
+
+# ------------------------------------------------------------------------------------------- schedule
+
+
+def _stage_io(recipe: Recipe, ctx: ParallelContext, stage: StageContents) -> tuple[torch.Tensor, tuple]:
+    """Meta tensors of what a stage receives and sends for one micro-batch."""
+    train, m = recipe.train, recipe.model
+    seq = train.seq_length // ctx.size("tp") if recipe.parallel.sequence_parallel else train.seq_length
+    dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
+    # Floating-point tensors between stages carry gradients back (the received ones are autograd leaves).
+    hidden = torch.empty(train.micro_batch_size, seq, m.hidden_size, dtype=dtype, device="meta", requires_grad=True)
+    tokens = torch.empty(train.micro_batch_size, train.seq_length, dtype=torch.int64, device="meta")
+    scalar = torch.empty((), dtype=torch.float32, device="meta", requires_grad=True)
+    inputs = tokens if stage.embedding else hidden
+    outputs = (scalar, scalar) if stage.loss else (hidden,)
+    return inputs, outputs
+
+
+class Pipeline:
+    """This rank's stages and the recipe's schedule over them. `train` runs one step's forwards and backwards
+    (gradients accumulate in the chunks' parameters), `evaluate` forwards only; `loss` receives the last stage's
+    loss terms of each micro-batch and returns what backward starts from."""
+
+    def __init__(self, chunks: list[Transformer], recipe: Recipe, ctx: ParallelContext) -> None:
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+            ScheduleInterleavedZeroBubble,
+        )
+
+        p, train = recipe.parallel, recipe.train
+        self.micro_batches = train.global_batch_size // (train.micro_batch_size * ctx.size("dp"))
+        self._loss: Callable[[LossTerms], torch.Tensor] | None = None
+        num_stages = p.pp * p.vpp
+        stages = []
+        for chunk in chunks:
+            inputs, outputs = _stage_io(recipe, ctx, chunk.stage)
+            stages.append(PipelineStage(chunk, chunk.stage.index, num_stages, ctx.device, input_args=inputs,
+                                        output_args=outputs, group=ctx.group("pp")))
+        self.holds_loss = any(chunk.stage.loss for chunk in chunks)
+        single = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+        multi = {"interleaved_1f1b": ScheduleInterleaved1F1B, "zero_bubble": ScheduleInterleavedZeroBubble}
+        kind = p.pp_schedule
+        stage_arg = stages[0] if kind in single else stages
+        schedule_class = single.get(kind) or multi[kind]
+        self.schedule = schedule_class(stage_arg, self.micro_batches, loss_fn=self._micro_batch_loss,
+                                       scale_grads=False)
+
+    def _micro_batch_loss(self, terms: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+        return self._loss(LossTerms(*terms))
+
+    def _run(self, run, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None,
+             loss: Callable[[LossTerms], torch.Tensor]) -> None:
+        self._loss = loss
+        kwargs = {"input_ids": inputs, "labels": labels}
+        if positions is not None:
+            kwargs["position_ids"] = positions
+        try:
+            run(inputs, target=labels, return_outputs=False, **kwargs)
+        finally:
+            self._loss = None
+
+    def train(self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None,
+              loss: Callable[[LossTerms], torch.Tensor]) -> None:
+        """One step over this rank's samples [B, s], split into the step's micro-batches along dim 0."""
+        self._run(self.schedule.step, inputs, labels, positions, loss)
+
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None,
+                 loss: Callable[[LossTerms], torch.Tensor]) -> None:
+        self._run(self.schedule.eval, inputs, labels, positions, loss)
