@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from moe_train.checkpoint.layout import CheckpointError
+from moe_train.checkpoint.manifest import sizes_only
 from moe_train.checkpoint.resume import start_point
 from moe_train.config import Recipe, unsupported
 from moe_train.launch.render import torchrun_argv
@@ -82,10 +83,11 @@ def run(
         run_dir = prepare_run_dir(resolved)
         # What the ranks will read: the resolved recipe in the run folder (absolute run_dir, provenance).
         resolved = read_run_recipe(run_dir)
-        start_point(
+        start_point(  # sizes only here: the ranks check every checksum, sharing the reading
             ckpt_dir=Path(resolved.checkpoint_dir()),
             resume=resolved.checkpoint.resume,
             init_from=resolved.checkpoint.init_from,
+            verify=sizes_only,
         )
     except LaunchError as error:
         fail(error.problems)

@@ -5,6 +5,9 @@ node count, visible GPUs) with the recipe, so a job whose allocation does not ma
 every rank with one line, instead of hanging in a rendezvous or a collective until a timeout. `--preflight`
 then builds the dense and expert meshes, runs one all-reduce on every mesh dimension's group, prints the
 rank table and exits: a cheap job of the real shape that proves the allocation before the real run.
+`--restart` (the batch script passes it to a requeued job) trains with `checkpoint.resume: required`: a job that
+continues an earlier one of its run must find that run's checkpoint, never silently start over (nor go back to a
+`checkpoint.resume` path the first job started from).
 
 Exit codes: 0 success, 1 a runtime failure (mismatch, collective failure), 2 an invalid or unsupported recipe.
 """
@@ -85,11 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_train.entry", description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", required=True, type=Path, help="The resolved recipe (RUN_DIR/recipe.yaml).")
     parser.add_argument("--preflight", action="store_true", help="Check the allocation and meshes; no training.")
+    parser.add_argument("--restart", action="store_true",
+                        help="This job continues an earlier job of the run: resume from its checkpoint or fail.")
     args = parser.parse_args(argv)
     env = LauncherEnv()
     started = time.monotonic()
     try:
         recipe = load_recipe(args.recipe)
+        if args.restart:
+            required = recipe.checkpoint.model_copy(update={"resume": "required"})
+            recipe = recipe.model_copy(update={"checkpoint": required})
         ctx = bootstrap(recipe, preflight=args.preflight, env=env)
     except RecipeError as error:  # invalid, or a feature the trainer refuses: exit 2, before any mismatch
         for line in error.problems:

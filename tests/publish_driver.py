@@ -1,11 +1,13 @@
-"""Runs `layout.publish` (or `prune`) for tests/test_checkpoint_kill.py, pausing after every filesystem step.
+"""Runs `layout.publish` (or `prune`, or a whole `save_checkpoint`) for tests/test_checkpoint_kill.py, pausing
+after every filesystem step.
 
 After each `os.replace` and `shutil.rmtree` the real call has completed; the driver prints one line naming it
-(`replace SRC DST` or `rmtree PATH`, base names) and waits for a line on stdin before going on. The test reads
-these lines and SIGKILLs this process at the point it wants, so what is left on disk is what a real kill leaves.
-The production code has no hook for this: the driver wraps the two standard-library calls in its own process.
+(`replace SRC DST` or `rmtree PATH`, base names) and waits for a line on stdin before going on. `save` also
+pauses once the DCP files are written, before the manifest is (`manifest FOLDER`). The test reads these lines
+and SIGKILLs this process at the point it wants, so what is left on disk is what a real kill leaves. The
+production code has no hook for this: the driver wraps the calls in its own process.
 
-usage: python publish_driver.py publish CKPT_DIR STEP | prune CKPT_DIR KEEP
+usage: python publish_driver.py publish CKPT_DIR STEP | prune CKPT_DIR KEEP | save CKPT_DIR STEP
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from moe_train.checkpoint import layout
+from moe_train.checkpoint import collective, layout
 
 
 def shown(path) -> str:
@@ -36,12 +38,40 @@ def paused(name, real):
     return call
 
 
+def paused_before(name, real):
+    def call(folder):
+        print(name, shown(folder), flush=True)
+        sys.stdin.readline()
+        return real(folder)
+
+    return call
+
+
+def save(ckpt_dir: Path, step: int) -> None:
+    """A real checkpoint of a small model and its optimizer after one step, with progress `step`."""
+    import torch
+
+    from moe_train.checkpoint.save import save_checkpoint
+    from moe_train.checkpoint.state import Progress
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    save_checkpoint(ckpt_dir, model_parts=[model], optimizers=[optimizer],
+                    progress=Progress(step=step, consumed_samples=step), model_config={}, keep=None)
+
+
 def main() -> None:
     action, ckpt_dir, number = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+    collective.write_manifest = paused_before("manifest", collective.write_manifest)
     os.replace = paused("replace", os.replace)
     shutil.rmtree = paused("rmtree", shutil.rmtree)
     if action == "publish":
         layout.publish(layout.tmp_dir(ckpt_dir, number), step=number)
+    elif action == "save":
+        save(ckpt_dir, number)
     else:
         layout.prune(ckpt_dir, keep=number)
     print("done", flush=True)

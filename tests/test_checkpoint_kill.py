@@ -1,8 +1,9 @@
 """The checkpoint folder under real SIGKILLs: `latest` always names a complete checkpoint, pruning and saving a
 step again never lose the one a resume would read.
 
-A driver process (tests/publish_driver.py) runs the real `publish`/`prune` and pauses after each rename and
-deletion; the test kills it there with SIGKILL and inspects what is on disk, then resumes from it.
+A driver process (tests/publish_driver.py) runs the real `publish`/`prune` (or a whole save) and pauses after each
+rename and deletion (and before a save's manifest); the test kills it there with SIGKILL and inspects what is on
+disk, then resumes from it.
 """
 
 from __future__ import annotations
@@ -195,3 +196,23 @@ def test_latest_naming_an_incomplete_or_missing_folder_is_not_trusted(tmp_path: 
     assert latest_checkpoint(tmp_path) is None
     (tmp_path / LATEST).write_text("step-0000001\n")
     assert latest_checkpoint(tmp_path) == tmp_path / "step-0000001"
+
+
+@pytest.mark.parametrize("kill_at", ["manifest .tmp-step-0000002", "replace tmp:manifest.json manifest.json"])
+def test_a_save_killed_before_or_as_its_manifest_is_written_is_never_resumed_from(tmp_path: Path, kill_at: str) -> None:
+    """A real save_checkpoint killed with its DCP files on disk, before the manifest (or right as it lands): the
+    folder is still `.tmp-*`, so a resume continues from the earlier checkpoint, and saving the step again
+    replaces what the kill left."""
+    model, optimizer = model_and_optimizer()  # what the driver saves too
+    save_checkpoint(tmp_path, model_parts=[model], optimizers=[optimizer],
+                    progress=Progress(step=1, consumed_samples=1), model_config={}, keep=None)
+    events = run_driver("save", str(tmp_path), "2", kill_at=kill_at)
+    assert events[-1] == kill_at
+    partial = tmp_dir(tmp_path, 2)
+    assert is_complete(partial)  # DCP's part finished: only the manifest and the publishing are missing
+    assert step_folders(tmp_path) == {"step-0000001": True}
+    assert resumed_progress(tmp_path) == Progress(step=1, consumed_samples=1)
+    save_checkpoint(tmp_path, model_parts=[model], optimizers=[optimizer],
+                    progress=Progress(step=2, consumed_samples=2), model_config={}, keep=None)
+    assert resumed_progress(tmp_path) == Progress(step=2, consumed_samples=2) and not partial.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-0000001", "step-0000002"]

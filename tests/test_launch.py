@@ -66,6 +66,20 @@ def test_run_dir_written_with_provenance_and_reused_only_when_recipe_matches(tmp
     assert str(run_dir) in error.value.problems[0] and "train.lr" in error.value.problems[0]
 
 
+def test_a_changed_layout_continues_the_same_run_and_recipe_yaml_records_it(tmp_path):
+    """parallel.*, launch.* and train.micro_batch_size spread the same math over devices: a run folder accepts
+    them changed (its checkpoints reshard) and keeps the latest launch's layout; the math itself may not change."""
+    run_dir = prepare_run_dir(tiny(tmp_path, "launch.gpus_per_node=4", "parallel.tp=2", "parallel.ep=2"))
+    relaid = tiny(tmp_path, "launch.gpus_per_node=8", "parallel.ep=8", "train.micro_batch_size=1",
+                  "launch.timeout_minutes=3", "launch.slurm.partition=big")
+    assert prepare_run_dir(relaid) == run_dir
+    stored = read_run_recipe(run_dir)
+    assert (stored.parallel, stored.launch, stored.train) == (relaid.parallel, relaid.launch, relaid.train)
+    for field in ("train.global_batch_size=32", "train.seq_length=64", "model.moe.top_k=1"):
+        with pytest.raises(LaunchError, match=field.split("=")[0]):
+            prepare_run_dir(tiny(tmp_path, field))
+
+
 def test_run_dir_mismatch_through_the_cli_exits_2_naming_the_folder(tmp_path):
     run_dir = tmp_path / "runs" / "r"
     assert run_cli("render", "qwen3-moe-tiny", "--set", f"run_dir={run_dir}", "-t", "torchrun").code == 0
@@ -176,7 +190,7 @@ def test_sbatch_script_structure(tmp_path):
         'HEAD_NODE="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"',
         "srun --nodes=\"$SLURM_JOB_NUM_NODES\" --ntasks-per-node=1",
         '--rdzv-endpoint "$HEAD_NODE:$RDZV_PORT"',
-        "-m moe_train.entry --recipe \"$RECIPE\" &",
+        '-m moe_train.entry --recipe "$RECIPE" ${RESTART[@]+"${RESTART[@]}"} &',
         "trap on_notice USR1",
         'scontrol requeue "$SLURM_JOB_ID"',
         '"$RESTARTS" -ge 5',
@@ -372,7 +386,8 @@ def requeue_case(tmp_path: Path, *, notice: bool, exit_code: int = 0, complete: 
     bin_dir, record = stand_in_bin(tmp_path)
     (bin_dir / "torchrun").write_text(textwrap.dedent("""\
         #!/bin/bash
-        run_dir=$(dirname "${@: -1}")
+        while [ $# -gt 0 ] && [ "$1" != --recipe ]; do shift; done
+        run_dir=$(dirname "$2")
         if [ "$NOTIFY" = 1 ]; then kill -USR1 "$PPID"; fi
         for _ in $(seq 100); do [ -e "$run_dir/PREEMPT" ] && break; [ "$NOTIFY" = 1 ] || break; sleep 0.05; done
         if [ "$MAKE_COMPLETE" = 1 ]; then touch "$run_dir/COMPLETE"; fi
@@ -425,6 +440,28 @@ def test_a_stale_notice_is_cleared_when_the_job_starts(tmp_path):
     result = run_script(render_sbatch(recipe, run_dir), tmp_path, bin_dir, record)
     assert result.returncode == 0 and not (run_dir / "PREEMPT").exists()
     assert not (record / "scontrol.args").read_bytes().count(b"requeue")
+
+
+def test_a_requeued_job_must_resume_and_a_complete_run_does_not_start(tmp_path):
+    """Restart 0 starts the entry as the recipe says; a requeued job (SLURM_RESTART_COUNT > 0) passes --restart
+    (resume: required); a run folder holding COMPLETE exits 0 without starting any step."""
+    recipe = tiny(tmp_path)
+    run_dir = prepare_run_dir(recipe)
+    script = render_sbatch(recipe, run_dir)
+    bin_dir, record = stand_in_bin(tmp_path)
+    entry_args = {}
+    for restarts in (0, 1):
+        result = run_script(script, tmp_path, bin_dir, record, SLURM_RESTART_COUNT=str(restarts))
+        assert result.returncode == 0, result.stderr
+        args = read_args(record / "torchrun.args")
+        entry_args[restarts] = args[args.index("moe_train.entry") + 1:]
+    assert entry_args == {0: ["--recipe", f"{run_dir}/recipe.yaml"],
+                          1: ["--recipe", f"{run_dir}/recipe.yaml", "--restart"]}
+    (record / "torchrun.args").unlink()
+    (run_dir / "COMPLETE").write_text("step 8\n")
+    result = run_script(script, tmp_path, bin_dir, record, SLURM_RESTART_COUNT="1")
+    assert result.returncode == 0 and "not started: the run is complete" in result.stdout
+    assert not (record / "torchrun.args").exists()
 
 
 # --------------------------------------------------------------------------------------------------- sweeps

@@ -117,7 +117,8 @@ STAND_IN_STEP = """\
 #!/bin/bash
 # Stand-in for torchrun + trainer: waits for the preemption notice file on its first run and stops cleanly
 # (as the trainer does after a checkpoint), then completes on the requeued run.
-run_dir=$(dirname "${@: -1}")
+while [ $# -gt 0 ] && [ "$1" != --recipe ]; do shift; done
+run_dir=$(dirname "$2")
 echo "stand-in step: restart ${SLURM_RESTART_COUNT:-0}"
 if [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then
   echo "stand-in step: waiting for the notice"

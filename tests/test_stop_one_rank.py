@@ -1,13 +1,18 @@
-"""Two gloo ranks through `moe-train run --nproc 2`: SIGTERM sent to rank 1's process only stops both ranks at
-the same step boundary, with one two-rank checkpoint of that step (the notice file is shared by all ranks, so a
-signal is the only stop that reaches one rank alone)."""
+"""Two gloo ranks through `moe-train run --nproc 2`, one of them signalled alone:
+- SIGTERM to rank 1's process only stops both ranks at the same step boundary, with one two-rank checkpoint of
+  that step (the notice file is shared by all ranks, so a signal is the only stop that reaches one rank alone);
+- SIGKILL to rank 1 mid-step (a lost rank: killed, out of memory) ends the whole job non-zero within 60 s, the
+  dead rank named in the output, never a hang: the survivor's gloo collective fails on the closed connection and
+  torchrun stops the rest (what bounds it otherwise: docs/interfaces.md, lost ranks)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,19 +42,28 @@ def rank_process(launcher: int, rank: int) -> int | None:
     return None
 
 
-def test_sigterm_to_one_rank_stops_both_ranks_at_the_same_step(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
+def signal_rank_1_after_two_steps(run_dir: Path, sig: signal.Signals) -> tuple[subprocess.CompletedProcess, float]:
+    """Train qwen3-tiny on 2 ranks, send `sig` to rank 1 once two steps are logged; (the result, seconds from the
+    signal to the end of `moe-train run`)."""
     sets = [arg for value in [*SHRINK, f"run_dir={run_dir}"] for arg in ("--set", value)]
     process = start([sys.executable, "-m", "moe_train.cli.main", "run", "qwen3-tiny", "--nproc", "2", *sets])
+    sent = time.monotonic()
     try:
         deadline = time.monotonic() + 90
         while len(train_steps(run_dir)) < 2 and process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
+            time.sleep(0.05)
         target = rank_process(process.pid, 1)
         assert target is not None and process.poll() is None, "rank 1 is not running"
-        os.kill(target, signal.SIGTERM)
+        os.kill(target, sig)
+        sent = time.monotonic()
     finally:
         done = finish(process, timeout=90)
+    return done, time.monotonic() - sent
+
+
+def test_sigterm_to_one_rank_stops_both_ranks_at_the_same_step(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    done, _ = signal_rank_1_after_two_steps(run_dir, signal.SIGTERM)
     assert done.returncode == 0, done.stderr[-3000:]
     stopped = train_steps(run_dir)[-1]
     assert 2 <= stopped < 1000
@@ -59,4 +73,15 @@ def test_sigterm_to_one_rank_stops_both_ranks_at_the_same_step(tmp_path: Path) -
     assert latest_checkpoint(run_dir / "checkpoints") == run_dir / "checkpoints" / f"step-{stopped:07d}"
     shards = sorted(p.name for p in latest_checkpoint(run_dir / "checkpoints").glob("*.distcp"))
     assert len(shards) == 2  # both ranks wrote their part of the same step
+    assert not (run_dir / "COMPLETE").exists()
+
+
+def test_a_rank_killed_mid_step_ends_the_job_non_zero_within_60_s_naming_it(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    done, seconds = signal_rank_1_after_two_steps(run_dir, signal.SIGKILL)
+    assert done.returncode != 0 and seconds < 60, (seconds, done.stderr[-3000:])
+    # torchrun's summary: rank 1 is the first failure, killed by signal 9; the survivor names itself and why.
+    root_cause = done.stderr[done.stderr.index("Root Cause"):]
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s+exitcode\s*: -9", root_cause), done.stderr[-3000:]
+    assert re.search(r"error: rank 0: \w+Error: ", done.stderr), done.stderr[-3000:]
     assert not (run_dir / "COMPLETE").exists()

@@ -67,3 +67,22 @@ def test_resume_is_bitwise_identical(name: str, tmp_path: Path) -> None:
     straight_sd, resumed_sd = straight.model_parts[0].state_dict(), resumed.model_parts[0].state_dict()
     for (key, a), b in zip(straight_sd.items(), resumed_sd.values(), strict=True):
         assert torch.equal(a, b), key
+
+
+def test_a_stop_before_the_first_step_saves_step_0_and_resumes_as_if_uninterrupted(tmp_path: Path) -> None:
+    """A notice during start-up: the job stops at step 0 and still saves (its requeued job resumes with
+    `resume: required`). The optimizer has not stepped, so none of its state is saved or restored: creating it
+    would count a step and change the first real update's bias correction."""
+    straight_dir, split_dir = tmp_path / "straight", tmp_path / "split"
+    Trainer(recipe("qwen3-moe-tiny", straight_dir, "train.steps=2")).train()
+    stopped = Trainer(recipe("qwen3-moe-tiny", split_dir, "train.steps=2"))
+    split_dir.mkdir()
+    (split_dir / "PREEMPT").write_text("preempt")
+    summary = stopped.train()
+    assert summary.status == "preempted" and summary.step == 0 and summary.checkpoint.name == "step-0000000"
+    assert not stopped.optimizers[0].state
+    (split_dir / "PREEMPT").unlink()
+    resumed = Trainer(recipe("qwen3-moe-tiny", split_dir, "train.steps=2", "checkpoint.resume=required"))
+    assert resumed.started_from == summary.checkpoint and not resumed.optimizers[0].state
+    resumed.train()
+    assert train_losses(split_dir) == train_losses(straight_dir)

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from moe_train.checkpoint.hf import export_hf, import_hf
 from moe_train.checkpoint.layout import MODEL_CONFIG, CheckpointError
+from moe_train.checkpoint.manifest import verify
 from moe_train.checkpoint.resume import checkpoint_at
-from moe_train.checkpoint.state import load_model_weights, read_model_config, save_model_weights, write_model_config
+from moe_train.checkpoint.state import load_model_weights, read_model_config, save_model_weights
 from moe_train.config import ModelConfig, Recipe, TrainConfig, dump_recipe
 from moe_train.config.schema import CheckpointConfig
 from moe_train.models import build_model
@@ -33,8 +34,7 @@ def from_hf(hf_dir: Path, out_dir: Path) -> tuple[Path, Path]:
     ckpt = out_dir / CHECKPOINT_DIR
     if ckpt.exists():
         raise CheckpointError(f"{ckpt}: already exists; choose another -o folder")
-    save_model_weights(ckpt, state_dict)
-    write_model_config(ckpt, model_cfg.model_dump(mode="json"))
+    save_model_weights(ckpt, state_dict, model_config=model_cfg.model_dump(mode="json"))
     recipe = Recipe(
         name=out_dir.name,
         model=model_cfg,
@@ -50,13 +50,21 @@ def from_hf(hf_dir: Path, out_dir: Path) -> tuple[Path, Path]:
 
 
 def to_hf(ckpt: Path, out_dir: Path) -> Path:
-    """Export the model of one of our checkpoints as a transformers folder; returns the checkpoint used."""
+    """Export the model of one of our checkpoints as a transformers folder; returns the checkpoint used.
+
+    The checkpoint may come from any layout: DCP gathers every expert and tensor-parallel shard into the one
+    full model built here. It is checked against its manifest first and read as a checkpoint from elsewhere
+    (trust.RestrictedReader)."""
     ckpt = checkpoint_at(ckpt, "CKPT")
+    problems = verify(ckpt)
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointError(f"CKPT: {ckpt} is not intact: {problems[0]}{more}")
     if not (ckpt / MODEL_CONFIG).is_file():
         raise CheckpointError(f"{ckpt}: has no {MODEL_CONFIG} (the model section), so its model is unknown")
     model_cfg = ModelConfig.model_validate(read_model_config(ckpt))
     model = build_model(model_cfg, device="meta")
     materialize(model, device="cpu")  # allocated, not initialised: the checkpoint fills every tensor
-    load_model_weights(ckpt, model)
+    load_model_weights(ckpt, model, own=False)
     export_hf(model_cfg, model.state_dict(), out_dir)
     return ckpt

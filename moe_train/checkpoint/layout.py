@@ -52,7 +52,7 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     return path if is_complete(path) else None
 
 
-def _complete_steps(ckpt_dir: Path) -> list[Path]:
+def complete_steps(ckpt_dir: Path) -> list[Path]:
     """Every complete `step-*` folder, oldest first (the names sort by step)."""
     return sorted(p for p in ckpt_dir.glob(f"{_PREFIX}*") if p.is_dir() and is_complete(p))
 
@@ -81,7 +81,7 @@ def publish(tmp: Path, *, step: int) -> Path:
     _finish_removals(ckpt_dir)
     if final.exists():  # the same step saved again (a resumed run re-reaching it): the new one wins
         if latest_checkpoint(ckpt_dir) == final:
-            earlier = [p for p in _complete_steps(ckpt_dir) if p.name < final.name]
+            earlier = [p for p in complete_steps(ckpt_dir) if p.name < final.name]
             if earlier:
                 write_atomic(ckpt_dir / LATEST, earlier[-1].name + "\n")
             else:
@@ -98,7 +98,7 @@ def prune(ckpt_dir: Path, *, keep: int | None) -> list[Path]:
         return []
     _finish_removals(ckpt_dir)
     latest = latest_checkpoint(ckpt_dir)
-    removed = [p for p in _complete_steps(ckpt_dir)[:-keep] if p != latest]
+    removed = [p for p in complete_steps(ckpt_dir)[:-keep] if p != latest]
     for path in removed:
         _remove(path)
     return removed

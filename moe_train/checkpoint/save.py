@@ -1,7 +1,8 @@
-"""Saving a training checkpoint atomically: temporary folder, DCP write, rename, `latest`, keep-K.
+"""Saving a training checkpoint atomically: temporary folder, DCP write, manifest, rename, `latest`, keep-K.
 
 Every rank calls `save_checkpoint` at the same step boundary. Rank 0 owns the folder operations; barriers
-order them around the collective DCP write, so no rank can see `latest` move before every shard is on disk.
+order them around the collective DCP write and the manifest's checksums (each rank hashes a share of the
+files), so no rank can see `latest` move before every shard and the manifest are on disk.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_train.checkpoint.layout import prune, publish, step_dir_name, tmp_dir
-from moe_train.checkpoint.state import Progress, save_training_state, write_model_config
+from moe_train.checkpoint.state import Progress, save_training_state
 
 
 def _barrier() -> None:
@@ -40,9 +41,8 @@ def save_checkpoint(
         if tmp.exists():  # left by a save that was killed midway
             shutil.rmtree(tmp)
     _barrier()
-    save_training_state(tmp, model_parts=model_parts, optimizers=optimizers, progress=progress)
-    write_model_config(tmp, model_config)
-    _barrier()
+    save_training_state(tmp, model_parts=model_parts, optimizers=optimizers, progress=progress,
+                        model_config=model_config)
     if is_rank0:
         publish(tmp, step=progress.step)
         prune(ckpt_dir, keep=keep)

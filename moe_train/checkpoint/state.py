@@ -5,10 +5,17 @@ A training checkpoint is one DCP state dict:
 - `optim.state.*`: AdamW's per-parameter moments and step counts, keyed by parameter name
   (`get_state_dict`), so they reshard with the model. Hyperparameters (`param_groups`) are not stored: they
   come from the recipe, and the learning rate is a function of the step;
-- `progress.*`: the step, consumed samples and skipped-step count, as int64 tensors;
+- `progress.*`: the step, consumed samples and skipped-step count as int64 tensors, and the recent losses the
+  loss-spike check compares with (float64);
 - `rng.rank{R}.cpu` (and `.cuda`): each rank's generator states, restored when the rank exists in the save.
-Everything is a tensor, so loading never unpickles objects: DCP's byte items (read with a full unpickler)
-never occur, and `torch.load` is called nowhere in this package but with `weights_only=True`.
+Beside the tensors: `model.json` (the model section) and `manifest.json` (every file's size and SHA-256,
+written last: moe_train/checkpoint/manifest.py). Parameters are DTensors with their full shapes wherever they
+are sharded (TP, EP, FSDP2), so DCP reshards on load: a checkpoint saved under one layout loads under any other.
+
+Loading is not free of pickle: DCP keeps its index, `.metadata`, as a pickle (tensors are read with
+`torch.load(weights_only=True)`; our state holds no pickled byte items). Checkpoints are therefore trusted input:
+the manifest is checked before anything is read (by the start-point choice, before these functions run), and a
+checkpoint this run did not write itself is read through trust.RestrictedReader (`own=False`).
 DCP works with or without a process group; with one, every rank calls these functions together.
 A model-only checkpoint (`convert from-hf`, `init_from`) is the same format with only `model.*`.
 """
@@ -25,18 +32,27 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
+from moe_train.checkpoint import collective
 from moe_train.checkpoint.layout import MODEL_CONFIG, CheckpointError
+from moe_train.checkpoint.trust import reader_for
 
 
 @dataclass(frozen=True, kw_only=True)
 class Progress:
-    """Where training stands: enough, with the model and optimizer, to continue bit for bit."""
+    """Where training stands: enough, with the model and optimizer, to continue bit for bit.
+    `recent_losses`: the last applied steps' losses, oldest first (train/bad_steps.py's window)."""
 
     step: int = 0
     consumed_samples: int = 0
     skipped: int = 0
+    recent_losses: tuple[float, ...] = ()
 
 
 def _distributed() -> bool:
@@ -47,11 +63,22 @@ def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
 
 
-def _dcp(fn, state: dict, path: Path) -> None:
-    """Call dcp.save/load, single-process when no process group exists (without DCP's warning about it)."""
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _dcp_save(state: dict, path: Path) -> None:
+    """dcp.save, single-process when no process group exists (without DCP's warning about it)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        fn(state, checkpoint_id=str(path), no_dist=not _distributed())
+        dcp.save(state, checkpoint_id=str(path), no_dist=not _distributed())
+
+
+def _dcp_load(state: dict, path: Path, *, own: bool) -> None:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path), storage_reader=reader_for(path, own=own), no_dist=not _distributed())
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -67,13 +94,20 @@ def _progress_tensors(progress: Progress) -> dict[str, torch.Tensor]:
         "step": torch.tensor(progress.step, dtype=torch.int64),
         "consumed_samples": torch.tensor(progress.consumed_samples, dtype=torch.int64),
         "skipped": torch.tensor(progress.skipped, dtype=torch.int64),
+        "recent_losses": torch.tensor(progress.recent_losses, dtype=torch.float64),
     }
 
 
-def write_model_config(path: Path, model_config: dict) -> None:
-    """The model section beside the tensors, so a checkpoint can be exported or inspected on its own."""
+def _write_files(path: Path, state: dict, model_config: dict | None) -> None:
+    """model.json (rank 0), the DCP state, then the manifest of them all; every rank calls this together."""
     if _rank() == 0:
-        (path / MODEL_CONFIG).write_text(json.dumps(model_config, indent=1) + "\n", encoding="utf-8")
+        path.mkdir(parents=True, exist_ok=True)
+        if model_config is not None:
+            (path / MODEL_CONFIG).write_text(json.dumps(model_config, indent=1) + "\n", encoding="utf-8")
+    _barrier()
+    _dcp_save(state, path)
+    _barrier()
+    collective.write_manifest(path)
 
 
 def read_model_config(path: Path) -> dict:
@@ -94,17 +128,24 @@ def _state_dicts(
 
 
 def save_training_state(
-    path: Path, *, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], progress: Progress
+    path: Path, *, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], progress: Progress,
+    model_config: dict | None = None,
 ) -> None:
-    """Write model, optimizer, progress and RNG states into `path` (a fresh folder)."""
-    model_sd, optim_state = _state_dicts(model_parts, optimizers)
-    state = {
-        "model": model_sd,
-        "optim": {"state": optim_state},
-        "progress": _progress_tensors(progress),
-        "rng": _rng_state(),
-    }
-    _dcp(dcp.save, state, path)
+    """Write model, optimizer, progress and RNG states of this rank's model chunks (each with its optimizer)
+    into `path` (a fresh folder), with `model_config` as model.json when given, and the manifest.
+
+    Optimizers that have never stepped (a stop before the first applied step; the chunks' optimizers step
+    together) have no state, and none is written: `get_state_dict` would create it by taking a step of lr 0,
+    whose step count changes the next real update's bias correction (the resumed run would differ from the
+    uninterrupted one)."""
+    state = {"progress": _progress_tensors(progress), "rng": _rng_state()}
+    if any(optimizer.state for optimizer in optimizers):
+        model_sd, optim_state = _state_dicts(model_parts, optimizers)
+        state["optim"] = {"state": optim_state}
+    else:
+        model_sd = {k: v for part in model_parts for k, v in get_model_state_dict(part).items()}
+    state["model"] = model_sd
+    _write_files(path, state, model_config)
 
 
 def load_training_state(
@@ -113,45 +154,60 @@ def load_training_state(
     model_parts: list[nn.Module],
     optimizers: list[torch.optim.Optimizer],
     model_keys: Collection[str] | None = None,
+    own: bool = False,
 ) -> Progress:
-    """Restore what `save_training_state` wrote into freshly built model chunks and their optimizers.
-    `model_keys`: the whole model's state-dict keys when the chunks are pipeline stages (checked against the
-    checkpoint's), None when they hold the whole model."""
-    model_sd, optim_state = _state_dicts(model_parts, optimizers)  # also creates empty optimizer state to fill
-    saved = _saved_tensors(path)
+    """Restore what `save_training_state` wrote (under any layout) into freshly built model chunks and their
+    optimizers. `model_keys`: the whole model's state-dict keys when the chunks are pipeline stages (checked
+    against the checkpoint's), None when they hold the whole model. `own`: the checkpoint is one this run wrote
+    (read with DCP's own reader; see trust.py)."""
+    saved = _saved_tensors(path, own=own)
+    stepped = any(key.startswith("optim.state.") for key in saved)  # see save_training_state
+    if stepped:
+        model_sd, optim_state = _state_dicts(model_parts, optimizers)  # also creates empty optimizer state to fill
+    else:
+        part_sds = [get_model_state_dict(part) for part in model_parts]
+        model_sd = {k: v for part_sd in part_sds for k, v in part_sd.items()}
     _check_model_matches(path, saved, model_sd, model_keys)
     if "progress.step" not in saved:
         raise CheckpointError(f"{path}: a model-only checkpoint cannot be resumed; use it as checkpoint.init_from")
     rng = {k: v for k, v in _rng_state().items() if f"rng.{k}" in saved}
-    state = {
-        "model": model_sd,
-        "optim": {"state": optim_state},
-        "progress": _progress_tensors(Progress()),
-        "rng": rng,
-    }
-    _dcp(dcp.load, state, path)  # fills the tensors of model_sd and optim_state in place
-    for part, optimizer in zip(model_parts, optimizers, strict=True):
-        part_sd, part_optim = get_state_dict(part, optimizer)
-        set_state_dict(part, optimizer, model_state_dict={k: model_sd[k] for k in part_sd},
-                       optim_state_dict={"state": {k: optim_state[k] for k in part_optim["state"]},
-                                         "param_groups": part_optim["param_groups"]})
+    progress = _progress_tensors(Progress())
+    recent = saved.get("progress.recent_losses")
+    if recent is None:  # a checkpoint written before the loss-spike check existed
+        del progress["recent_losses"]
+    else:
+        progress["recent_losses"] = torch.empty(tuple(recent.size), dtype=torch.float64)
+    state = {"model": model_sd, "progress": progress, "rng": rng}
+    if stepped:
+        state["optim"] = {"state": optim_state}
+    _dcp_load(state, path, own=own)  # fills the tensors of model_sd and optim_state in place
+    if stepped:
+        for part, optimizer in zip(model_parts, optimizers, strict=True):
+            part_sd, part_optim = get_state_dict(part, optimizer)
+            set_state_dict(part, optimizer, model_state_dict={k: model_sd[k] for k in part_sd},
+                           optim_state_dict={"state": {k: optim_state[k] for k in part_optim["state"]},
+                                             "param_groups": part_optim["param_groups"]})
+    else:
+        for part, part_sd in zip(model_parts, part_sds, strict=True):
+            set_model_state_dict(part, part_sd)
     prefix = f"rank{_rank()}"
     if f"{prefix}.cpu" in rng:
         torch.set_rng_state(rng[f"{prefix}.cpu"])
     if f"{prefix}.cuda" in rng:
         torch.cuda.set_rng_state(rng[f"{prefix}.cuda"])
     p = state["progress"]
-    return Progress(step=int(p["step"]), consumed_samples=int(p["consumed_samples"]), skipped=int(p["skipped"]))
+    return Progress(step=int(p["step"]), consumed_samples=int(p["consumed_samples"]), skipped=int(p["skipped"]),
+                    recent_losses=tuple(p["recent_losses"].tolist()) if "recent_losses" in p else ())
 
 
-def save_model_weights(path: Path, state_dict: dict[str, torch.Tensor]) -> None:
-    """A model-only checkpoint (no optimizer, no progress): what `init_from` loads."""
-    _dcp(dcp.save, {"model": state_dict}, path)
+def save_model_weights(path: Path, state_dict: dict[str, torch.Tensor], *, model_config: dict | None = None) -> None:
+    """A model-only checkpoint (no optimizer, no progress): what `init_from` loads; with model.json and manifest."""
+    _write_files(path, {"model": state_dict}, model_config)
 
 
-def _saved_tensors(path: Path) -> dict:
+def _saved_tensors(path: Path, *, own: bool) -> dict:
     """The checkpoint's DCP metadata: flattened key -> tensor metadata (size, dtype), without reading tensors."""
-    return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return reader_for(path, own=own).read_metadata().state_dict_metadata
 
 
 def _check_model_matches(path: Path, saved: dict, model_sd: dict[str, torch.Tensor],
@@ -177,10 +233,11 @@ def _check_model_matches(path: Path, saved: dict, model_sd: dict[str, torch.Tens
         raise CheckpointError(f"{path}: {len(reshaped)} tensors differ in shape from the model, e.g. {reshaped[0]}")
 
 
-def load_model_weights(path: Path, model: nn.Module, model_keys: Collection[str] | None = None) -> None:
+def load_model_weights(path: Path, model: nn.Module, model_keys: Collection[str] | None = None, *,
+                       own: bool = False) -> None:
     """Load the `model.*` part of any checkpoint (model-only or full) into `model` (the whole model, or a
-    pipeline stage of the model whose keys are `model_keys`), strictly by name."""
+    pipeline stage of the model whose keys are `model_keys`), strictly by name. `own`: see load_training_state."""
     model_sd = model.state_dict()
-    _check_model_matches(path, _saved_tensors(path), model_sd, model_keys)
-    _dcp(dcp.load, {"model": model_sd}, path)
+    _check_model_matches(path, _saved_tensors(path, own=own), model_sd, model_keys)
+    _dcp_load({"model": model_sd}, path, own=own)
     model.load_state_dict(model_sd, strict=True)

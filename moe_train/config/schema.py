@@ -168,7 +168,12 @@ class TrainConfig(Section):
     eval_interval: int | None = Field(None, ge=1, description="null: no evaluation.")
     eval_steps: int = Field(1, ge=1)
     on_nonfinite: Literal["skip", "stop"] = "skip"
-    max_skipped_steps: int = Field(10, ge=0)
+    loss_spike_threshold: float | None = Field(
+        None, gt=1, description="Reject a step whose loss is over this factor x the mean of the last "
+        "loss_spike_window applied steps' losses; null: no spike check.")
+    loss_spike_window: int = Field(20, ge=1, description="Applied steps the loss-spike check averages over.")
+    on_loss_spike: Literal["skip", "stop"] = Field("skip", description="A rejected spike: skip it or stop.")
+    max_skipped_steps: int = Field(10, ge=0, description="Skipped steps (non-finite or spikes) tolerated per run.")
 
 
 # ---------------------------------------------------------------------------------------------------- data

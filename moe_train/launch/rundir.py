@@ -32,13 +32,19 @@ PREEMPT_FILE = "PREEMPT"
 METRICS_FILE = "metrics.jsonl"
 
 # Fields that may differ between two launches of the same run: where the recipe came from, how it was
-# written down, whether to resume, and where this launch stops early. Everything else must match.
+# written down, whether to resume, where this launch stops early, and the layout: how the same math is spread
+# over devices (`parallel.*`, `launch.*`, `train.micro_batch_size`), since checkpoints reshard on load
+# (INTERFACES.md, run directory; SCENARIOS.md journey 7). recipe.yaml then records the latest launch's layout.
+# Everything else must match.
 IGNORED_FIELDS: tuple[tuple[str, ...], ...] = (
     ("provenance",),
     ("extends",),
     ("run_dir",),
     ("checkpoint", "resume"),
     ("train", "exit_at_step"),
+    ("parallel",),
+    ("launch",),
+    ("train", "micro_batch_size"),
 )
 
 

@@ -14,19 +14,19 @@ The state that decides the next step is the model, the optimizer and the step nu
 rate are functions of the step), which is exactly what a checkpoint holds: a run stopped at step K and resumed
 reproduces the uninterrupted run bit for bit in fp32.
 
-Stops at a step boundary: `train.steps` (writes COMPLETE), `train.exit_at_step`, SIGINT/SIGTERM or the
-launcher's preemption notice file (all three: checkpoint, then a clean return). A non-finite loss or gradient
-norm skips the update (the model stays as it was) or stops with a TrainingError, per `train.on_nonfinite`;
-no checkpoint is ever written after a non-finite update because none is ever applied.
+Stops at a step boundary: `train.steps` (writes COMPLETE), `train.exit_at_step`, SIGINT/SIGTERM to any rank or
+the launcher's preemption notice file (agreed on by every rank: stops.py; all three: checkpoint, then a clean
+return). A non-finite loss or gradient norm, or a loss spike, skips the update (the model stays as it was) or
+stops with a TrainingError, per `train.on_nonfinite` and `train.on_loss_spike` (bad_steps.py); no checkpoint is
+ever written after a poisoned update because none is ever applied. The start point is chosen by rank 0 among
+the checkpoints that match their manifest, and broadcast (checkpoint/collective.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import math
 import resource
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_train.checkpoint.resume import start_point
+from moe_train.checkpoint.collective import agreed_start_point
 from moe_train.checkpoint.save import save_checkpoint
 from moe_train.checkpoint.state import Progress, load_model_weights, load_training_state
 from moe_train.config import RecipeError
@@ -49,6 +49,7 @@ from moe_train.parallel import parallelize
 from moe_train.parallel.context import ParallelContext
 from moe_train.parallel.pipeline import Pipeline, duplicate_parameters, shared_embedding_group
 from moe_train.plan.flops import training_flops_per_token
+from moe_train.train.bad_steps import BadSteps, Rejection
 from moe_train.train.errors import TrainingError
 from moe_train.train.grad_norm import clip_grad_norm
 from moe_train.train.metrics import MetricsLogger, eval_record, expert_balance, train_record
@@ -56,6 +57,7 @@ from moe_train.train.optimizer import build_optimizer, set_lr
 from moe_train.train.peak import peak_flops
 from moe_train.train.schedule import lr_at
 from moe_train.train.step import Batch, StepLoss, forward_backward, forward_only, reduce_gradients
+from moe_train.train.stops import StopRequests
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +98,7 @@ class StepResult:
     mtp_loss: float
     grad_norm: float
     moe: dict[str, dict[str, float]] | None
+    rejection: Rejection | None = None  # why the update was not applied (bad_steps.py)
 
     @property
     def finite(self) -> bool:
@@ -135,9 +138,10 @@ class Trainer:
         self.datasets = build_datasets(recipe)
         if train.eval_interval is not None and self.datasets.valid is None:
             raise RecipeError(["train.eval_interval: evaluation needs a validation split (data.valid_fraction > 0)"])
-        start = start_point(
+        self.start = agreed_start_point(
             ckpt_dir=self.ckpt_dir, resume=recipe.checkpoint.resume, init_from=recipe.checkpoint.init_from
         )
+        start = self.start
         # This rank's model chunks: the whole model, or its pipeline stages (one per virtual stage).
         model = build_model(recipe.model, device="meta")
         model_keys = set(model.state_dict())  # the whole model's, which a checkpoint holds at every layout
@@ -163,16 +167,17 @@ class Trainer:
         self.started_from: Path | None = None
         if start.resume_from is not None:
             self.progress = load_training_state(start.resume_from, model_parts=self.model_parts,
-                                                optimizers=self.optimizers, model_keys=model_keys)
+                                                optimizers=self.optimizers, model_keys=model_keys, own=start.own)
             self.started_from = start.resume_from
         elif start.init_from is not None:
             for part in self.model_parts:
                 load_model_weights(start.init_from, part, model_keys)
             self.started_from = start.init_from
+        self.bad_steps = BadSteps(train, recent_losses=self.progress.recent_losses)
         self.tokens_per_step = train.global_batch_size * train.seq_length
         self.flops_per_token = training_flops_per_token(recipe.model, seq_length=train.seq_length)
         self.peak = peak_flops(device=recipe.launch.device, gpu=recipe.launch.gpu, precision=train.precision)
-        self._stop_signal: str | None = None
+        self.stops = StopRequests(notice=self.run_dir / PREEMPT_FILE, reads_notice=ctx.logs, device=self.device)
 
     # ------------------------------------------------------------------------------------------ one step
 
@@ -216,15 +221,17 @@ class Trainer:
         grad_norm = clip_grad_norm([p for part in self.model_parts for p in part.parameters()], train.grad_clip,
                                    stage_group=self.ctx.group("pp"), duplicates=self.duplicates)
         lm_loss = lm_sum / self.tokens_per_step
+        total = lm_loss + aux_loss + mtp_loss
         result = StepResult(
-            loss=lm_loss + aux_loss + mtp_loss,
+            loss=total,
             lm_loss=lm_loss,
             aux_loss=aux_loss,
             mtp_loss=mtp_loss,
             grad_norm=grad_norm,
             moe=moe,
+            rejection=self.bad_steps.admit(loss=total, grad_norm=grad_norm),
         )
-        if result.finite:
+        if result.rejection is None:
             for optimizer in self.optimizers:
                 set_lr(optimizer, lr_at(step, train=train))
                 optimizer.step()
@@ -301,19 +308,9 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ the loop
 
-    def _on_signal(self, signum: int, frame) -> None:
-        self._stop_signal = signal.Signals(signum).name
-
     def _stop_requested(self) -> str | None:
-        """A signal or the preemption notice on any rank stops every rank at the same step boundary."""
-        reason = self._stop_signal
-        if reason is None and (self.run_dir / PREEMPT_FILE).exists():
-            reason = f"preemption notice {self.run_dir / PREEMPT_FILE}"
-        flag = torch.tensor([1 if reason else 0], device=self.device)
-        dist.all_reduce(flag)  # every rank of the job, whatever its place in the meshes
-        if flag.item() and reason is None:
-            reason = "a stop requested on another rank"
-        return reason
+        """A signal to any rank or the preemption notice stops every rank at the same step boundary."""
+        return self.stops.agreed()
 
     def _save(self, logger: MetricsLogger | None) -> Path:
         path = save_checkpoint(
@@ -346,17 +343,14 @@ class Trainer:
                 tensorboard=recipe.logging.tensorboard,
             )
             logger.message(f"data: {self.datasets.description}")
+            for note in self.start.notes:
+                logger.message(note)
             if self.started_from is not None:
                 logger.message(f"started from {self.started_from} at step {self.progress.step}")
-        handlers = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(ValueError):  # not the main thread: the launcher's notice file still works
-                handlers[sig] = signal.signal(sig, self._on_signal)
         try:
-            return self._loop(last, logger)
+            with self.stops:
+                return self._loop(last, logger)
         finally:
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
             if logger is not None:
                 logger.close()
 
@@ -366,7 +360,9 @@ class Trainer:
         first_step = self.progress.step
         timed_tokens, timed_seconds = 0, 0.0
         first_loss, final_loss, checkpoint, status = None, None, None, None
-        saved_step = self.progress.step if self.started_from is not None else None
+        # A stop before the first step still saves (step 0 of a fresh run): a requeued job resumes with
+        # `resume: required` and must find a checkpoint of this run.
+        saved_step = self.progress.step if self.start.resume_from is not None else None
         while self.progress.step < last:
             reason = self._stop_requested()
             if reason is not None:
@@ -380,18 +376,20 @@ class Trainer:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             seconds = time.perf_counter() - t0
-            skipped = self.progress.skipped + (0 if result.finite else 1)
+            rejected = result.rejection
+            skipped = self.progress.skipped + (0 if rejected is None else 1)
             self.progress = Progress(
                 step=step,
                 consumed_samples=self.progress.consumed_samples + train.global_batch_size,
                 skipped=skipped,
+                recent_losses=self.bad_steps.recent_losses,
             )
             if step > first_step + 1 or step == last:  # the first step of a process warms caches
                 timed_tokens += self.tokens_per_step
                 timed_seconds += seconds
             tokens_per_s = self.tokens_per_step / seconds
             tflops = self.flops_per_token * tokens_per_s / self.ctx.world_size / 1e12
-            if logger is not None and (step % recipe.logging.interval == 0 or step == last or not result.finite):
+            if logger is not None and (step % recipe.logging.interval == 0 or step == last or rejected):
                 logger.train(
                     train_record(
                         step=step,
@@ -410,10 +408,11 @@ class Trainer:
                         mtp_loss=_finite_or_none(result.mtp_loss) if recipe.model.mtp_layers else None,
                     )
                 )
-            if not result.finite:
-                what = f"non-finite loss {result.loss} or grad norm {result.grad_norm} at step {step}"
-                if train.on_nonfinite == "stop":
-                    raise TrainingError(self.rank, f"{what} (train.on_nonfinite: stop)")
+            if rejected is not None:
+                what = f"{rejected.reason} at step {step}"
+                field = "on_nonfinite" if rejected.kind == "nonfinite" else "on_loss_spike"
+                if getattr(train, field) == "stop":
+                    raise TrainingError(self.rank, f"{what} (train.{field}: stop)")
                 if skipped > train.max_skipped_steps:
                     raise TrainingError(self.rank, f"{what}: {skipped} steps skipped, over train.max_skipped_steps")
                 if logger is not None:
@@ -428,7 +427,7 @@ class Trainer:
             interval = recipe.checkpoint.interval
             if interval and step % interval == 0 and step != last:
                 checkpoint, saved_step = self._save(logger), step
-        if self.progress.step > 0 and saved_step != self.progress.step:
+        if saved_step != self.progress.step:
             checkpoint = self._save(logger)
         if status is None:
             status = "complete" if self.progress.step >= train.steps else "exited"

@@ -23,12 +23,11 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().cpu().clone()
 
 
-def whole_state(trainer) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of the model as full tensors, from every pipeline stage (collective). A tensor
-    two stages hold (the last stage's copy of the embedding) must be bit-equal on both."""
+def _merged_over_stages(trainer, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`local` (this rank's tensors by name) merged over the pipeline stages (collective). A tensor two stages
+    hold (the last stage's copy of the embedding) must be bit-equal on both."""
     import torch.distributed as dist
 
-    local = {k: full(v) for part in trainer.model_parts for k, v in part.state_dict().items()}
     if trainer.ctx.size("pp") == 1:
         return local
     stages: list[dict] = [{} for _ in range(trainer.ctx.size("pp"))]
@@ -40,6 +39,23 @@ def whole_state(trainer) -> dict[str, torch.Tensor]:
                 raise AssertionError(f"{key}: the stages' copies differ")
             merged[key] = value
     return merged
+
+
+def whole_state(trainer) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of the model as full tensors, from every pipeline stage (collective)."""
+    return _merged_over_stages(trainer, {k: full(v) for part in trainer.model_parts
+                                         for k, v in part.state_dict().items()})
+
+
+def full_state(trainer) -> dict[str, torch.Tensor]:
+    """`whole_state` and every optimizer state tensor (`{param}/exp_avg` etc.) as full tensors: what a checkpoint
+    holds of the model and optimizer, whatever the layout (collective)."""
+    optimizer_state = {}
+    for part, optimizer in zip(trainer.model_parts, trainer.optimizers, strict=True):
+        for name, param in part.named_parameters():
+            for key, value in optimizer.state.get(param, {}).items():
+                optimizer_state[f"{name}/{key}"] = full(value)
+    return {**whole_state(trainer), **_merged_over_stages(trainer, optimizer_state)}
 
 
 def whole_grads(trainer, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

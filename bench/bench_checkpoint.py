@@ -1,0 +1,166 @@
+"""Checkpoint cost and preemption latency: save and load time and size for qwen3-moe-tiny and a ~100M-parameter
+dense proxy at world sizes 1, 2 and 4 (FSDP2 over gloo ranks of one thread each), and the time from the
+preemption notice to the end of the job.
+
+Each (model, world size) is one torchrun job of this file's worker, after one training step (so AdamW has its
+moments): `save` is `save_checkpoint` whole (DCP write, manifest, publish), `manifest` the checksums' share of it
+(every rank hashes its share; timed again on the saved folder), `verify` the start-point choice with every
+checksum checked, `load` `load_training_state` into the live model and optimizer. Then the job trains on; the
+notice file is written as step 4 starts (the worst case: the whole step is left to run), and the parent times
+notice -> the trainer's return (that step, the agreement, the save) and -> torchrun's exit (teardown too), the
+latter also in step times. Configurations run in turn, `--rounds` times; medians are printed side by side with
+the load average before and after.
+
+    python bench/bench_checkpoint.py [--rounds 1] [--models moe,dense] [--worlds 1,2,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODELS = {
+    "moe": ("qwen3-moe-tiny", ["train.global_batch_size=16", "train.micro_batch_size=4", "train.seq_length=128"]),
+    # ~100M parameters: 12 layers of hidden 768 (GQA 12/4 heads), FFN 2048, a 32k vocabulary (as bench_dp.py).
+    "dense": ("qwen3-tiny", ["model.num_layers=12", "model.hidden_size=768", "model.num_attention_heads=12",
+                             "model.num_query_groups=4", "model.head_dim=64", "model.ffn_hidden_size=2048",
+                             "model.vocab_size=32000", "data.source=mock", "train.seq_length=128",
+                             "train.global_batch_size=8", "train.micro_batch_size=2"]),
+}
+COMMON = ["train.steps=1000", "train.warmup_steps=1", "train.eval_interval=null", "checkpoint.interval=null",
+          "logging.interval=1", "train.precision=fp32", "checkpoint.keep=null"]
+
+
+def _timed(fn):
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    result = fn()
+    dist.barrier()
+    return time.perf_counter() - start, result
+
+
+def worker(recipe_name: str, overrides: list[str], out: Path) -> None:
+    """On every rank of the job: time the checkpoint steps, then train until the notice stops the run."""
+    from moe_train.checkpoint.collective import agreed_start_point, write_manifest
+    from moe_train.checkpoint.save import save_checkpoint
+    from moe_train.checkpoint.state import Progress, load_training_state
+    from moe_train.config import load_recipe
+    from moe_train.launch.rundir import PREEMPT_FILE
+    from moe_train.train.loop import Trainer
+
+    world = int(os.environ["WORLD_SIZE"])
+    recipe = load_recipe(recipe_name, [*overrides, f"launch.gpus_per_node={world}"])
+    trainer = Trainer(recipe)
+    trainer.train_step(1)
+    trainer.progress = Progress(step=1, consumed_samples=recipe.train.global_batch_size)
+    ckpt_dir = Path(recipe.checkpoint_dir())
+    model_config = recipe.model.model_dump(mode="json")
+    def save(step: int):
+        return save_checkpoint(ckpt_dir, model_parts=trainer.model_parts, optimizers=trainer.optimizers,
+                               progress=Progress(step=step, consumed_samples=trainer.progress.consumed_samples),
+                               model_config=model_config, keep=None)
+
+    first_save_s, _ = _timed(lambda: save(1))  # includes DCP's one-off set-up in this process
+    save_s, path = _timed(lambda: save(2))  # what every later save costs
+    manifest_s, _ = _timed(lambda: write_manifest(path))
+    verify_s, _ = _timed(lambda: agreed_start_point(ckpt_dir=ckpt_dir, resume="required", init_from=None))
+    load_s, _ = _timed(lambda: load_training_state(path, model_parts=trainer.model_parts,
+                                                             optimizers=trainer.optimizers, own=True))
+    record = {"first_save_s": first_save_s, "save_s": save_s, "manifest_s": manifest_s, "verify_s": verify_s,
+              "load_s": load_s, "bytes": sum(p.stat().st_size for p in path.iterdir()),
+              # DTensors count their full shape
+              "params": sum(p.numel() for part in trainer.model_parts for p in part.parameters())}
+    if trainer.ctx.logs:
+        notice = Path(recipe.resolved_run_dir()) / PREEMPT_FILE
+
+        def notify(module, args) -> None:  # as step 4's first forward starts: the step has all of its work left
+            if trainer.progress.step == 3 and "notice_at" not in record:
+                notice.write_text("preempt bench\n")
+                record["notice_at"] = time.time()
+
+        trainer.model_parts[0].register_forward_pre_hook(notify)
+    trainer.train()
+    if trainer.ctx.logs:
+        record["stopped_at"] = time.time()  # checkpoint saved, train() returned; process teardown follows
+        out.write_text(json.dumps(record))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(model: str, world: int, run_dir: Path) -> dict:
+    recipe, overrides = MODELS[model]
+    out = run_dir / "bench.json"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", __file__, "--worker", recipe, str(out),
+            *[*overrides, *COMMON, f"run_dir={run_dir}"]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    subprocess.run(argv, env=env, check=True, capture_output=True, text=True)
+    exited = time.time()
+    record = json.loads(out.read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["tokens"] / r["step"] / r["tokens_per_s"] for r in records if r["kind"] == "train" and r["step"] > 2]
+    record["notice_to_exit_s"] = exited - record["notice_at"]
+    record["notice_to_stop_s"] = record["stopped_at"] - record["notice_at"]
+    record["step_s"] = statistics.median(steps) if steps else float("nan")
+    return record
+
+
+def load_average() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--models", default="moe,dense")
+    parser.add_argument("--worlds", default="1,2,4")
+    parser.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        recipe, out, *overrides = args.worker
+        worker(recipe, overrides, Path(out))
+        return
+    worlds = [int(w) for w in args.worlds.split(",")]
+    print(f"load average before: {load_average()} ({os.cpu_count()} cores)")
+    with tempfile.TemporaryDirectory() as tmp:
+        results: dict[tuple[str, int], list[dict]] = {}
+        for round_index in range(args.rounds):
+            for model in args.models.split(","):
+                for world in worlds:
+                    run_dir = Path(tmp) / f"{model}-{world}-{round_index}"
+                    results.setdefault((model, world), []).append(run(model, world, run_dir))
+    print(f"load average after:  {load_average()}")
+    header = (f"{'model':<24}{'ranks':>6}{'size MB':>9}{'1st save':>9}{'save s':>8}{'manifest':>9}{'MB/s':>7}"
+              f"{'verify s':>9}{'load s':>8}{'load/save':>10}{'notice->stop':>13}{'->exit s':>9}{'in steps':>9}")
+    print(header)
+    for (model, world), runs in results.items():
+        m = {key: statistics.median(r[key] for r in runs) for key in runs[0] if not key.endswith("_at")}
+        size = m["bytes"] / 1e6
+        name = f"{MODELS[model][0]} ({m['params'] / 1e6:.0f}M)"
+        print(f"{name:<24}{world:>6}{size:>9.1f}{m['first_save_s']:>9.2f}{m['save_s']:>8.2f}"
+              f"{m['manifest_s'] / m['save_s']:>8.0%} {size / m['save_s']:>7.0f}{m['verify_s']:>9.2f}"
+              f"{m['load_s']:>8.2f}{m['load_s'] / m['save_s']:>10.2f}{m['notice_to_stop_s']:>13.1f}"
+              f"{m['notice_to_exit_s']:>9.1f}"
+              f"{m['notice_to_exit_s'] / m['step_s']:>9.1f}")
+    print("1st save: the process's first (DCP's one-off set-up); save s and everything after: a later save. "
+          "manifest: the checksums' share of it; MB/s: checkpoint bytes / save time. notice->stop: the notice, "
+          "written as a step starts, to train() returning with the checkpoint saved; ->exit: to torchrun's exit; "
+          "in steps: ->exit in median step times.")
+
+
+if __name__ == "__main__":
+    main()
