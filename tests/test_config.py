@@ -129,8 +129,8 @@ def test_tiny_proxies_fit_every_tested_layout(name):
             ["launch.gpus_per_node=8", "parallel.ep=8"],
             ["launch.gpus_per_node=8", "parallel.tp=2", "parallel.ep=4", "parallel.sequence_parallel=true"],
         ]
-    for overrides in layouts:
-        load_recipe(name, overrides)
+    for overrides in layouts:  # at the tests' micro-batch size: qwen3-moe-tiny's own 8 divides the batch up to dp 2
+        load_recipe(name, ["train.micro_batch_size=2", *overrides])
 
 
 def test_explicit_layout_with_mtp():

@@ -73,7 +73,8 @@ def test_preflight_four_ranks_folds_experts_across_tp_and_dp(tmp_path):
 
 
 def test_world_size_mismatch_fails_fast_on_every_rank(tmp_path):
-    recipe = load_recipe("qwen3-moe-tiny", [f"run_dir={tmp_path / 'r'}", "launch.gpus_per_node=4"])
+    recipe = load_recipe("qwen3-moe-tiny", [f"run_dir={tmp_path / 'r'}", "launch.gpus_per_node=4",
+                                            "train.micro_batch_size=2"])
     result, elapsed = torchrun(recipe, prepare_run_dir(recipe), nproc=2)
     assert result.returncode != 0
     failures = re.findall(r"rank (\d)/2 on \S+: world size 2 from the launcher does not match the recipe's "
@@ -122,7 +123,7 @@ def test_invalid_recipe_file_exits_2(tmp_path):
     ],
 )
 def test_launcher_problems(environ, fragment):
-    recipe = load_recipe("qwen3-moe-tiny", ["launch.gpus_per_node=4"])
+    recipe = load_recipe("qwen3-moe-tiny", ["launch.gpus_per_node=4", "train.micro_batch_size=2"])
     assert launcher_problems(recipe, LauncherEnv({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"})) == []
     problems = launcher_problems(recipe, LauncherEnv(environ))
     assert any(fragment in p for p in problems), problems

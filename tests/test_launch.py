@@ -30,8 +30,13 @@ HOSTILE = "a b $(touch PWNED1) `touch PWNED2`; touch PWNED3 'q' \"dq\" ${HOME} %
 HOSTILE_PATH = "run $(touch PWNED4) `touch PWNED5`; 'q' \"dq\" ${HOME} &x|y"
 
 
+# Divides the global batch (16) at every world size these tests launch; qwen3-moe-tiny's own 8 (the default run's
+# speed) only up to dp 2.
+MICRO_BATCH = "train.micro_batch_size=2"
+
+
 def tiny(tmp_path: Path, *sets: str, name: str = "qwen3-moe-tiny"):
-    return load_recipe(name, [f"run_dir={tmp_path / 'runs' / 'r'}", *sets])
+    return load_recipe(name, [f"run_dir={tmp_path / 'runs' / 'r'}", MICRO_BATCH, *sets])
 
 
 def write_recipe(path: Path, data: dict) -> Path:
@@ -105,7 +110,7 @@ def test_cluster_profile_by_name_supplies_defaults_that_the_recipe_overrides(tmp
     data.update(run_dir=str(tmp_path / "run"),
                 launch={"cluster": "big", "env": {"A": "recipe"}, "slurm": {"account": "mine"}})
     recipe_file = write_recipe(tmp_path / "r.yaml", data)
-    recipe = load_recipe(recipe_file, ["parallel.ep=8"])
+    recipe = load_recipe(recipe_file, ["parallel.ep=8", MICRO_BATCH])
     launch = recipe.launch
     assert (launch.gpus_per_node, launch.gpu, launch.device, launch.cluster) == (8, "h100", "cuda", None)
     assert launch.env == {"NCCL_DEBUG": "WARN", "A": "recipe"}

@@ -28,7 +28,8 @@ CONTRACT_KEYS = {
     "grad_bytes", "optimizer_bytes", "flops", "comm_bytes", "peak_memory_bytes",
 }
 EXTRA_KEYS = {"fake", "micro_batches", "tokens", "comm_calls"}
-SMALL = ("--set", "model.num_layers=2", "--set", "train.global_batch_size=4")  # 2 micro-batches of 2
+SMALL = ("--set", "model.num_layers=2", "--set", "train.global_batch_size=4",
+         "--set", "train.micro_batch_size=2")  # 2 micro-batches of 2
 # deepseek-v3 at full size, in a layout the engine trains today (no pipeline, EP or recompute yet).
 DEEPSEEK_TODAY = (
     "parallel.pp=1", "parallel.vpp=1", "parallel.pp_schedule=1f1b", "parallel.pp_layout=null", "parallel.ep=1",
@@ -200,7 +201,7 @@ def test_measure_counts_what_the_trainer_runs_two_ranks(tmp_path):
     own `Trainer.train_step` under the same counters: the same FLOPs and FSDP2 traffic, the trainer adding
     only its telemetry all-reduces over dp, which measure leaves out (docs/measure.md)."""
     overrides = ["model.num_layers=2", "train.global_batch_size=8", "launch.gpus_per_node=2",
-                 f"run_dir={tmp_path / 'run'}"]
+                 "train.micro_batch_size=2", f"run_dir={tmp_path / 'run'}"]
     out = run_ranks("measure", 2, {"recipe": "qwen3-moe-tiny", "overrides": overrides}, tmp_path, timeout=240)
     shared = {"ep/all_reduce": 40 + 12 + 12, "ep/all_gather": 24 + 8, "ep/reduce_scatter": 24, "ep/broadcast": 40}
     assert out["known"][0] == {**shared, "ep/all_to_all": 3 * 16, "ep/send": 28}
@@ -230,7 +231,7 @@ def test_measure_counts_what_the_trainer_runs_two_ranks(tmp_path):
     assert comm["edp/reduce_scatter"] == 4 * experts
     assert report["micro_batches"] == 2 and report["tokens"] == 2 * 2 * 128
     # --fake playing rank 0 of 2 in this process reports what the real rank 0 measured, collectives included.
-    fake = measure_json("qwen3-moe-tiny", *(arg for o in overrides[:3] for arg in ("--set", o)), "--fake",
+    fake = measure_json("qwen3-moe-tiny", *(arg for o in overrides[:4] for arg in ("--set", o)), "--fake",
                         "--layers", "0,1")
     assert_same_step(fake, report)
 

@@ -14,6 +14,7 @@ from moe_train.config.schema import ModelConfig, MoEConfig, RopeConfig, RouterCo
 from moe_train.models import build_model
 from moe_train.models.attention import document_mask
 from moe_train.models.moe.aux_loss import seq_aux_loss, set_aux_loss_scale
+from moe_train.models.norm import RMSNorm
 
 QWEN3 = ModelConfig(family="qwen3", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                     head_dim=16, ffn_hidden_size=96, vocab_size=100, init_std=0.1)
@@ -89,6 +90,36 @@ def test_padded_vocab_never_reaches_logits_or_gradients():
     logits.logsumexp(-1).sum().backward()
     assert model.lm_head.weight.grad[100:].abs().sum() == 0
     assert model.lm_head.weight.grad[:100].abs().sum() > 0
+
+
+# ------------------------------------------------------------------------------------------------------ norms
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_rms_norm_backward_equals_the_derivative_of_its_formula(dtype, tolerance):
+    """RMSNorm's written-out backward against autograd through w * x / sqrt(mean x^2 + eps) in fp64: the output
+    and both gradients, in the input's dtype. The input is a strided view (MLA normalises a slice of kv_a_proj's
+    output), whose gradient must land in its slice only."""
+    generator = torch.Generator().manual_seed(0)
+    whole = torch.randn(3, 5, 24, dtype=torch.float64, generator=generator)
+    weight = torch.randn(16, dtype=torch.float64, generator=generator)
+    grad = torch.randn(3, 5, 16, dtype=torch.float64, generator=generator)
+
+    exact_x, exact_w = whole[..., :16].clone().requires_grad_(), weight.clone().requires_grad_()
+    exact = exact_w * exact_x / (exact_x.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
+    exact_grads = torch.autograd.grad(exact, (exact_x, exact_w), grad)
+
+    norm = RMSNorm(16, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    source = whole.to(dtype).requires_grad_()
+    out = norm(source[..., :16])
+    out.backward(grad.to(dtype))
+    assert out.dtype == source.grad.dtype == norm.weight.grad.dtype == dtype
+    torch.testing.assert_close(out.double(), exact, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(source.grad[..., :16].double(), exact_grads[0], rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(norm.weight.grad.double(), exact_grads[1], rtol=tolerance, atol=tolerance)
+    assert not source.grad[..., 16:].any()
 
 
 # ------------------------------------------------------------------------------------------- document restarts

@@ -96,7 +96,8 @@ def test_sweep_is_one_job_array_each_task_with_its_own_recipe(slurm_cluster, tmp
 
 
 def test_allocation_smaller_than_the_recipe_fails_fast_on_every_rank(slurm_cluster, tmp_path):  # noqa: F811
-    recipe = load_recipe("qwen3-moe-tiny", [f"run_dir={tmp_path / 'r'}", "launch.nodes=2", "launch.gpus_per_node=2"])
+    recipe = load_recipe("qwen3-moe-tiny", [f"run_dir={tmp_path / 'r'}", "launch.nodes=2", "launch.gpus_per_node=2",
+                                            "train.micro_batch_size=2"])
     run_dir = prepare_run_dir(recipe)
     script = run_dir / "preflight.sbatch"
     write_atomic(script, render_sbatch(recipe, run_dir, preflight=True))

@@ -20,6 +20,7 @@ import torch
 
 from moe_train.models.model import LossTerms, Transformer
 from moe_train.models.moe.aux_loss import set_aux_loss_scale
+from moe_train.parallel.data_parallel import set_gradient_sync
 from moe_train.parallel.pipeline import sync_shared_gradients
 from moe_train.parallel.tensor import reduce_replicated_gradients
 
@@ -76,7 +77,7 @@ def forward_backward(
     (model,) = chunks
     micro_batches = batch.micro_batches(micro_batch_size)
     for index, micro in enumerate(micro_batches):
-        model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+        set_gradient_sync(model, index == len(micro_batches) - 1)
         loss(model(micro.inputs, micro.positions, labels=micro.labels)).backward()
 
 
