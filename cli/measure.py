@@ -38,12 +38,10 @@ def _problems(recipe: Recipe, *, fake: bool, rank: int, nproc: int | None, layer
     problems = unsupported(recipe)
     if not 0 <= rank < recipe.world_size:
         problems.append(f"--rank: {rank} is not a rank of the recipe's world size {recipe.world_size}")
-    if layers is not None:
-        problems += layer_problems(recipe.model, layers)
+    elif layers is not None:
+        problems += layer_problems(recipe, layers, rank)
     if fake and nproc is not None:
         problems.append("--fake and --nproc exclude each other: --fake plays one rank of the recipe's world size")
-    if recipe.parallel.pp > 1:
-        problems.append("parallel.pp: measuring a pipeline-parallel step is not supported yet (the trainer runs it)")
     if fake and recipe.model.moe is not None and recipe.model.moe.capacity_factor is not None:
         problems.append("model.moe.capacity_factor: token dropping under --fake is not supported yet "
                         "(which tokens drop depends on values fake tensors do not have)")
@@ -172,7 +170,7 @@ def _measure_here(recipe: Recipe, *, fake: bool, rank: int, layers: tuple[int, .
     from moe_train.train import input_errors
 
     if fake and layers is None:
-        layers = layer_kinds(recipe.model)
+        layers = layer_kinds(recipe, rank)
     try:
         return measure_in_process(recipe, Target(rank=rank, layers=layers, fake=fake))
     except input_errors() as error:

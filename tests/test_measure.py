@@ -27,7 +27,7 @@ CONTRACT_KEYS = {
     "world_size", "rank", "layers", "activation_bytes_per_layer", "activation_bytes_total", "param_bytes",
     "grad_bytes", "optimizer_bytes", "flops", "comm_bytes", "peak_memory_bytes",
 }
-EXTRA_KEYS = {"fake", "micro_batches", "tokens", "comm_calls"}
+EXTRA_KEYS = {"fake", "micro_batches", "tokens", "comm_calls", "activation_bytes_peak"}
 SMALL = ("--set", "model.num_layers=2", "--set", "train.global_batch_size=4",
          "--set", "train.micro_batch_size=2")  # 2 micro-batches of 2
 # deepseek-v3 at full size, in a layout the engine trains today (no pipeline, EP or recompute yet).
@@ -46,11 +46,13 @@ def no_default_process_group():
 
 
 def assert_same_step(fake: dict, real: dict) -> None:
-    """Every figure equal, except the live-bytes peak: when Python frees a real run's tensors can vary a
-    little (reference cycles wait for the garbage collector), so it agrees within 2%."""
+    """Every figure equal, except the live-bytes peak: when Python frees a real run's tensors can vary
+    (reference cycles wait for the garbage collector). Within 2% where the optimizer's temporaries set the
+    peak; since AdamW runs fused (no temporaries) the peak is inside backward, where a real TP=2 full-recompute
+    MoE step holds 9% more than its fake run (docs/measure.md): within 10%."""
     exact = set(real) - {"fake", "peak_memory_bytes"}
     assert {k: fake[k] for k in exact} == {k: real[k] for k in exact}
-    assert fake["peak_memory_bytes"] == pytest.approx(real["peak_memory_bytes"], rel=0.02)
+    assert fake["peak_memory_bytes"] == pytest.approx(real["peak_memory_bytes"], rel=0.10)
 
 
 def measure_json(*args: str) -> dict:
@@ -276,6 +278,8 @@ def test_even_routing_spreads_every_token_over_distinct_experts():
         (("--rank", "2"), "--rank"),
         (("--fake", "--nproc", "2"), "exclude each other"),
         (("--set", "parallel.cp=2", "--set", "launch.gpus_per_node=2", "--fake"), "not supported yet"),
+        (("--set", "parallel.pp=2", "--set", "launch.gpus_per_node=2", "--fake", "--rank", "1", "--layers", "0"),
+         "not on rank 1's pipeline stage(s), which hold"),
         (("--set", "model.hidden_size=oops"), "model.hidden_size"),
     ],
 )
@@ -306,7 +310,7 @@ def test_dtensor_ops_are_counted_on_this_ranks_shards():
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
         weight = distribute_tensor(torch.randn(8, 16), mesh, [Shard(0)])
         x = distribute_tensor(torch.randn(4, 16), mesh, [Replicate()])
-        flops, comm = PhaseFlopCounter(LayerTracker(model)), CommCounter(mesh_group_namer([mesh]))
+        flops, comm = PhaseFlopCounter(LayerTracker([model])), CommCounter(mesh_group_namer([mesh]))
         with local_dtensor_ops(), comm, flops:
             y = x @ weight.t()  # local [4, 16] x [16, 4]
             torch.linalg.vector_norm(weight).full_tensor()  # partial sums of squares, all-reduced

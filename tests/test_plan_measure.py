@@ -22,6 +22,7 @@ from moe_train.config.hardware import HARDWARE
 from moe_train.measure.driver import Target, measure
 from moe_train.measure.versus_plan import against, disagreements
 from moe_train.plan.estimate import estimate, plan_json
+from moe_train.plan.layout import PlanLayout, in_flight
 
 # The planner's figures are hardware-independent; a GPU is needed only to plan at all.
 GPU = HARDWARE["h100"]
@@ -45,8 +46,9 @@ def recompute(policy: str) -> list[str]:
     return ["parallel.recompute.granularity=selective", f"parallel.recompute.modules=[{policy.replace('+', ',')}]"]
 
 
-def plan_against_measure(recipe, report: dict, *, tolerance: float) -> list[str]:
-    return disagreements(against(plan_json(estimate(recipe, GPU)), report), tolerance=tolerance)
+def plan_against_measure(recipe, report: dict, *, tolerance: float, pipeline_rank: int | None = None) -> list[str]:
+    plan = plan_json(estimate(recipe, GPU), pipeline_rank=pipeline_rank)
+    return disagreements(against(plan, report), tolerance=tolerance)
 
 
 # ---------------------------------------------------------------------------------------------- tiny, fake
@@ -96,7 +98,8 @@ def test_tiny_layouts_and_recompute_policies_plan_exactly_what_measure_counts(na
 
 # --------------------------------------------------------------------------------------- real gloo layouts
 
-SMALL = ["model.num_layers=2", "train.seq_length=64"]
+SMALL = ["model.num_layers=2", "train.seq_length=64", "train.micro_batch_size=2"]
+PIPELINED = ["train.micro_batch_size=1", "train.global_batch_size=4"]
 # (id, recipe, overrides, even routing); each job runs every case of its world size.
 REAL = {
     2: [
@@ -112,6 +115,13 @@ REAL = {
         ("dsv3-dp2-ep2-allgather-bf16", "deepseek-v3-tiny",
          ["parallel.ep=2", "model.moe.dispatcher=allgather", "train.precision=bf16", "train.global_batch_size=4"],
          True),
+        # pipelines: 1 layer per stage (DeepSeek-V3: a dense-only first stage, MTP on the last), 4 micro-batches
+        ("moe-pp2-1f1b", "qwen3-moe-tiny", ["parallel.pp=2", *PIPELINED], True),
+        ("qwen3-pp2-vpp2-interleaved", "qwen3-tiny",
+         ["model.num_layers=4", "parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved_1f1b",
+          *PIPELINED], True),
+        ("dsv3-pp2-gpipe-mtp", "deepseek-v3-tiny", ["parallel.pp=2", "parallel.pp_schedule=gpipe", *PIPELINED],
+         True),
         # the recipe's own routing: the dispatch bytes the routing implies
         ("moe-dp2-ep2-alltoall-routed", "qwen3-moe-tiny", ["parallel.ep=2", "train.global_batch_size=8"], False),
         ("dsv3-dp2-ep2-allgather-routed", "deepseek-v3-tiny",
@@ -121,6 +131,8 @@ REAL = {
         ("moe-tp2dp2-ep4-sp-moe_act", "qwen3-moe-tiny",
          ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=4", "train.global_batch_size=4",
           *recompute("moe_act")], True),
+        ("moe-pp2dp2-ep2-1f1b", "qwen3-moe-tiny", ["parallel.pp=2", "parallel.ep=2", *PIPELINED[:1],
+                                                   "train.global_batch_size=8"], True),
         ("dsv3-tp2dp2-ep2etp2-allgather-bf16", "deepseek-v3-tiny",
          ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2", "model.moe.dispatcher=allgather",
           "train.precision=bf16", "train.global_batch_size=4", *recompute("full-block-1")], True),
@@ -154,11 +166,31 @@ def routed_all_to_all_bytes(case: dict, recipe) -> int:
     return total
 
 
+def check_pipeline_ranks(case_id: str, case: dict, recipe) -> None:
+    """Every rank of a pipelined case: what --fake measures for that rank, and the plan of its stage, exactly;
+    the saved bytes alive at the step's peak are the micro-batches its schedule keeps in flight (plan's
+    in_flight: 1F1B pp - stage, GPipe all, interleaved Megatron's warm-up), within 1% of the plan's activation
+    memory (which leaves out a few token-id and scalar saves of the loss)."""
+    world = recipe.world_size
+    layout = PlanLayout.from_recipe(recipe)
+    for rank, real in enumerate(case["reports"]):
+        stage = rank // (world // recipe.parallel.pp)
+        assert_same_step(measure(recipe, Target(fake=True, rank=rank)), real)
+        assert plan_against_measure(recipe, real, tolerance=1e-9, pipeline_rank=stage) == [], (case_id, rank)
+        planned = plan_json(estimate(recipe, GPU), pipeline_rank=stage)["memory_bytes"]["activations"]
+        assert real["activation_bytes_peak"] == pytest.approx(planned, rel=0.01), (case_id, rank)
+        if recipe.parallel.vpp == 1:  # one chunk: the peak is whole micro-batches of it
+            held = real["activation_bytes_peak"] / real["activation_bytes_total"]
+            assert held == pytest.approx(in_flight(layout, stage)[0], rel=0.01), (case_id, rank)
+
+
 def check_real(result: dict, recipes: dict, world: int) -> None:
     for case_id, _, _, even in REAL[world]:
         case, recipe = result[case_id], recipes[case_id]
         real = case["report"]
-        if even:
+        if recipe.parallel.pp > 1:
+            check_pipeline_ranks(case_id, case, recipe)
+        elif even:
             fake = measure(recipe, Target(fake=True))  # rank 0 of the same world, in this process
             assert_same_step(fake, real)
             assert plan_against_measure(recipe, real, tolerance=1e-9) == [], case_id

@@ -141,9 +141,15 @@ class ParallelConfig(Section):
     dp: int | None = Field(None, ge=1, description="null: derived from the world size.")
     sequence_parallel: bool = False
     recompute: RecomputeConfig = RecomputeConfig()
-    reshard_after_forward: bool = Field(
-        True, description="FSDP2: free gathered parameters after each forward (less memory, one more all-gather)."
+    reshard_after_forward: bool | None = Field(
+        None, description="FSDP2: free gathered parameters after each forward (less memory, one more all-gather "
+        "per micro-batch). null: yes without pipeline parallelism, no with it (a stage's micro-batches interleave "
+        "forwards and backwards, so resharding would gather once per micro-batch)."
     )
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        return self.reshard_after_forward if self.reshard_after_forward is not None else self.pp == 1
 
 
 # --------------------------------------------------------------------------------------------------- train

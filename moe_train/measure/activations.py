@@ -12,6 +12,11 @@ norm, the output head and the loss save. Saves made during a backward pass (a re
 its own backward) are transient and not counted. The figures are those of the step's first micro-batch:
 every micro-batch has the same shapes and saves the same bytes.
 
+The peak (`activation_bytes_peak`) is the most of those saves alive at once during the step: autograd keeps
+each save in a holder until the backward that uses it has run, and the holder's release is counted. Without a
+pipeline one micro-batch's backward follows its forward, so the peak is about one micro-batch's total; a
+pipeline stage holds the micro-batches its schedule keeps in flight (1F1B: pp - stage on the first stage).
+
 Recomputation (torch.utils.checkpoint, non-reentrant): a checkpointed region keeps its inputs, saved through
 the same hooks before the region runs, and nothing else (its own saves go to checkpoint's hooks, not ours,
 and come back only in backward). A region inside a layer (selective recompute) keeps them while that layer
@@ -23,7 +28,9 @@ watched to tell them from the embedding's or the head's).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -82,29 +89,50 @@ class _Saved:
     layers: set  # indices of the layers that saved it; None: saved outside every layer
 
 
-class SavedTensorTracker:
-    """Context manager around the step; `per_layer()` reads the first micro-batch's figures."""
+class _Held:
+    """What autograd keeps for one save: the tensor, and a call made when autograd lets go of it."""
 
-    def __init__(self, model: nn.Module, layers: LayerTracker) -> None:
+    __slots__ = ("tensor", "_release")
+
+    def __init__(self, tensor: torch.Tensor, release: Callable[[], None]) -> None:
+        self.tensor, self._release = tensor, release
+
+    def __del__(self) -> None:
+        self._release()
+
+
+def _unpack(saved: torch.Tensor | _Held) -> torch.Tensor:
+    return saved.tensor if isinstance(saved, _Held) else saved
+
+
+class SavedTensorTracker:
+    """Context manager around the step; `per_layer()` reads the first micro-batch's figures, `peak` the most
+    saved bytes alive at once over the whole step (a pipeline stage holds several micro-batches' saves)."""
+
+    def __init__(self, chunks: Sequence[nn.Module], layers: LayerTracker) -> None:
         self.layers = layers
         # Keyed by (micro-batch, storage): a storage freed by one micro-batch's backward may be reused by the next.
-        self.saved: dict[tuple[int, int], _Saved] = {}
-        self.shared: set[tuple[int, int]] = set()  # (micro-batch, storage), as `saved`
-        self._weights = {storage_key(p) for p in model.parameters()}
-        self._handles = [model.rope.register_forward_hook(self._rope_tables)] if hasattr(model, "rope") else []
+        self.saved: dict[tuple[tuple[int, int], int], _Saved] = {}
+        self.shared: set[tuple[tuple[int, int], int]] = set()  # (micro-batch, storage), as `saved`
+        self._weights = {storage_key(p) for chunk in chunks for p in chunk.parameters()}
+        self._handles = [chunk.rope.register_forward_hook(self._rope_tables)
+                         for chunk in chunks if hasattr(chunk, "rope")]
         self._handles += [m.register_forward_pre_hook(self._layer_starts) for m in layers.layers.values()]
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._saving_checkpoint_inputs = False
-        self._pending: list[tuple[int, int]] = []  # checkpoint inputs saved outside every layer: (micro-batch, key)
+        self._pending: list[tuple[tuple[int, int], int]] = []  # checkpoint inputs saved outside every layer
+        self._holders: dict[int, int] = defaultdict(int)  # storage -> saves of it not yet released
+        self._live_sizes: dict[int, int] = {}
+        self.live = self.peak = 0
 
     def _rope_tables(self, module: nn.Module, args: tuple, output: object) -> None:
-        micro_batch = self.layers.model_forwards
+        micro_batch = self.layers.micro_batch
         self.shared.update((micro_batch, storage_key(t)) for t in tree_leaves(output) if isinstance(t, torch.Tensor))
 
     def _layer_starts(self, module: nn.Module, args: tuple) -> None:
         """Boolean masks among a layer's arguments are shared by every layer; checkpoint inputs saved before
         this layer started (a full-recompute group's input) are this layer's."""
-        micro_batch = self.layers.model_forwards
+        micro_batch = self.layers.micro_batch
         self.shared.update(
             (micro_batch, storage_key(t)) for t in args if isinstance(t, torch.Tensor) and t.dtype == torch.bool
         )
@@ -123,20 +151,34 @@ class SavedTensorTracker:
         finally:
             self._saving_checkpoint_inputs = False
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Held:
         if in_backward() or _is_parameter(tensor) or _views_a_parameter(tensor):
             return tensor
         key = storage_key(tensor)
         if key in self._weights:
             return tensor
         layer = self.layers.current
-        entry = self.saved.get((self.layers.model_forwards, key))
+        entry = self.saved.get((self.layers.micro_batch, key))
         if entry is None:
-            entry = self.saved[self.layers.model_forwards, key] = _Saved(storage_bytes(tensor), set())
+            entry = self.saved[self.layers.micro_batch, key] = _Saved(storage_bytes(tensor), set())
         entry.layers.add(layer)
         if layer is None and self._saving_checkpoint_inputs:
-            self._pending.append((self.layers.model_forwards, key))
-        return tensor
+            self._pending.append((self.layers.micro_batch, key))
+        return self._hold(tensor, key)
+
+    def _hold(self, tensor: torch.Tensor, key: int) -> _Held:
+        """Count the storage live until autograd drops the last save of it (after the backward that used it)."""
+        if self._holders[key] == 0:
+            self._live_sizes[key] = storage_bytes(tensor)
+            self.live += self._live_sizes[key]
+            self.peak = max(self.peak, self.live)
+        self._holders[key] += 1
+        return _Held(tensor, partial(self._release, key))
+
+    def _release(self, key: int) -> None:
+        self._holders[key] -= 1
+        if self._holders[key] == 0:
+            self.live -= self._live_sizes.pop(key)
 
     def __enter__(self) -> SavedTensorTracker:
         self._original_save_inputs = _CheckpointFrame.save_inputs
@@ -157,7 +199,7 @@ class SavedTensorTracker:
             out[str(index)] = 0
         out[OTHER] = 0
         for (micro_batch, key), entry in self.saved.items():
-            if micro_batch != 1:
+            if micro_batch[1] != 1:  # each chunk's first micro-batch
                 continue
             (layer,) = entry.layers if len(entry.layers) == 1 else (None,)
             out[OTHER if layer is None or (micro_batch, key) in self.shared else str(layer)] += entry.bytes

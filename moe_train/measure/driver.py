@@ -9,6 +9,7 @@ process at any world size, playing rank R with fake tensors and a fake process g
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ from moe_train.models.model import Transformer
 from moe_train.parallel import parallelize
 from moe_train.parallel.bootstrap import bootstrap, shutdown
 from moe_train.parallel.context import ParallelContext
+from moe_train.parallel.pipeline import Pipeline, shared_embedding_group
 from moe_train.train.optimizer import build_optimizer
 from moe_train.train.step import Batch
 
@@ -50,19 +52,21 @@ def keep_layers(model: Transformer, layers: tuple[int, ...]) -> None:
             del model.mtp[name]
 
 
-def _build(recipe: Recipe, target: Target, ctx: ParallelContext) -> Transformer:
-    """The trainer's model, cut to the target's layers: built on the meta device (fake: directly as fake
-    tensors, shapes only), cut, parallelised, then (real) allocated and initialised by name."""
+def _build(recipe: Recipe, target: Target, ctx: ParallelContext) -> list[Transformer]:
+    """The trainer's model chunks (one without a pipeline), cut to the target's layers: built on the meta
+    device (fake: directly as fake tensors, shapes only), cut, parallelised, then (real) allocated and
+    initialised by name."""
     with torch.device(ctx.device if target.fake else "meta"):
         model = Transformer(recipe.model)
     if target.layers is not None:
         keep_layers(model, target.layers)
-    (model,) = parallelize(model, recipe, ctx)
-    if not target.fake:
-        materialize(model, device=ctx.device)
-        init_weights(model, seed=recipe.train.seed, init_std=recipe.model.init_std)
-    model.train()
-    return model
+    chunks = parallelize(model, recipe, ctx)
+    for chunk in chunks:
+        if not target.fake:
+            materialize(chunk, device=ctx.device)
+            init_weights(chunk, seed=recipe.train.seed, init_std=recipe.model.init_std)
+        chunk.train()
+    return chunks
 
 
 def _batch(recipe: Recipe, target: Target, device: torch.device, dp_rank: int, dp_size: int) -> Batch:
@@ -83,31 +87,63 @@ def _batch(recipe: Recipe, target: Target, device: torch.device, dp_rank: int, d
     return Batch(inputs, labels, position_ids(inputs, datasets.eod) if recipe.data.reset_at_eod else None)
 
 
+@contextlib.contextmanager
+def unmeasured_pipeline_warmup(*, fake: bool) -> Iterator[None]:
+    """Keep torch's one-time pipeline warm-up out of the step's figures: on its first step every stage votes
+    whether its shapes are static, a 4-byte send and receive per stage boundary each way, which later steps do
+    not repeat. The vote runs with the counters paused; under fake tensors (no values to vote with) it is not
+    run but settled as "static", which is what every stage votes here (static inputs and outputs, pipeline.py)."""
+    from torch.distributed.pipelining._utils import InferenceMode
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    original = _PipelineSchedule._warmup_p2p
+
+    def warmup(schedule, stages, *args, **kwargs) -> None:
+        if fake:
+            for stage in stages:
+                stage._inference_mode = InferenceMode.STATIC
+            return
+        with _disable_current_modes():
+            original(schedule, stages, *args, **kwargs)
+
+    _PipelineSchedule._warmup_p2p = warmup
+    try:
+        yield
+    finally:
+        _PipelineSchedule._warmup_p2p = original
+
+
 def measure_step(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
     """Run one step on this rank (every rank of the job calls it) and return the report dict."""
     torch.manual_seed(recipe.train.seed)
-    model = _build(recipe, target, ctx)
-    optimizer = build_optimizer(model, train=recipe.train)
+    chunks = _build(recipe, target, ctx)
+    optimizers = [build_optimizer(chunk, train=recipe.train) for chunk in chunks]
+    pipeline = Pipeline(chunks, recipe, ctx) if ctx.size("pp") > 1 else None
+    shared_embedding = shared_embedding_group(recipe, ctx)
     batch = _batch(recipe, target, ctx.device, ctx.coord("dp"), ctx.size("dp"))
     micro_batches = len(batch.inputs) // recipe.train.micro_batch_size
     grads: dict[str, int] = {}
 
     def gradients_ready(*_) -> None:  # the gradients exist between backward and the update
-        grads["bytes"] = grad_bytes(model)
+        grads["bytes"] = sum(grad_bytes(chunk) for chunk in chunks)
 
-    optimizer.register_step_pre_hook(gradients_ready)
+    optimizers[0].register_step_pre_hook(gradients_ready)
 
-    layers = LayerTracker(model)
-    saved = SavedTensorTracker(model, layers)
-    comm = CommCounter(ctx.group_name)
+    layers = LayerTracker(chunks)
+    saved = SavedTensorTracker(chunks, layers)
+    comm = CommCounter(lambda group: "embedding" if shared_embedding is not None and group is shared_embedding
+                       else ctx.group_name(group))
     flops = PhaseFlopCounter(layers)
-    live = LiveBytes([*model.parameters(), *model.buffers()])
+    live = LiveBytes([t for chunk in chunks for t in (*chunk.parameters(), *chunk.buffers())])
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(unmeasured_pipeline_warmup(fake=target.fake))
         for context in (local_dtensor_ops(), live, comm, flops, saved):
             stack.enter_context(context)
-        train_step([model], [optimizer], batch, recipe=recipe, ctx=ctx)
+        train_step(chunks, optimizers, batch, recipe=recipe, ctx=ctx, pipeline=pipeline,
+                   shared_embedding=shared_embedding)
     layers.close()
     peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else live.peak
     per_layer = saved.per_layer()
@@ -117,15 +153,16 @@ def measure_step(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
         "layers": sorted(layers.layers),
         "activation_bytes_per_layer": per_layer,
         "activation_bytes_total": sum(per_layer.values()),
-        "param_bytes": param_bytes(model),
+        "param_bytes": sum(param_bytes(chunk) for chunk in chunks),
         "grad_bytes": grads.get("bytes", 0),
-        "optimizer_bytes": optimizer_bytes(optimizer),
+        "optimizer_bytes": sum(optimizer_bytes(optimizer) for optimizer in optimizers),
         "flops": flops.totals(),
         "comm_bytes": dict(sorted(comm.bytes.items())),
         "peak_memory_bytes": peak,
         # Extras (docs/measure.md): how the step was run.
         "fake": target.fake,
         "micro_batches": micro_batches,
+        "activation_bytes_peak": saved.peak,
         "tokens": micro_batches * recipe.train.micro_batch_size * recipe.train.seq_length,
         "comm_calls": dict(sorted(comm.calls.items())),
     }

@@ -10,6 +10,7 @@ recompute context), whether the region is a whole group of layers or one module 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from functools import partial
 
 import torch
@@ -32,25 +33,33 @@ def tracked_layers(model: nn.Module) -> dict[int, nn.Module]:
 
 
 class LayerTracker:
-    """Hooks on every tracked layer; `current` is the innermost running layer (None outside every layer).
+    """Hooks on every tracked layer of a rank's model chunks (one, or a pipeline rank's virtual stages);
+    `current` is the innermost running layer (None outside every layer).
 
-    `forwards[i]` counts layer i's forward calls outside backward (one per micro-batch), `model_forwards` the
-    model's; `phase()` is forward, backward or recompute for the op running now.
+    `forwards[i]` counts layer i's forward calls outside backward (one per micro-batch); `micro_batch` names
+    the micro-batch the running chunk is on, as (chunk position, its forward calls so far), and stays at the
+    last chunk's after it returns (the pipeline's loss function runs between chunks); `phase()` is forward,
+    backward or recompute for the op running now.
     """
 
-    def __init__(self, model: nn.Module) -> None:
-        self.layers = tracked_layers(model)
+    def __init__(self, chunks: Sequence[nn.Module]) -> None:
+        self.layers: dict[int, nn.Module] = {}
+        for chunk in chunks:
+            self.layers.update(tracked_layers(chunk))
         self.stack: list[int] = []
         self.forwards: Counter[int] = Counter()
-        self.model_forwards = 0
-        self._handles = [model.register_forward_pre_hook(self._model_forward)]
+        self.chunk_forwards = [0] * len(chunks)
+        self.micro_batch: tuple[int, int] = (0, 0)
+        self._handles = [chunk.register_forward_pre_hook(partial(self._chunk_forward, position))
+                         for position, chunk in enumerate(chunks)]
         for index, module in self.layers.items():
             self._handles.append(module.register_forward_pre_hook(partial(self._enter, index)))
             self._handles.append(module.register_forward_hook(partial(self._exit, index), always_call=True))
 
-    def _model_forward(self, module: nn.Module, args: tuple) -> None:
+    def _chunk_forward(self, position: int, module: nn.Module, args: tuple) -> None:
         if not in_backward():
-            self.model_forwards += 1
+            self.chunk_forwards[position] += 1
+            self.micro_batch = (position, self.chunk_forwards[position])
 
     def _enter(self, index: int, module: nn.Module, args: tuple) -> None:
         self.stack.append(index)

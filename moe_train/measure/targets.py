@@ -2,18 +2,38 @@
 
 from __future__ import annotations
 
-from moe_train.config.schema import ModelConfig
+from moe_train.config.pp_layout import pipeline_stages
+from moe_train.config.schema import Recipe
 
 
-def layer_kinds(cfg: ModelConfig) -> tuple[int, ...]:
-    """One layer of each kind, the default under --fake: the first dense layer and the first MoE layer."""
-    dense = next((i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)), None)
-    moe = next((i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)), None)
-    return tuple(i for i in (dense, moe) if i is not None)
+def rank_layers(recipe: Recipe, rank: int) -> tuple[int, ...]:
+    """The layers (MTP modules numbered from num_layers on) rank `rank` holds: all of them without a pipeline,
+    else its stages' (pp is the outermost mesh dimension, so rank r sits on pipeline rank r // (world / pp))."""
+    m, p = recipe.model, recipe.parallel
+    if p.pp == 1:
+        return tuple(range(m.num_layers + m.mtp_layers))
+    pipeline_rank = rank // (recipe.world_size // p.pp)
+    stages = pipeline_stages(pp=p.pp, vpp=p.vpp, layout=p.pp_layout, num_layers=m.num_layers,
+                             mtp_layers=m.mtp_layers)
+    return tuple(sorted(index for stage in stages if stage.rank == pipeline_rank
+                        for index in (*stage.layers, *(m.num_layers + k for k in stage.mtp))))
 
 
-def layer_problems(cfg: ModelConfig, layers: tuple[int, ...]) -> list[str]:
-    """Why `--layers` cannot be measured; indices from num_layers on name the MTP modules."""
+def layer_kinds(recipe: Recipe, rank: int) -> tuple[int, ...]:
+    """One layer of each kind among the rank's, the default under --fake: its first dense and first MoE
+    layer (its MTP module when it holds nothing else)."""
+    cfg = recipe.model
+    held = rank_layers(recipe, rank)
+    decoder = [i for i in held if i < cfg.num_layers]
+    dense = next((i for i in decoder if not cfg.is_moe_layer(i)), None)
+    moe = next((i for i in decoder if cfg.is_moe_layer(i)), None)
+    picked = tuple(i for i in (dense, moe) if i is not None)
+    return picked or held[:1]
+
+
+def layer_problems(recipe: Recipe, layers: tuple[int, ...], rank: int) -> list[str]:
+    """Why `--layers` cannot be measured on `rank`; indices from num_layers on name the MTP modules."""
+    cfg = recipe.model
     last = cfg.num_layers + cfg.mtp_layers
     if not layers:
         return ["--layers: name at least one layer"]
@@ -21,4 +41,8 @@ def layer_problems(cfg: ModelConfig, layers: tuple[int, ...]) -> list[str]:
     if bad:
         mtp = f", {cfg.num_layers}..{last - 1} the MTP modules" if cfg.mtp_layers else ""
         return [f"--layers: {bad} out of range (0..{cfg.num_layers - 1} are the decoder layers{mtp})"]
+    held = rank_layers(recipe, rank)
+    elsewhere = [i for i in layers if i not in held]
+    if elsewhere:
+        return [f"--layers: {elsewhere} are not on rank {rank}'s pipeline stage(s), which hold {list(held)}"]
     return []

@@ -1,7 +1,8 @@
 """Data parallelism with FSDP2 (`fully_shard`): dense parameters sharded over dp, experts over edp.
 
 Every rank holds a shard of every parameter, gathered for a module's forward and backward and resharded after
-(unless `parallel.reshard_after_forward` is false: more memory, one all-gather less per micro-batch). The
+(unless `parallel.reshard_after_forward` is false, the default under pipeline parallelism: more memory, one
+all-gather less per micro-batch). The
 policy is one at every world size, including 1, so numerics never depend on dp: parameters are kept in fp32
 (the optimizer's master weights), computed in the recipe's precision (bf16 or fp32), and gradients are reduced
 in fp32. On one process in fp32 that policy is the identity (nothing to gather, cast or reduce), so FSDP2 is
@@ -36,7 +37,7 @@ def apply_fsdp(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> None
         return
     options = dict(
         mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32),
-        reshard_after_forward=recipe.parallel.reshard_after_forward,
+        reshard_after_forward=recipe.parallel.reshards_after_forward,
     )
     dense, expert = ctx.mesh("dp"), ctx.mesh("edp")
     blocks: list[nn.Module] = [*model.layers.values(), *(module.block for module in model.mtp.values())]

@@ -96,13 +96,25 @@ def _cut(model: Transformer, stage: StageContents) -> Transformer:
     return model
 
 
+def _copy(model: Transformer) -> Transformer:
+    """A deep copy of the unmaterialised model: meta tensors cost nothing to copy; `measure --fake` builds
+    with fake tensors, whose copies must stay in the same fake mode."""
+    from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor
+
+    weight = next(model.parameters())
+    if isinstance(weight, FakeTensor):
+        with FakeCopyMode(weight.fake_mode):
+            return copy.deepcopy(model)
+    return copy.deepcopy(model)
+
+
 def split_model(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> list[Transformer]:
     """This rank's chunks of `model` (built on the meta device), in virtual-stage order; [model] without
     pipeline parallelism."""
     if ctx.size("pp") == 1:
         return [model]
     mine = [stage for stage in stages_of(recipe) if stage.rank == ctx.coord("pp")]
-    copies = [copy.deepcopy(model) for _ in mine[1:]] + [model]  # meta tensors: copying costs no memory
+    copies = [_copy(model) for _ in mine[1:]] + [model]
     return [_cut(chunk, stage) for chunk, stage in zip(copies, mine, strict=True)]
 
 

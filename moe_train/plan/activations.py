@@ -395,12 +395,17 @@ def chunk_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, chunk, polic
     return len(groups) * layer_input_bytes(cfg, lay), max(sum(group) for group in groups)
 
 
-def head_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, *, vocab_parallel: bool) -> float:
-    """Final norm, the head's input and the fp32 log-softmax of the loss over the (tp-sharded) vocabulary."""
+def head_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, *, vocab_parallel: bool,
+                          final_norm: bool = True) -> float:
+    """Final norm (an MTP module's is its own: `mtp_items`), the head's input and the fp32 log-softmax of the
+    loss over the (tp-sharded) padded vocabulary, with the boolean mask of its padding columns (the loss masks
+    padding; the head is never sliced, models/model.py)."""
     a, ts, h = lay.act_bytes, lay.seq_tokens, cfg.hidden_size
-    vocab = cfg.padded_vocab_size() / lay.tp if vocab_parallel and lay.tp > 1 else cfg.vocab_size
-    norm = FP32 * ts * h + FP32 * ts + a * ts * h
-    return norm + a * ts * h + FP32 * lay.tokens * vocab
+    padded = cfg.padded_vocab_size()
+    vocab = padded / lay.tp if vocab_parallel and lay.tp > 1 else padded
+    mask = vocab if padded > cfg.vocab_size else 0
+    norm = FP32 * ts * h + FP32 * ts + a * ts * h if final_norm else 0
+    return norm + a * ts * h + FP32 * lay.tokens * vocab + mask
 
 
 def mtp_items(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) -> list[Saved]:
@@ -430,7 +435,8 @@ def mtp_module_bytes(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputeP
 
 def mtp_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) -> float:
     """One MTP module with its own head loss over the (tp-sharded) vocabulary."""
-    return mtp_module_bytes(cfg, lay, policy) + head_activation_bytes(cfg, lay, vocab_parallel=True)
+    return mtp_module_bytes(cfg, lay, policy) + head_activation_bytes(cfg, lay, vocab_parallel=True,
+                                                                      final_norm=False)
 
 
 def other_activation_bytes(cfg: ModelConfig, lay: ActivationLayout) -> float:

@@ -1,11 +1,12 @@
 """Bytes one rank communicates per step, by `<group>/<op>` (the keys `moe-train measure` reports).
 
 Payload (DECISIONS.md): all-reduce and reduce-scatter count their input tensor, all-gather the local shard
-sent, all-to-all the bytes sent to other ranks, pipeline `send` the bytes sent; forward, backward and
-recompute together. Bus bytes, for the time model, use the usual collective-benchmark factors for a group of
-n: all-reduce 2(n-1)/n of the input, reduce-scatter (n-1)/n of the input, all-gather (n-1) shards, all-to-all
-and send as sent. Every collective the engine issues is listed, read from the code (parallel/tensor.py,
-parallel/collectives.py, models/moe/, train/grad_norm.py, FSDP2), per micro-batch (T tokens of the
+sent, all-to-all the bytes sent to other ranks, pipeline `send` and `recv` the bytes sent and received;
+forward, backward and recompute together. Bus bytes, for the time model, use the usual collective-benchmark
+factors for a group of n: all-reduce 2(n-1)/n of the input, reduce-scatter (n-1)/n of the input, all-gather
+(n-1) shards, all-to-all and send as sent, recv nothing (the peer's send is its time). Every collective
+the engine issues is listed, read from the code (parallel/tensor.py, parallel/collectives.py, models/moe/,
+train/grad_norm.py, FSDP2), per micro-batch (T tokens of the
 micro-batch on this rank, Ts of them in the sequence region, Tm routed; a bytes per activation, h hidden):
 
 - tp without SP, per block: an all-reduce of a T h after attention and after the MLP, and in backward one per
@@ -31,7 +32,9 @@ micro-batch on this rank, Ts of them in the sequence region, Tm routed; a bytes 
   shards) and the gradient norm: one fp32 value per parameter tensor, all-reduced over each dimension of its
   mesh (plain tensors: dp; tensor-parallel ones: dp and tp; experts: edp, and ep, or ep x etp at once over
   the flattened group the all-gather dispatcher made, which DTensor then uses).
-- pp: activations forward and their gradients backward, a Ts h per crossing of a stage boundary.
+- pp: activations forward and their gradients backward, a Ts h per crossing of a stage boundary, sent by
+  one side and received by the other; when the last stage keeps a copy of the embedding (MTP, tied head),
+  an fp32 all-reduce of the embedding's gradient shard per step between it and the first stage (`embedding`).
 Recompute repeats a region's forward collectives up to its last saved tensor (recompute.py): not the exit of a
 dense MLP (or of a shared expert with nothing saved after it, or else the all-gather dispatcher's final
 reduce-scatter when nothing follows it), nor a MoE layer's final gather; a full-recompute group skips its last
@@ -68,7 +71,7 @@ class CommCounter:
             return
         key = f"{group}/{op}"
         factor = {"all_reduce": 2 * (size - 1) / size, "reduce_scatter": (size - 1) / size,
-                  "all_gather": size - 1}.get(op, 1.0)
+                  "all_gather": size - 1, "recv": 0.0}.get(op, 1.0)  # a recv is a peer's send, timed there
         self.payload[key] = self.payload.get(key, 0.0) + payload * times
         self.bus[key] = self.bus.get(key, 0.0) + payload * factor * times
 
@@ -122,11 +125,18 @@ class CommCounter:
         _fsdp(out, recipe, layout, params, param_bytes, a, sizes)
 
         # pipeline: forward activations out of every chunk but the model's last, gradients back out of every
-        # chunk but the first
+        # chunk but the first; each chunk receives what it does not send (the other direction, same size)
         boundary = lay.act_bytes * lay.seq_tokens * m.hidden_size
         last = layout.pp * layout.vpp - 1
         sends = sum((c.virtual_index != last) + (c.virtual_index != 0) for c in chunks)
         out.add("pp", "send", boundary, layout.pp, mb * sends)
+        out.add("pp", "recv", boundary, layout.pp, mb * sends)
+        # the last stage's copy of the embedding (MTP, tied head) and the first stage's sum their gradient
+        # shards once per step over a group of the two (parallel/pipeline.py: sync_shared_gradients)
+        if layout.pp > 1 and (m.mtp_layers > 0 or m.tie_embeddings):
+            rows = fsdp_rows(m.padded_vocab_size() // layout.tp, layout.dp * layout.cp)[0]
+            holders = sum(c.virtual_index in (0, last) for c in chunks)
+            out.add("embedding", "all_reduce", FP32 * rows * m.hidden_size, 2, holders)
         return out
 
 
@@ -366,10 +376,14 @@ def _fsdp(out: CommCounter, recipe: Recipe, layout: PlanLayout, params: RankPara
     """FSDP2 over dp (dp_cp) for dense units and edp for experts: each unit's padded shard gathered per micro-batch
     (forward, and backward when resharding), its fp32 gradient reduce-scattered once per step."""
     mb = layout.micro_batches
-    if layout.pp > 1 or a.fsdp_once_per_step:
+    reshard = recipe.parallel.reshards_after_forward and a.fsdp_reshard_after_forward
+    if layout.pp > 1:
+        # torch's schedules keep a stage gathered after its first backward: resharding after forward gathers
+        # in each micro-batch's forward and once more for the backwards
+        gathers, reduces = (mb + 1 if reshard else 1), 1
+    elif a.fsdp_once_per_step:
         gathers, reduces = 1, 1
     else:
-        reshard = recipe.parallel.reshard_after_forward and a.fsdp_reshard_after_forward
         gathers = mb * (2 if reshard else 1)
         reduces = mb if a.fsdp_reduce_every_micro_batch else 1
     dense_group = "dp_cp" if layout.cp > 1 else "dp"

@@ -336,9 +336,10 @@ def estimate(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None
     return plan
 
 
-def plan_json(plan: Plan) -> dict:
-    """The JSON of `moe-train plan --json` (INTERFACES.md, plus extra keys)."""
-    w = plan.worst
+def plan_json(plan: Plan, *, pipeline_rank: int | None = None) -> dict:
+    """The JSON of `moe-train plan --json` (INTERFACES.md, plus extra keys): the most loaded rank's figures,
+    or those of a rank of pipeline stage `pipeline_rank` (what `measure --rank` of that stage is held to)."""
+    w = plan.worst if pipeline_rank is None else next(r for r in plan.ranks if r.rank == pipeline_rank)
     layout = plan.layout
     return {
         "gpu": plan.hardware.id,

@@ -115,7 +115,10 @@ EXPERT_DIMS = ("pp", "edp", "ep", "etp")
 
 @functools.lru_cache(maxsize=4096)
 def group_span(layout: PlanLayout, group: str) -> tuple[int, int]:
-    """(size, span in consecutive ranks) of a group named as measure names it (`dp`, `ep`, `dp_cp`, ...)."""
+    """(size, span in consecutive ranks) of a group named as measure names it (`dp`, `ep`, `dp_cp`, ...;
+    `embedding`: a first-stage rank and its last-stage peer, as far apart as the pipeline spans)."""
+    if group == "embedding":
+        return 2, group_span(layout, "pp")[1]
     sizes = {"pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "tp": layout.tp,
              "edp": layout.edp, "ep": layout.ep, "etp": layout.etp}
     dims = group.split("_")

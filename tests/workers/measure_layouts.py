@@ -1,4 +1,5 @@
-"""Worker: `measure_step` of each case of the spec on this job's gloo ranks; rank 0 keeps every case's report.
+"""Worker: `measure_step` of each case of the spec on this job's gloo ranks; rank 0 keeps every case's report
+(its own, and every rank's in `reports`: pipeline stages differ).
 
 A case runs under forced even routing (what the planner and `--fake` assume) unless it sets "even": false; then
 every rank also records, for each MoE layer forward, how many of its token slots went to each rank of its
@@ -45,9 +46,12 @@ def main() -> None:
         handle.remove()
         every_rank = [None] * world
         dist.all_gather_object(every_rank, sent)
+        every_report = [None] * world
+        dist.all_gather_object(every_report, report)
         if rank == 0:
             group = dist.get_process_group_ranks(ctx.group("ep")) if ep > 1 else [0]
-            reports[case["id"]] = {"report": report, "slots": {r: every_rank[r] for r in group},
+            reports[case["id"]] = {"report": report, "reports": every_report,
+                                   "slots": {r: every_rank[r] for r in group},
                                    "ep_rank": ctx.coord("ep")}
     Router.force_even_routing = False
     finish(reports, result_path, rank)
