@@ -19,10 +19,22 @@ from moe_train.checkpoint.layout import CheckpointError
 from moe_train.checkpoint.resume import StartPoint, start_point
 
 
+def distributed() -> bool:
+    """Whether a process group exists (without one, everything runs in this process)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return (dist.get_rank(), dist.get_world_size()) if distributed() else (0, 1)
+
+
+def rank() -> int:
+    return _world()[0]
+
+
+def barrier() -> None:
+    if distributed():
+        dist.barrier()
 
 
 def _broadcast(value=None):

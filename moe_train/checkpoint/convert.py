@@ -13,8 +13,7 @@ from pathlib import Path
 
 from moe_train.checkpoint.hf import export_hf, import_hf
 from moe_train.checkpoint.layout import MODEL_CONFIG, CheckpointError
-from moe_train.checkpoint.manifest import verify
-from moe_train.checkpoint.resume import checkpoint_at
+from moe_train.checkpoint.resume import intact_checkpoint_at
 from moe_train.checkpoint.state import load_model_weights, read_model_config, save_model_weights
 from moe_train.config import ModelConfig, Recipe, TrainConfig, dump_recipe
 from moe_train.config.schema import CheckpointConfig
@@ -55,11 +54,7 @@ def to_hf(ckpt: Path, out_dir: Path) -> Path:
     The checkpoint may come from any layout: DCP gathers every expert and tensor-parallel shard into the one
     full model built here. It is checked against its manifest first and read as a checkpoint from elsewhere
     (trust.RestrictedReader)."""
-    ckpt = checkpoint_at(ckpt, "CKPT")
-    problems = verify(ckpt)
-    if problems:
-        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise CheckpointError(f"CKPT: {ckpt} is not intact: {problems[0]}{more}")
+    ckpt = intact_checkpoint_at(ckpt, "CKPT")
     if not (ckpt / MODEL_CONFIG).is_file():
         raise CheckpointError(f"{ckpt}: has no {MODEL_CONFIG} (the model section), so its model is unknown")
     model_cfg = ModelConfig.model_validate(read_model_config(ckpt))

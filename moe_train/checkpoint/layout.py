@@ -43,13 +43,16 @@ def is_complete(path: Path) -> bool:
     return (path / ".metadata").is_file()
 
 
+def named_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The folder `latest` names, complete or not; None without a `latest`."""
+    pointer = ckpt_dir / LATEST
+    return ckpt_dir / pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else None
+
+
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     """The checkpoint `latest` names, or None when there is none (or it was removed by hand)."""
-    pointer = ckpt_dir / LATEST
-    if not pointer.is_file():
-        return None
-    path = ckpt_dir / pointer.read_text(encoding="utf-8").strip()
-    return path if is_complete(path) else None
+    path = named_checkpoint(ckpt_dir)
+    return path if path is not None and is_complete(path) else None
 
 
 def complete_steps(ckpt_dir: Path) -> list[Path]:

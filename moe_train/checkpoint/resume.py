@@ -22,7 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_train.checkpoint.layout import LATEST, CheckpointError, complete_steps, is_complete, latest_checkpoint
+from moe_train.checkpoint.layout import (
+    CheckpointError,
+    complete_steps,
+    is_complete,
+    latest_checkpoint,
+    named_checkpoint,
+)
 from moe_train.checkpoint.manifest import verify as verify_manifest
 
 Verify = Callable[[Path], list[str]]
@@ -53,13 +59,14 @@ def candidates(ckpt_dir: Path) -> list[Path]:
     """What a resume may continue from, best first: the checkpoint `latest` names, then every complete one
     older than the step `latest` names (all of them when there is no `latest`), newest first. Folders newer
     than `latest` were never published as the latest (a save killed between its rename and `latest`)."""
-    pointer = ckpt_dir / LATEST
-    named = ckpt_dir / pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else None
+    named = named_checkpoint(ckpt_dir)
     older = [p for p in complete_steps(ckpt_dir) if named is None or p.name < named.name]
     return ([named] if named is not None and is_complete(named) else []) + older[::-1]
 
 
-def _verified(path: Path, field: str, verify: Verify) -> Path:
+def intact_checkpoint_at(path: Path, field: str, verify: Verify = verify_manifest) -> Path:
+    """`checkpoint_at(path, field)`, checked against its manifest: CheckpointError naming `field` otherwise."""
+    path = checkpoint_at(path, field)
     problems = verify(path)
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -86,9 +93,8 @@ def start_point(*, ckpt_dir: Path, resume: str, init_from: str | None,
         if resume == "required":
             raise CheckpointError(f"checkpoint.resume: required, but {ckpt_dir} holds no complete checkpoint")
     elif resume != "never":
-        path = _verified(checkpoint_at(Path(resume), "checkpoint.resume"), "checkpoint.resume", verify)
+        path = intact_checkpoint_at(Path(resume), "checkpoint.resume", verify)
         return StartPoint(resume_from=path, own=path.resolve().parent == ckpt_dir.resolve())
     if init_from is not None:
-        return StartPoint(init_from=_verified(checkpoint_at(Path(init_from), "checkpoint.init_from"),
-                                              "checkpoint.init_from", verify))
+        return StartPoint(init_from=intact_checkpoint_at(Path(init_from), "checkpoint.init_from", verify))
     return StartPoint()

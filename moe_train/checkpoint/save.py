@@ -11,16 +11,11 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from moe_train.checkpoint import collective
 from moe_train.checkpoint.layout import prune, publish, step_dir_name, tmp_dir
 from moe_train.checkpoint.state import Progress, save_training_state
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 def save_checkpoint(
@@ -34,17 +29,17 @@ def save_checkpoint(
 ) -> Path:
     """Write `step-NNNNNNN` for `progress.step` and make it the latest; returns its final path. `model_parts`:
     this rank's model chunks (pipeline stages), each with its optimizer in `optimizers`."""
-    is_rank0 = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    is_rank0 = collective.rank() == 0
     tmp = tmp_dir(ckpt_dir, progress.step)
     if is_rank0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         if tmp.exists():  # left by a save that was killed midway
             shutil.rmtree(tmp)
-    _barrier()
+    collective.barrier()
     save_training_state(tmp, model_parts=model_parts, optimizers=optimizers, progress=progress,
                         model_config=model_config)
     if is_rank0:
         publish(tmp, step=progress.step)
         prune(ckpt_dir, keep=keep)
-    _barrier()
+    collective.barrier()
     return ckpt_dir / step_dir_name(progress.step)

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -55,34 +54,22 @@ class Progress:
     recent_losses: tuple[float, ...] = ()
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _barrier() -> None:
-    if _distributed():
-        dist.barrier()
-
-
 def _dcp_save(state: dict, path: Path) -> None:
     """dcp.save, single-process when no process group exists (without DCP's warning about it)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=str(path), no_dist=not _distributed())
+        dcp.save(state, checkpoint_id=str(path), no_dist=not collective.distributed())
 
 
 def _dcp_load(state: dict, path: Path, *, own: bool) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(path), storage_reader=reader_for(path, own=own), no_dist=not _distributed())
+        dcp.load(state, checkpoint_id=str(path), storage_reader=reader_for(path, own=own),
+                 no_dist=not collective.distributed())
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
-    prefix = f"rank{_rank()}"
+    prefix = f"rank{collective.rank()}"
     state = {f"{prefix}.cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state[f"{prefix}.cuda"] = torch.cuda.get_rng_state()
@@ -100,13 +87,13 @@ def _progress_tensors(progress: Progress) -> dict[str, torch.Tensor]:
 
 def _write_files(path: Path, state: dict, model_config: dict | None) -> None:
     """model.json (rank 0), the DCP state, then the manifest of them all; every rank calls this together."""
-    if _rank() == 0:
+    if collective.rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
         if model_config is not None:
             (path / MODEL_CONFIG).write_text(json.dumps(model_config, indent=1) + "\n", encoding="utf-8")
-    _barrier()
+    collective.barrier()
     _dcp_save(state, path)
-    _barrier()
+    collective.barrier()
     collective.write_manifest(path)
 
 
@@ -114,16 +101,20 @@ def read_model_config(path: Path) -> dict:
     return json.loads((path / MODEL_CONFIG).read_text(encoding="utf-8"))
 
 
-def _state_dicts(
-    model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]
-) -> tuple[dict[str, torch.Tensor], dict]:
-    """The model and optimizer state of this rank's chunks, merged: keys are the whole model's names, so a
+def _part_states(
+    model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], *, with_optim: bool
+) -> list[tuple[dict[str, torch.Tensor], dict | None]]:
+    """Each chunk's (model state dict, optimizer state dict, or None without optimizer state). With it,
+    `get_state_dict` creates an optimizer's state when it has none, for a load to fill."""
+    return [get_state_dict(part, optimizer) if with_optim else (get_model_state_dict(part), None)
+            for part, optimizer in zip(model_parts, optimizers, strict=True)]
+
+
+def _merged(parts: list[tuple[dict[str, torch.Tensor], dict | None]]) -> tuple[dict[str, torch.Tensor], dict]:
+    """The chunks' model and optimizer state merged (the same tensors): keys are the whole model's names, so a
     checkpoint holds the same keys whatever the pipeline split (each stage writes its own)."""
-    model_sd, optim_state = {}, {}
-    for part, optimizer in zip(model_parts, optimizers, strict=True):
-        part_sd, part_optim = get_state_dict(part, optimizer)
-        model_sd.update(part_sd)
-        optim_state.update(part_optim["state"])
+    model_sd = {k: v for part_sd, _ in parts for k, v in part_sd.items()}
+    optim_state = {k: v for _, part_optim in parts if part_optim is not None for k, v in part_optim["state"].items()}
     return model_sd, optim_state
 
 
@@ -138,13 +129,11 @@ def save_training_state(
     together) have no state, and none is written: `get_state_dict` would create it by taking a step of lr 0,
     whose step count changes the next real update's bias correction (the resumed run would differ from the
     uninterrupted one)."""
-    state = {"progress": _progress_tensors(progress), "rng": _rng_state()}
-    if any(optimizer.state for optimizer in optimizers):
-        model_sd, optim_state = _state_dicts(model_parts, optimizers)
+    stepped = any(optimizer.state for optimizer in optimizers)
+    model_sd, optim_state = _merged(_part_states(model_parts, optimizers, with_optim=stepped))
+    state = {"progress": _progress_tensors(progress), "rng": _rng_state(), "model": model_sd}
+    if stepped:
         state["optim"] = {"state": optim_state}
-    else:
-        model_sd = {k: v for part in model_parts for k, v in get_model_state_dict(part).items()}
-    state["model"] = model_sd
     _write_files(path, state, model_config)
 
 
@@ -162,11 +151,8 @@ def load_training_state(
     (read with DCP's own reader; see trust.py)."""
     saved = _saved_tensors(path, own=own)
     stepped = any(key.startswith("optim.state.") for key in saved)  # see save_training_state
-    if stepped:
-        model_sd, optim_state = _state_dicts(model_parts, optimizers)  # also creates empty optimizer state to fill
-    else:
-        part_sds = [get_model_state_dict(part) for part in model_parts]
-        model_sd = {k: v for part_sd in part_sds for k, v in part_sd.items()}
+    parts = _part_states(model_parts, optimizers, with_optim=stepped)
+    model_sd, optim_state = _merged(parts)
     _check_model_matches(path, saved, model_sd, model_keys)
     if "progress.step" not in saved:
         raise CheckpointError(f"{path}: a model-only checkpoint cannot be resumed; use it as checkpoint.init_from")
@@ -180,17 +166,13 @@ def load_training_state(
     state = {"model": model_sd, "progress": progress, "rng": rng}
     if stepped:
         state["optim"] = {"state": optim_state}
-    _dcp_load(state, path, own=own)  # fills the tensors of model_sd and optim_state in place
-    if stepped:
-        for part, optimizer in zip(model_parts, optimizers, strict=True):
-            part_sd, part_optim = get_state_dict(part, optimizer)
-            set_state_dict(part, optimizer, model_state_dict={k: model_sd[k] for k in part_sd},
-                           optim_state_dict={"state": {k: optim_state[k] for k in part_optim["state"]},
-                                             "param_groups": part_optim["param_groups"]})
-    else:
-        for part, part_sd in zip(model_parts, part_sds, strict=True):
+    _dcp_load(state, path, own=own)  # fills the chunks' state dicts in place (merged above: the same tensors)
+    for part, optimizer, (part_sd, part_optim) in zip(model_parts, optimizers, parts, strict=True):
+        if part_optim is None:
             set_model_state_dict(part, part_sd)
-    prefix = f"rank{_rank()}"
+        else:
+            set_state_dict(part, optimizer, model_state_dict=part_sd, optim_state_dict=part_optim)
+    prefix = f"rank{collective.rank()}"
     if f"{prefix}.cpu" in rng:
         torch.set_rng_state(rng[f"{prefix}.cpu"])
     if f"{prefix}.cuda" in rng:
