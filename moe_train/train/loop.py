@@ -142,6 +142,7 @@ class Trainer:
             ckpt_dir=self.ckpt_dir, resume=recipe.checkpoint.resume, init_from=recipe.checkpoint.init_from
         )
         start = self.start
+        self.started_from = start.resume_from or start.init_from
         # This rank's model chunks: the whole model, or its pipeline stages (one per virtual stage).
         model = build_model(recipe.model, device="meta")
         model_keys = set(model.state_dict())  # the whole model's, which a checkpoint holds at every layout
@@ -164,15 +165,12 @@ class Trainer:
         cfg = recipe.model
         self.all_moe_layers = [i for i in range(cfg.num_layers + cfg.mtp_layers) if cfg.is_moe_layer(i)]
         self.progress = Progress()
-        self.started_from: Path | None = None
         if start.resume_from is not None:
             self.progress = load_training_state(start.resume_from, model_parts=self.model_parts,
                                                 optimizers=self.optimizers, model_keys=model_keys, own=start.own)
-            self.started_from = start.resume_from
         elif start.init_from is not None:
             for part in self.model_parts:
                 load_model_weights(start.init_from, part, model_keys)
-            self.started_from = start.init_from
         self.bad_steps = BadSteps(train, recent_losses=self.progress.recent_losses)
         self.tokens_per_step = train.global_batch_size * train.seq_length
         self.flops_per_token = training_flops_per_token(recipe.model, seq_length=train.seq_length)
@@ -308,10 +306,6 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ the loop
 
-    def _stop_requested(self) -> str | None:
-        """A signal to any rank or the preemption notice stops every rank at the same step boundary."""
-        return self.stops.agreed()
-
     def _save(self, logger: MetricsLogger | None) -> Path:
         path = save_checkpoint(
             self.ckpt_dir,
@@ -364,7 +358,7 @@ class Trainer:
         # `resume: required` and must find a checkpoint of this run.
         saved_step = self.progress.step if self.start.resume_from is not None else None
         while self.progress.step < last:
-            reason = self._stop_requested()
+            reason = self.stops.agreed()  # a signal to any rank or the notice: every rank stops at this step
             if reason is not None:
                 status = "preempted"
                 if logger is not None:
