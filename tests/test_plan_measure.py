@@ -21,6 +21,7 @@ from moe_train.config import load_recipe
 from moe_train.config.hardware import HARDWARE
 from moe_train.measure.driver import Target, measure
 from moe_train.measure.versus_plan import against, disagreements
+from moe_train.parallel.mesh import MeshShape
 from moe_train.plan.estimate import estimate, plan_json
 from moe_train.plan.layout import PlanLayout, in_flight
 
@@ -46,8 +47,9 @@ def recompute(policy: str) -> list[str]:
     return ["parallel.recompute.granularity=selective", f"parallel.recompute.modules=[{policy.replace('+', ',')}]"]
 
 
-def plan_against_measure(recipe, report: dict, *, tolerance: float, pipeline_rank: int | None = None) -> list[str]:
-    plan = plan_json(estimate(recipe, GPU), pipeline_rank=pipeline_rank)
+def plan_against_measure(recipe, report: dict, *, tolerance: float, plan: dict | None = None) -> list[str]:
+    """`plan`: the plan JSON to hold `report` to (default: the recipe's most loaded rank)."""
+    plan = plan or plan_json(estimate(recipe, GPU))
     return disagreements(against(plan, report), tolerance=tolerance)
 
 
@@ -171,14 +173,14 @@ def check_pipeline_ranks(case_id: str, case: dict, recipe) -> None:
     the saved bytes alive at the step's peak are the micro-batches its schedule keeps in flight (plan's
     in_flight: 1F1B pp - stage, GPipe all, interleaved Megatron's warm-up), within 1% of the plan's activation
     memory (which leaves out a few token-id and scalar saves of the loss)."""
-    world = recipe.world_size
-    layout = PlanLayout.from_recipe(recipe)
+    shape, layout, plan = MeshShape.from_recipe(recipe), PlanLayout.from_recipe(recipe), estimate(recipe, GPU)
     for rank, real in enumerate(case["reports"]):
-        stage = rank // (world // recipe.parallel.pp)
+        stage = shape.dense_coords(rank)[0]
+        planned = plan_json(plan, pipeline_rank=stage)
         assert_same_step(measure(recipe, Target(fake=True, rank=rank)), real)
-        assert plan_against_measure(recipe, real, tolerance=1e-9, pipeline_rank=stage) == [], (case_id, rank)
-        planned = plan_json(estimate(recipe, GPU), pipeline_rank=stage)["memory_bytes"]["activations"]
-        assert real["activation_bytes_peak"] == pytest.approx(planned, rel=0.01), (case_id, rank)
+        assert plan_against_measure(recipe, real, tolerance=1e-9, plan=planned) == [], (case_id, rank)
+        assert real["activation_bytes_peak"] == pytest.approx(planned["memory_bytes"]["activations"], rel=0.01), (
+            case_id, rank)
         if recipe.parallel.vpp == 1:  # one chunk: the peak is whole micro-batches of it
             held = real["activation_bytes_peak"] / real["activation_bytes_total"]
             assert held == pytest.approx(in_flight(layout, stage)[0], rel=0.01), (case_id, rank)

@@ -152,10 +152,10 @@ class SavedTensorTracker:
             self._saving_checkpoint_inputs = False
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Held:
-        if in_backward() or _is_parameter(tensor) or _views_a_parameter(tensor):
+        if in_backward() or _is_parameter(tensor):
             return tensor
         key = storage_key(tensor)
-        if key in self._weights:
+        if key in self._weights or _views_a_parameter(tensor):
             return tensor
         layer = self.layers.current
         entry = self.saved.get((self.layers.micro_batch, key))

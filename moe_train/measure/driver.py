@@ -132,8 +132,7 @@ def measure_step(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
 
     layers = LayerTracker(chunks)
     saved = SavedTensorTracker(chunks, layers)
-    comm = CommCounter(lambda group: "embedding" if shared_embedding is not None and group is shared_embedding
-                       else ctx.group_name(group))
+    comm = CommCounter(ctx.group_name)
     flops = PhaseFlopCounter(layers)
     live = LiveBytes([t for chunk in chunks for t in (*chunk.parameters(), *chunk.buffers())])
     if ctx.device.type == "cuda":

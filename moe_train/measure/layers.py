@@ -9,7 +9,6 @@ recompute context), whether the region is a whole group of layers or one module 
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from functools import partial
 
@@ -36,10 +35,9 @@ class LayerTracker:
     """Hooks on every tracked layer of a rank's model chunks (one, or a pipeline rank's virtual stages);
     `current` is the innermost running layer (None outside every layer).
 
-    `forwards[i]` counts layer i's forward calls outside backward (one per micro-batch); `micro_batch` names
-    the micro-batch the running chunk is on, as (chunk position, its forward calls so far), and stays at the
-    last chunk's after it returns (the pipeline's loss function runs between chunks); `phase()` is forward,
-    backward or recompute for the op running now.
+    `micro_batch` names the micro-batch the running chunk is on, as (chunk position, its forward calls so far),
+    and stays at the last chunk's after it returns (the pipeline's loss function runs between chunks);
+    `phase()` is forward, backward or recompute for the op running now.
     """
 
     def __init__(self, chunks: Sequence[nn.Module]) -> None:
@@ -47,7 +45,6 @@ class LayerTracker:
         for chunk in chunks:
             self.layers.update(tracked_layers(chunk))
         self.stack: list[int] = []
-        self.forwards: Counter[int] = Counter()
         self.chunk_forwards = [0] * len(chunks)
         self.micro_batch: tuple[int, int] = (0, 0)
         self._handles = [chunk.register_forward_pre_hook(partial(self._chunk_forward, position))
@@ -63,8 +60,6 @@ class LayerTracker:
 
     def _enter(self, index: int, module: nn.Module, args: tuple) -> None:
         self.stack.append(index)
-        if not in_backward():
-            self.forwards[index] += 1
 
     def _exit(self, index: int, module: nn.Module, args: tuple, output: object) -> None:
         self.stack.pop()

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from moe_train.config.pp_layout import pipeline_stages
 from moe_train.config.schema import Recipe
+from moe_train.parallel.mesh import MeshShape
 
 
 def rank_layers(recipe: Recipe, rank: int) -> tuple[int, ...]:
     """The layers (MTP modules numbered from num_layers on) rank `rank` holds: all of them without a pipeline,
-    else its stages' (pp is the outermost mesh dimension, so rank r sits on pipeline rank r // (world / pp))."""
+    else its stages' (its pipeline coordinate on the dense mesh, where pp is outermost)."""
     m, p = recipe.model, recipe.parallel
     if p.pp == 1:
         return tuple(range(m.num_layers + m.mtp_layers))
-    pipeline_rank = rank // (recipe.world_size // p.pp)
+    pipeline_rank = MeshShape.from_recipe(recipe).dense_coords(rank)[0]
     stages = pipeline_stages(pp=p.pp, vpp=p.vpp, layout=p.pp_layout, num_layers=m.num_layers,
                              mtp_layers=m.mtp_layers)
     return tuple(sorted(index for stage in stages if stage.rank == pipeline_rank

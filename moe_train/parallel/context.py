@@ -32,6 +32,8 @@ class ParallelContext:
     owns_process_group: bool = False  # bootstrap created it, so `shutdown` destroys it
     distinct_groups: bool = False  # every dimension has its own process group (build_meshes)
     flattened: dict[str, DeviceMesh] = field(default_factory=dict, compare=False)  # made so far, by name
+    # Groups outside both meshes, by the name byte counts use (`embedding`: parallel/pipeline.py).
+    named_groups: dict[str, ProcessGroup] = field(default_factory=dict, compare=False)
 
     def mesh(self, name: str) -> DeviceMesh:
         """The 1-D mesh of dimension `name` (dense: pp dp cp tp; expert: edp ep etp) that holds this rank, or of
@@ -73,13 +75,16 @@ class ParallelContext:
 
     def group_name(self, group: ProcessGroup) -> str:
         """The mesh dimension a process group belongs to (for per-group byte counts; flattened ones made so far
-        included); `world` for the default group when it is not one of the dimensions, `?` for a group this
-        context did not create. Dimensions that share a group (see `distinct_groups`) go by the first of
-        pp dp cp tp edp ep etp."""
+        and `named_groups` included); `world` for the default group when it is not one of the dimensions, `?`
+        for a group this context did not create. Dimensions that share a group (see `distinct_groups`) go by
+        the first of pp dp cp tp edp ep etp."""
         import torch.distributed as dist
 
         for name in (*DENSE_DIMS, *EXPERT_DIMS[1:], *self.flattened):
             if self.mesh(name).get_group() is group:
+                return name
+        for name, named in self.named_groups.items():
+            if named is group:
                 return name
         if group is None or group is dist.group.WORLD:
             return "world"

@@ -25,6 +25,7 @@ already divides by the whole step's tokens and micro-batches, so the schedule su
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -102,10 +103,9 @@ def _copy(model: Transformer) -> Transformer:
     from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor
 
     weight = next(model.parameters())
-    if isinstance(weight, FakeTensor):
-        with FakeCopyMode(weight.fake_mode):
-            return copy.deepcopy(model)
-    return copy.deepcopy(model)
+    fake = isinstance(weight, FakeTensor)
+    with FakeCopyMode(weight.fake_mode) if fake else contextlib.nullcontext():
+        return copy.deepcopy(model)
 
 
 def split_model(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> list[Transformer]:
@@ -125,13 +125,15 @@ def shared_embedding_group(recipe: Recipe, ctx: ParallelContext) -> dist.Process
     """The two-rank group of this rank's first-stage and last-stage peers (same dp, cp, tp coordinates), when
     the last stage keeps a copy of the embedding; None on ranks outside it or when there is no copy.
 
-    Every rank calls this (creating process groups is collective)."""
+    Every rank calls this (creating process groups is collective); the group is recorded in the context as
+    `embedding`, the name its all-reduce goes by in byte counts."""
     m, pp = recipe.model, ctx.size("pp")
     if pp == 1 or not (m.mtp_layers > 0 or m.tie_embeddings):
         return None
     per_stage = ctx.world_size // pp  # pp is the outermost dimension: stage rank r holds ranks [r*n, (r+1)*n)
     pairs = [[offset, (pp - 1) * per_stage + offset] for offset in range(per_stage)]
     group, _ = dist.new_subgroups_by_enumeration(pairs)
+    ctx.named_groups["embedding"] = group
     return group
 
 

@@ -30,16 +30,13 @@ a rank's share of the tokens (T / tp); each rank's experts see `top_k` rows per 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from moe_train.config.schema import ModelConfig
 
 FP32 = 4
 INT64 = 8
 INT32 = 4
-
-SELECTIVE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
-
 
 @dataclass(frozen=True)
 class Saved:
@@ -82,23 +79,6 @@ class ActivationLayout:
         """Tokens a rank routes: its sequence shard (Megatron-Core requires SP for MoE with tp > 1; without SP
         the tp ranks split the tokens before dispatch)."""
         return self.tokens / self.tp
-
-
-@dataclass
-class LayerActivations:
-    """One layer's saved items and the figures derived from them."""
-
-    items: list[Saved] = field(default_factory=list)
-
-    @property
-    def total(self) -> float:
-        return sum(item.bytes for item in self.items)
-
-    def by_region(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for item in self.items:
-            out[item.region] = out.get(item.region, 0.0) + item.bytes
-        return out
 
 
 def _norm(region: str, prefix: str, tokens: float, width: float, a: int, *, fp32_input_width: float | None = None):

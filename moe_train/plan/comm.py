@@ -121,8 +121,8 @@ class CommCounter:
         for kinds, count in groups.items():
             out.add_pass(model.group_recompute(list(kinds)), sizes, mb * count)
 
-        _per_step(out, recipe, layout, params, sizes)
-        _fsdp(out, recipe, layout, params, param_bytes, a, sizes)
+        _per_step(out, layout, params)
+        _fsdp(out, recipe, layout, params, param_bytes, a)
 
         # pipeline: forward activations out of every chunk but the model's last, gradients back out of every
         # chunk but the first; each chunk receives what it does not send (the other direction, same size)
@@ -179,12 +179,11 @@ class _CachedComm:
         return self._get("head")
 
 
-def even_share(slots: int, num_experts: int, local_experts: int, coordinate: int = 0) -> int:
-    """Slots of `slots` (forced even routing: slot s to expert s mod E) that the experts of one expert-parallel
-    rank receive."""
+def even_share(slots: int, num_experts: int, local_experts: int) -> int:
+    """Slots of `slots` (forced even routing: slot s to expert s mod E) that the experts of expert-parallel
+    rank 0 receive (the most loaded: the remainder goes to the first experts)."""
     base, extra = divmod(slots, num_experts)
-    first = coordinate * local_experts
-    return local_experts * base + max(0, min(extra, first + local_experts) - first)
+    return local_experts * base + min(extra, local_experts)
 
 
 class _ModelComm:
@@ -349,8 +348,7 @@ def _minus(collectives: list[Collective], removed: list[Collective]) -> list[Col
     return out
 
 
-def _per_step(out: CommCounter, recipe: Recipe, layout: PlanLayout, params: RankParams,
-              sizes: dict[str, int]) -> None:
+def _per_step(out: CommCounter, layout: PlanLayout, params: RankParams) -> None:
     """Once per step: the replicated parameters' partial gradients summed over tp, and the gradient norm."""
     partial = sum(unit.count * fsdp_rows(t.shape[0], unit.shards)[0] * (t.numel // t.shape[0])
                   for unit in params.units for t in unit.tensors if t.partial)
@@ -372,7 +370,7 @@ def _per_step(out: CommCounter, recipe: Recipe, layout: PlanLayout, params: Rank
 
 
 def _fsdp(out: CommCounter, recipe: Recipe, layout: PlanLayout, params: RankParams, param_bytes: int,
-          a: Assumptions, sizes: dict[str, int]) -> None:
+          a: Assumptions) -> None:
     """FSDP2 over dp (dp_cp) for dense units and edp for experts: each unit's padded shard gathered per micro-batch
     (forward, and backward when resharding), its fp32 gradient reduce-scattered once per step."""
     mb = layout.micro_batches

@@ -101,12 +101,12 @@ class Tensor:
         return out
 
 
-def fsdp_rows(rows: int, shards: int, coordinate: int = 0) -> tuple[int, int]:
-    """(rows this FSDP2 rank holds, rows it sends in an all-gather): dim 0 is cut into `shards` chunks of
+def fsdp_rows(rows: int, shards: int) -> tuple[int, int]:
+    """(rows FSDP2 rank 0 holds, rows each rank sends in an all-gather): dim 0 is cut into `shards` chunks of
     ceil(rows / shards); the ranks past the end hold fewer or none, and every rank's chunk is padded to the
     full chunk in the collectives."""
     chunk = -(-rows // shards)
-    return max(0, min(chunk, rows - coordinate * chunk)), chunk
+    return min(chunk, rows), chunk
 
 
 def _linear(out: int, inp: int, unit: str, *, shard: int | None, tp: int, partial: bool = False) -> Tensor:
@@ -270,7 +270,7 @@ def rank_params(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk]) -> Rank
             out.units.append(Unit(mtp_tensors(m, tp=layout.tp, sequence_parallel=sp), dense_shards, 1))
         # the last stage's own copy of the embedding for MTP (and the tied head) when pp > 1 (DECISIONS.md)
         embedding = chunk.embedding or (layout.pp > 1 and chunk.mtp > 0)
-        if chunk.embedding or chunk.loss or embedding:
+        if embedding or chunk.loss:
             root += root_tensors(m, tp=layout.tp, sequence_parallel=sp, embedding=embedding, head=chunk.loss)
     if root:
         out.units.append(Unit(tuple(root), dense_shards, 1))
