@@ -3,7 +3,9 @@
   that step (the notice file is shared by all ranks, so a signal is the only stop that reaches one rank alone);
 - SIGKILL to rank 1 mid-step (a lost rank: killed, out of memory) ends the whole job non-zero within 60 s, the
   dead rank named in the output, never a hang: the survivor's gloo collective fails on the closed connection and
-  torchrun stops the rest (what bounds it otherwise: docs/interfaces.md, lost ranks)."""
+  torchrun stops the rest (what bounds it otherwise: docs/interfaces.md, lost ranks);
+- SIGSTOP to rank 1 (alive but stuck: its connections stay open) ends the job non-zero once the survivor's
+  collective outlives `launch.timeout_minutes`, plus torchrun's grace before it SIGKILLs the stuck rank."""
 
 from __future__ import annotations
 
@@ -42,10 +44,11 @@ def rank_process(launcher: int, rank: int) -> int | None:
     return None
 
 
-def signal_rank_1_after_two_steps(run_dir: Path, sig: signal.Signals) -> tuple[subprocess.CompletedProcess, float]:
+def signal_rank_1_after_two_steps(run_dir: Path, sig: signal.Signals, *overrides: str,
+                                  ) -> tuple[subprocess.CompletedProcess, float]:
     """Train qwen3-tiny on 2 ranks, send `sig` to rank 1 once two steps are logged; (the result, seconds from the
     signal to the end of `moe-train run`)."""
-    sets = [arg for value in [*SHRINK, f"run_dir={run_dir}"] for arg in ("--set", value)]
+    sets = [arg for value in [*SHRINK, *overrides, f"run_dir={run_dir}"] for arg in ("--set", value)]
     process = start([sys.executable, "-m", "moe_train.cli.main", "run", "qwen3-tiny", "--nproc", "2", *sets])
     sent = time.monotonic()
     try:
@@ -84,4 +87,16 @@ def test_a_rank_killed_mid_step_ends_the_job_non_zero_within_60_s_naming_it(tmp_
     root_cause = done.stderr[done.stderr.index("Root Cause"):]
     assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s+exitcode\s*: -9", root_cause), done.stderr[-3000:]
     assert re.search(r"error: rank 0: \w+Error: ", done.stderr), done.stderr[-3000:]
+    assert not (run_dir / "COMPLETE").exists()
+
+
+def test_a_rank_stuck_alive_ends_the_job_once_the_collective_timeout_passes(tmp_path: Path) -> None:
+    """No connection closes, so only the process group's timeout (6 s here) can free rank 0; torchrun then
+    SIGTERMs the stopped rank (held pending) and SIGKILLs it after its 30 s grace."""
+    run_dir = tmp_path / "run"
+    done, seconds = signal_rank_1_after_two_steps(run_dir, signal.SIGSTOP, "launch.timeout_minutes=0.1")
+    assert done.returncode != 0, done.stderr[-3000:]
+    assert 6 <= seconds < 75, (seconds, done.stderr[-3000:])
+    assert re.search(r"error: rank 0: \w+Error: .*[Tt]imed? ?out", done.stderr), done.stderr[-3000:]
+    assert re.search(r"exitcode\s*: -9 .*\(SIGKILL\)", done.stderr), done.stderr[-3000:]  # the stuck rank
     assert not (run_dir / "COMPLETE").exists()
