@@ -142,7 +142,7 @@ def test_zero_bubble_is_refused_before_training(tmp_path: Path) -> None:
 
 def test_run_nproc_trains_a_pipeline_and_the_last_stage_reports(tmp_path: Path) -> None:
     """`moe-train run --nproc 2` with pp 2 (torchrun, the entry): the summary and metrics come from the last stage's
-    rank, the run completes with a checkpoint that a single process loads."""
+    rank, the run completes with a checkpoint that a single process loads and `convert to-hf` exports."""
     run_dir = tmp_path / "run"
     sets = [*SHRINK, *FP32, "train.steps=2", "parallel.pp=2", f"run_dir={run_dir}"]
     argv = [sys.executable, "-m", "moe_train.cli.main", "run", "deepseek-v3-tiny", "--nproc", "2",
@@ -158,3 +158,20 @@ def test_run_nproc_trains_a_pipeline_and_the_last_stage_reports(tmp_path: Path) 
     before = model.lm_head.weight.clone()
     load_model_weights(latest_checkpoint(run_dir / "checkpoints"), model)
     assert not torch.equal(model.lm_head.weight, before)  # the trained head (stage 1's), not the fresh one
+    # Both stages' shards, MTP included, become one transformers checkpoint with the trained model's logits.
+    exported = run_cli("convert", "to-hf", str(run_dir / "checkpoints"), "-o", str(tmp_path / "hf"))
+    assert exported.code == 0, exported.stderr
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="sdpa").eval()
+    tokens = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model.eval()(tokens)
+        assert ours.abs().mean() > 0.1  # O(1) logits: the comparison means something
+        torch.testing.assert_close(hf(tokens).logits, ours, atol=1e-4, rtol=1e-4)
+    from safetensors.torch import load_file
+
+    files = {name: tensor for path in (tmp_path / "hf").glob("*.safetensors")
+             for name, tensor in load_file(path).items()}
+    mtp_layer = model.cfg.num_layers  # transformers skips DeepSeek's MTP layer; the file keeps it for the next run
+    assert torch.equal(files[f"model.layers.{mtp_layer}.eh_proj.weight"], model.mtp["0"].eh_proj.weight)
