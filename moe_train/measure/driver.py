@@ -27,9 +27,7 @@ from moe_train.models.model import Transformer
 from moe_train.parallel import parallelize
 from moe_train.parallel.bootstrap import bootstrap, shutdown
 from moe_train.parallel.context import ParallelContext
-from moe_train.parallel.pipeline import Pipeline, shared_embedding_group
-from moe_train.train.optimizer import build_optimizer
-from moe_train.train.step import Batch
+from moe_train.train.step import Batch, step_parts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,9 +116,7 @@ def measure_step(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
     """Run one step on this rank (every rank of the job calls it) and return the report dict."""
     torch.manual_seed(recipe.train.seed)
     chunks = _build(recipe, target, ctx)
-    optimizers = [build_optimizer(chunk, train=recipe.train) for chunk in chunks]
-    pipeline = Pipeline(chunks, recipe, ctx) if ctx.size("pp") > 1 else None
-    shared_embedding = shared_embedding_group(recipe, ctx)
+    parts = step_parts(chunks, recipe, ctx)
     batch = _batch(recipe, target, ctx.device, ctx.coord("dp"), ctx.size("dp"))
     micro_batches = len(batch.inputs) // recipe.train.micro_batch_size
     grads: dict[str, int] = {}
@@ -128,7 +124,7 @@ def measure_step(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
     def gradients_ready(*_) -> None:  # the gradients exist between backward and the update
         grads["bytes"] = sum(grad_bytes(chunk) for chunk in chunks)
 
-    optimizers[0].register_step_pre_hook(gradients_ready)
+    parts.optimizers[0].register_step_pre_hook(gradients_ready)
 
     layers = LayerTracker(chunks)
     saved = SavedTensorTracker(chunks, layers)
@@ -141,8 +137,7 @@ def measure_step(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
         stack.enter_context(unmeasured_pipeline_warmup(fake=target.fake))
         for context in (local_dtensor_ops(), live, comm, flops, saved):
             stack.enter_context(context)
-        train_step(chunks, optimizers, batch, recipe=recipe, ctx=ctx, pipeline=pipeline,
-                   shared_embedding=shared_embedding)
+        train_step(chunks, parts, batch, recipe=recipe, ctx=ctx)
     layers.close()
     peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else live.peak
     per_layer = saved.per_layer()
@@ -154,7 +149,7 @@ def measure_step(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
         "activation_bytes_total": sum(per_layer.values()),
         "param_bytes": sum(param_bytes(chunk) for chunk in chunks),
         "grad_bytes": grads.get("bytes", 0),
-        "optimizer_bytes": sum(optimizer_bytes(optimizer) for optimizer in optimizers),
+        "optimizer_bytes": sum(optimizer_bytes(optimizer) for optimizer in parts.optimizers),
         "flops": flops.totals(),
         "comm_bytes": dict(sorted(comm.bytes.items())),
         "peak_memory_bytes": peak,

@@ -8,15 +8,12 @@ update is taken whatever the gradient norm (a fake step's norm is NaN).
 
 from __future__ import annotations
 
-import torch
-
 from moe_train.config.schema import Recipe
 from moe_train.models.model import Transformer
 from moe_train.models.moe import MoELayer
 from moe_train.parallel.context import ParallelContext
-from moe_train.parallel.pipeline import Pipeline, duplicate_parameters
 from moe_train.train.grad_norm import clip_grad_norm
-from moe_train.train.step import Batch, StepLoss, forward_backward, reduce_gradients
+from moe_train.train.step import Batch, StepLoss, StepParts, forward_backward, reduce_gradients
 
 
 def reset_telemetry(chunks: list[Transformer]) -> None:
@@ -27,27 +24,19 @@ def reset_telemetry(chunks: list[Transformer]) -> None:
         chunk.aux_loss_value.zero_()
 
 
-def train_step(
-    chunks: list[Transformer],
-    optimizers: list[torch.optim.Optimizer],
-    batch: Batch,
-    *,
-    recipe: Recipe,
-    ctx: ParallelContext,
-    pipeline: Pipeline | None = None,
-    shared_embedding: torch.distributed.ProcessGroup | None = None,
-) -> None:
+def train_step(chunks: list[Transformer], parts: StepParts, batch: Batch, *, recipe: Recipe,
+               ctx: ParallelContext) -> None:
     train = recipe.train
     micro_batches = len(batch.inputs) // train.micro_batch_size
     loss = StepLoss(tokens_per_step=train.global_batch_size * train.seq_length,
                     share=1.0 / (micro_batches * ctx.size("dp")), device=batch.inputs.device)
     reset_telemetry(chunks)
-    for optimizer in optimizers:
+    for optimizer in parts.optimizers:
         optimizer.zero_grad(set_to_none=True)
-    forward_backward(chunks, pipeline, batch, micro_batch_size=train.micro_batch_size, loss=loss)
-    reduce_gradients(chunks, tp_group=ctx.group("tp"), shared_embedding=shared_embedding)
+    forward_backward(chunks, parts.pipeline, batch, micro_batch_size=train.micro_batch_size, loss=loss)
+    reduce_gradients(chunks, tp_group=ctx.group("tp"), shared_embedding=parts.shared_embedding)
     clip_grad_norm([p for chunk in chunks for p in chunk.parameters()], train.grad_clip,
-                   stage_group=ctx.group("pp"), duplicates=duplicate_parameters(chunks))
-    for optimizer in optimizers:
+                   stage_group=ctx.group("pp"), duplicates=parts.duplicates)
+    for optimizer in parts.optimizers:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -47,16 +47,15 @@ from moe_train.models.init import init_weights, materialize
 from moe_train.models.moe import MoELayer, update_expert_bias
 from moe_train.parallel import parallelize
 from moe_train.parallel.context import ParallelContext
-from moe_train.parallel.pipeline import Pipeline, duplicate_parameters, shared_embedding_group
 from moe_train.plan.flops import training_flops_per_token
 from moe_train.train.bad_steps import BadSteps, Rejection
 from moe_train.train.errors import TrainingError
 from moe_train.train.grad_norm import clip_grad_norm
 from moe_train.train.metrics import MetricsLogger, eval_record, expert_balance, train_record
-from moe_train.train.optimizer import build_optimizer, set_lr
+from moe_train.train.optimizer import set_lr
 from moe_train.train.peak import peak_flops
 from moe_train.train.schedule import lr_at
-from moe_train.train.step import Batch, StepLoss, forward_backward, forward_only, reduce_gradients
+from moe_train.train.step import Batch, StepLoss, forward_backward, forward_only, reduce_gradients, step_parts
 from moe_train.train.stops import StopRequests
 
 
@@ -152,10 +151,8 @@ class Trainer:
             if start.resume_from is None and start.init_from is None:
                 init_weights(part, seed=train.seed, init_std=recipe.model.init_std)
             part.train()
-        self.optimizers = [build_optimizer(part, train=train) for part in self.model_parts]
-        self.pipeline = Pipeline(self.model_parts, recipe, ctx) if ctx.size("pp") > 1 else None
-        self.shared_embedding = shared_embedding_group(recipe, ctx)
-        self.duplicates = duplicate_parameters(self.model_parts)
+        self.parts = step_parts(self.model_parts, recipe, ctx)
+        self.optimizers = self.parts.optimizers
         # This rank's MoE layers by index (MTP blocks count as layers num_layers + k), and every MoE layer of the
         # whole model, whose figures all ranks exchange in one tensor of the same shape whatever their stage.
         self.moe_layers: dict[int, MoELayer] = {
@@ -213,11 +210,12 @@ class Trainer:
         loss = StepLoss(tokens_per_step=self.tokens_per_step, share=share, device=self.device)
         self._reset_telemetry()
         self._zero_grad()
-        forward_backward(self.model_parts, self.pipeline, batch, micro_batch_size=train.micro_batch_size, loss=loss)
-        reduce_gradients(self.model_parts, tp_group=self.ctx.group("tp"), shared_embedding=self.shared_embedding)
+        parts = self.parts
+        forward_backward(self.model_parts, parts.pipeline, batch, micro_batch_size=train.micro_batch_size, loss=loss)
+        reduce_gradients(self.model_parts, tp_group=self.ctx.group("tp"), shared_embedding=parts.shared_embedding)
         lm_sum, mtp_loss, counts, moe, aux_loss = self._figures(loss.sums, share)
         grad_norm = clip_grad_norm([p for part in self.model_parts for p in part.parameters()], train.grad_clip,
-                                   stage_group=self.ctx.group("pp"), duplicates=self.duplicates)
+                                   stage_group=self.ctx.group("pp"), duplicates=parts.duplicates)
         lm_loss = lm_sum / self.tokens_per_step
         total = lm_loss + aux_loss + mtp_loss
         result = StepResult(
@@ -296,7 +294,7 @@ class Trainer:
             part.eval()
         loss = StepLoss(tokens_per_step=self.tokens_per_step, share=0.0, device=self.device)
         for batch_index in range(train.eval_steps):
-            forward_only(self.model_parts, self.pipeline, self._batch(self.datasets.valid, batch_index),
+            forward_only(self.model_parts, self.parts.pipeline, self._batch(self.datasets.valid, batch_index),
                          micro_batch_size=train.micro_batch_size, loss=loss)
         for part in self.model_parts:
             part.train()

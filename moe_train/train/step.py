@@ -21,13 +21,35 @@ import torch
 from moe_train.models.model import LossTerms, Transformer
 from moe_train.models.moe.aux_loss import set_aux_loss_scale
 from moe_train.parallel.data_parallel import set_gradient_sync
-from moe_train.parallel.pipeline import sync_shared_gradients
+from moe_train.parallel.pipeline import Pipeline, duplicate_parameters, shared_embedding_group, sync_shared_gradients
 from moe_train.parallel.tensor import reduce_replicated_gradients
+from moe_train.train.optimizer import build_optimizer
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from moe_train.parallel.pipeline import Pipeline
+    from moe_train.config.schema import Recipe
+    from moe_train.parallel.context import ParallelContext
+
+
+@dataclass(frozen=True)
+class StepParts:
+    """What every step takes besides this rank's model chunks, built once from them (by the trainer and by
+    `measure`, which must run the trainer's step)."""
+
+    optimizers: list[torch.optim.Optimizer]  # one per chunk
+    pipeline: Pipeline | None  # the schedule over the stages, when pp > 1
+    shared_embedding: dist.ProcessGroup | None  # first and last stage, when both hold the embedding
+    duplicates: list[torch.nn.Parameter]  # a stage's copy of another's parameter: counted once in the norm
+
+
+def step_parts(chunks: list[Transformer], recipe: Recipe, ctx: ParallelContext) -> StepParts:
+    return StepParts(
+        optimizers=[build_optimizer(chunk, train=recipe.train) for chunk in chunks],
+        pipeline=Pipeline(chunks, recipe, ctx) if ctx.size("pp") > 1 else None,
+        shared_embedding=shared_embedding_group(recipe, ctx),
+        duplicates=duplicate_parameters(chunks),
+    )
 
 
 @dataclass(frozen=True)
