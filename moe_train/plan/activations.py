@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 from moe_train.config.schema import ModelConfig
 
+from .recompute import recompute_groups
+
 FP32 = 4
 INT64 = 8
 INT32 = 4
@@ -313,19 +315,8 @@ def layer_activation_bytes(
     cfg: ModelConfig, lay: ActivationLayout, *, layer_index: int, policy: RecomputePolicy = RecomputePolicy()
 ) -> float:
     """Bytes one layer keeps for backward under a selective (or no) policy; full recompute is per chunk
-    (see `chunk_activation_bytes`, and `full_recompute_layer_bytes` for one layer's share)."""
+    (see `full_recompute_bytes`)."""
     return _kind_bytes(cfg, lay, cfg.is_moe_layer(layer_index), policy)
-
-
-def full_recompute_layer_bytes(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy, *,
-                               layer_index: int, position: int) -> float:
-    """What the layer at `position` (0-based) of its model chunk keeps under full recompute: a checkpointed group
-    keeps only its input, counted for the group's first layer (its other layers keep nothing); block's layers
-    after the first num_layers keep everything."""
-    n = policy.num_layers
-    if policy.method == "block" and position >= n:
-        return layer_activation_bytes(cfg, lay, layer_index=layer_index)
-    return layer_input_bytes(cfg, lay) if policy.method == "block" or position % n == 0 else 0.0
 
 
 _KIND_CACHE: dict[tuple, tuple[ModelConfig, float]] = {}
@@ -356,23 +347,31 @@ def layer_input_bytes(cfg: ModelConfig, lay: ActivationLayout) -> float:
     return lay.act_bytes * lay.seq_tokens * cfg.hidden_size
 
 
+def full_recompute_bytes(cfg: ModelConfig, lay: ActivationLayout, layers: list[int],
+                         policy: RecomputePolicy) -> tuple[dict[int, float], float]:
+    """Under full recompute, ({layer: bytes it keeps}, the transient extra of the largest group's recomputed
+    forward) for a chunk's `layers`. A checkpointed group (`recompute_groups`) keeps only its input, counted for
+    its first layer; layers outside every group (block's after the first num_layers) keep everything."""
+    full = {i: _kind_bytes(cfg, lay, cfg.is_moe_layer(i), RecomputePolicy()) for i in layers}
+    kept, transient = dict(full), 0.0
+    for group in recompute_groups(layers, policy):
+        transient = max(transient, sum(full[i] for i in group))
+        kept.update(dict.fromkeys(group, 0.0))
+        kept[group[0]] = layer_input_bytes(cfg, lay)
+    return kept, transient
+
+
 def chunk_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, chunk, policy: RecomputePolicy):
     """(bytes kept for backward by one micro-batch's forward of a model chunk (`layout.Chunk`), the transient
-    extra while one recomputed group runs its backward). Full/uniform: groups of num_layers keep only their
-    input; full/block: the first num_layers layers keep their input only, the rest keep everything."""
+    extra while one recomputed group runs its backward)."""
     layers = chunk.layers
     if not layers:
         return 0.0, 0.0
-    counts = {True: chunk.moe_layers, False: len(layers) - chunk.moe_layers}
     if policy.granularity != "full":
+        counts = {True: chunk.moe_layers, False: len(layers) - chunk.moe_layers}
         return sum(_kind_bytes(cfg, lay, moe, policy) * n for moe, n in counts.items() if n), 0.0
-    kinds = {moe: _kind_bytes(cfg, lay, moe, RecomputePolicy()) for moe, n in counts.items() if n}
-    full = [kinds[cfg.is_moe_layer(i)] for i in layers]
-    n = min(policy.num_layers, len(layers))
-    if policy.method == "block":
-        return n * layer_input_bytes(cfg, lay) + sum(full[n:]), max(full[:n])
-    groups = [full[g : g + n] for g in range(0, len(full), n)]
-    return len(groups) * layer_input_bytes(cfg, lay), max(sum(group) for group in groups)
+    kept, transient = full_recompute_bytes(cfg, lay, layers, policy)
+    return sum(kept.values()), transient
 
 
 def head_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, *, vocab_parallel: bool,

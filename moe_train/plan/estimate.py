@@ -15,7 +15,7 @@ from .activations import (
     ActivationLayout,
     chunk_activation_bytes,
     expert_rows,
-    full_recompute_layer_bytes,
+    full_recompute_bytes,
     head_activation_bytes,
     layer_activation_bytes,
     mtp_activation_bytes,
@@ -229,9 +229,10 @@ def _plan_rank(recipe: Recipe, layout: PlanLayout, hw: Hardware, a: Assumptions,
     for chunk, count in zip(chunks, counts, strict=False):
         kept, extra = chunk_activation_bytes(m, lay, chunk, policy)
         if detail:
-            for position, index in enumerate(chunk.layers):
-                per_layer[index] = (full_recompute_layer_bytes(m, lay, policy, layer_index=index, position=position)
-                                    if policy.granularity == "full" else kind_bytes[m.is_moe_layer(index)])
+            if policy.granularity == "full":
+                per_layer.update(full_recompute_bytes(m, lay, chunk.layers, policy)[0])
+            else:
+                per_layer.update({index: kind_bytes[m.is_moe_layer(index)] for index in chunk.layers})
             for _ in range(chunk.mtp):
                 per_layer[mtp_index] = mtp_module_bytes(m, lay, policy)
                 mtp_index += 1
