@@ -1,4 +1,5 @@
-"""Data parallelism with FSDP2 (`fully_shard`): dense parameters sharded over dp, experts over edp.
+"""Data parallelism with FSDP2 (`fully_shard`): dense parameters sharded over dp, experts over edp (with their
+block when edp is dp).
 
 Every rank holds a shard of every parameter, gathered for a module's forward and backward and resharded after
 (unless `parallel.reshard_after_forward` is false, the default under pipeline parallelism: more memory, one
@@ -30,8 +31,9 @@ if TYPE_CHECKING:
 
 
 def apply_fsdp(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> None:
-    """Shard each decoder block (and MTP module) as one unit, its routed experts as their own unit over the
-    expert mesh's edp dimension, and the rest (embedding, final norm, head) as the root unit."""
+    """Shard each decoder block (and MTP module) as one unit, its routed experts with it or, where they live on
+    other ranks (`parallel.experts_apart`), as their own unit over the expert mesh's edp dimension, and the rest
+    (embedding, final norm, head) as the root unit."""
     compute_dtype = torch.bfloat16 if recipe.train.precision == "bf16" else torch.float32
     if ctx.world_size == 1 and compute_dtype == torch.float32:
         return
@@ -40,9 +42,10 @@ def apply_fsdp(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> None
         reshard_after_forward=recipe.parallel.reshards_after_forward,
     )
     dense, expert = ctx.mesh("dp"), ctx.mesh("edp")
+    apart = recipe.parallel.experts_apart
     blocks: list[nn.Module] = [*model.layers.values(), *(module.block for module in model.mtp.values())]
     for block in blocks:
-        if block.is_moe:
+        if block.is_moe and apart:
             fully_shard(block.mlp.experts, mesh=expert, **options)
         fully_shard(block, mesh=dense, **options)
     for module in model.mtp.values():  # its projection and norms around the block

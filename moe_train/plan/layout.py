@@ -35,6 +35,7 @@ class PlanLayout:
     seq_length: int
     pp_schedule: str
     pp_layout: str | None
+    experts_apart: bool  # routed experts an FSDP2 unit of their own (`ParallelConfig.experts_apart`)
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> PlanLayout:
@@ -43,7 +44,7 @@ class PlanLayout:
             tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, dp=recipe.dp, ep=p.ep, etp=p.etp, edp=recipe.edp,
             sequence_parallel=p.sequence_parallel, recompute=RecomputePolicy.from_config(p.recompute),
             micro_batch=t.micro_batch_size, global_batch=t.global_batch_size, seq_length=t.seq_length,
-            pp_schedule=p.pp_schedule, pp_layout=p.pp_layout,
+            pp_schedule=p.pp_schedule, pp_layout=p.pp_layout, experts_apart=p.experts_apart,
         )
 
     @property

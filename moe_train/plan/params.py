@@ -230,12 +230,12 @@ class RankParams:
     @property
     def dense(self) -> float:
         """Dense parameters on this rank before FSDP sharding (after tp)."""
-        return sum(unit.numel * unit.count for unit in self.units if unit.tensors[0].unit != "experts")
+        return sum(t.numel * count for t, count in self.tensors if t.unit != "experts")
 
     @property
     def experts(self) -> float:
         """Expert parameters on this rank before FSDP sharding (after ep, etp)."""
-        return sum(unit.numel * unit.count for unit in self.units if unit.tensors[0].unit == "experts")
+        return sum(t.numel * count for t, count in self.tensors if t.unit == "experts")
 
     @property
     def local(self) -> int:
@@ -245,7 +245,8 @@ class RankParams:
 
 def rank_params(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk]) -> RankParams:
     """The FSDP2 units of one pipeline rank (parallel/data_parallel.py): each decoder block, its routed experts
-    apart, each MTP module's own projection and norms, and the root (embedding, final norm, head)."""
+    with it or apart (`layout.experts_apart`), each MTP module's own projection and norms, and the root
+    (embedding, final norm, head)."""
     out = RankParams()
     dense_shards, sp = layout.dp * layout.cp, layout.sequence_parallel
     kinds = {moe: block_tensors(m, moe_layer=moe, tp=layout.tp, sequence_parallel=sp, ep=layout.ep, etp=layout.etp)
@@ -253,11 +254,13 @@ def rank_params(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk]) -> Rank
 
     def add_block(moe: bool, count: int) -> None:
         tensors = kinds[moe]
-        block = tuple(t for t in tensors if t.unit == "block")
-        experts = tuple(t for t in tensors if t.unit == "experts")
-        out.units.append(Unit(block, dense_shards, count))
-        if experts:
-            out.units.append(Unit(experts, layout.edp, count))
+        if not layout.experts_apart:
+            out.units.append(Unit(tensors, dense_shards, count))
+        else:
+            out.units.append(Unit(tuple(t for t in tensors if t.unit == "block"), dense_shards, count))
+            experts = tuple(t for t in tensors if t.unit == "experts")
+            if experts:
+                out.units.append(Unit(experts, layout.edp, count))
         out.largest_unit = max(out.largest_unit, sum(t.numel for t in tensors))
 
     root: list[Tensor] = []
