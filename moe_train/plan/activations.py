@@ -352,7 +352,9 @@ def full_recompute_bytes(cfg: ModelConfig, lay: ActivationLayout, layers: list[i
     """Under full recompute, ({layer: bytes it keeps}, the transient extra of the largest group's recomputed
     forward) for a chunk's `layers`. A checkpointed group (`recompute_groups`) keeps only its input, counted for
     its first layer; layers outside every group (block's after the first num_layers) keep everything."""
-    full = {i: _kind_bytes(cfg, lay, cfg.is_moe_layer(i), RecomputePolicy()) for i in layers}
+    moe = {i: cfg.is_moe_layer(i) for i in layers}
+    kinds = {kind: _kind_bytes(cfg, lay, kind, RecomputePolicy()) for kind in set(moe.values())}
+    full = {i: kinds[moe[i]] for i in layers}
     kept, transient = dict(full), 0.0
     for group in recompute_groups(layers, policy):
         transient = max(transient, sum(full[i] for i in group))
