@@ -356,17 +356,16 @@ def _per_step(out: CommCounter, layout: PlanLayout, params: RankParams) -> None:
     tensors = {"dense": 0, "tp": 0, "experts": 0}
     for tensor, count in params.tensors:
         tensors[tensor.mesh] += count
-    if not layout.experts_apart:  # FSDP2 shards them over dp with their block: DTensors of the dense mesh
-        tensors["dense"] += tensors.pop("experts")
     out.add("dp", "all_reduce", FP32 * tensors["dense"], layout.dp)
     out.add("dp", "all_reduce", FP32 * tensors["tp"], layout.dp)
     out.add("tp", "all_reduce", FP32 * tensors["tp"], layout.tp)
     # Experts: over edp, and as DTensors over ep and etp too; DTensor reduces over several dimensions at once
-    # when a flattened group of exactly those exists (ep_etp, made for the all-gather dispatcher).
+    # when a flattened group of exactly those exists (ep_etp, made for the all-gather dispatcher). Gathered
+    # with their block (not experts_apart), they are DTensors of dp like the block's.
     expert_dims = [(d, n) for d, n in (("edp", layout.edp), ("ep", layout.ep), ("etp", layout.etp)) if n > 1]
     if [d for d, _ in expert_dims] == ["ep", "etp"]:
         expert_dims = [("ep_etp", layout.ep * layout.etp)]
-    for group, size in expert_dims if layout.experts_apart else []:
+    for group, size in expert_dims if layout.experts_apart else [("dp", layout.dp)]:
         out.add(group, "all_reduce", FP32 * tensors["experts"], size)
     out.add("pp", "all_reduce", FP32, layout.pp)  # the stages' squared norms
 
@@ -388,7 +387,7 @@ def _fsdp(out: CommCounter, recipe: Recipe, layout: PlanLayout, params: RankPara
         reduces = mb if a.fsdp_reduce_every_micro_batch else 1
     dense_group = "dp_cp" if layout.cp > 1 else "dp"
     for unit in params.units:
-        group = "edp" if unit.tensors[0].unit == "experts" else dense_group  # a unit of experts alone
+        group = "edp" if all(t.unit == "experts" for t in unit.tensors) else dense_group  # experts alone: edp
         shard = unit.padded_shard
         out.add(group, "all_gather", param_bytes * shard, unit.shards, gathers * unit.count)
         out.add(group, "reduce_scatter", FP32 * shard * unit.shards, unit.shards, reduces * unit.count)

@@ -152,7 +152,6 @@ class Trainer:
                 init_weights(part, seed=train.seed, init_std=recipe.model.init_std)
             part.train()
         self.parts = step_parts(self.model_parts, recipe, ctx)
-        self.optimizers = self.parts.optimizers
         # This rank's MoE layers by index (MTP blocks count as layers num_layers + k), and every MoE layer of the
         # whole model, whose figures all ranks exchange in one tensor of the same shape whatever their stage.
         self.moe_layers: dict[int, MoELayer] = {
@@ -200,6 +199,11 @@ class Trainer:
     def _zero_grad(self) -> None:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """One AdamW per model chunk (`parts.optimizers`)."""
+        return self.parts.optimizers
 
     def train_step(self, step: int) -> StepResult:
         """Forward/backward over this rank's micro-batches of global batch step-1, then clip and update."""
