@@ -19,9 +19,9 @@ from test_measure import assert_same_step
 
 from moe_train.config import load_recipe
 from moe_train.config.hardware import HARDWARE
+from moe_train.config.mesh_shape import MeshShape
 from moe_train.measure.driver import Target, measure
 from moe_train.measure.versus_plan import against, disagreements
-from moe_train.parallel.mesh import MeshShape
 from moe_train.plan.estimate import estimate, plan_json
 from moe_train.plan.layout import PlanLayout, in_flight
 

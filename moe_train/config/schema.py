@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from moe_train.config.mesh_shape import data_parallel_size, expert_data_parallel_size
+
 
 class Section(BaseModel):
     """Base of every recipe section: unknown keys are errors, values are immutable once resolved."""
@@ -280,26 +282,14 @@ class Recipe(Section):
         return self.launch.world_size
 
     def layout_dp(self) -> int | None:
-        """Data-parallel size: `parallel.dp` as written, else the world size over pp*cp*tp when that divides it.
-
-        None when the world size does not divide: the rules report that, and any dp guessed from it (a floor
-        division) would add problems the user does not have, such as a batch size that seems not to divide.
-        """
-        p = self.parallel
-        if p.dp is not None:
-            return p.dp
-        dense = p.pp * p.cp * p.tp
-        return None if self.world_size % dense else self.world_size // dense
+        """Data-parallel size (config/mesh_shape.py `data_parallel_size`): None when the world size does not
+        divide by pp*cp*tp (the rules report that)."""
+        return data_parallel_size(self.world_size, self.parallel)
 
     def layout_edp(self) -> int | None:
-        """Expert data-parallel size: the expert mesh folds onto the dense mesh's dp*cp*tp ranks per stage.
-
-        None when dp is undefined or ep*etp does not divide dp*cp*tp (the rules report which).
-        """
-        p, dp = self.parallel, self.layout_dp()
-        if dp is None or (dp * p.cp * p.tp) % (p.ep * p.etp):
-            return None
-        return dp * p.cp * p.tp // (p.ep * p.etp)
+        """Expert data-parallel size (config/mesh_shape.py `expert_data_parallel_size`): None when dp is undefined
+        or ep*etp does not divide dp*cp*tp (the rules report which)."""
+        return expert_data_parallel_size(self.layout_dp(), self.parallel)
 
     @property
     def dp(self) -> int:
