@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .data_files import DataError, read_index_header
 from .hardware import HardwareError, hardware_table
 from .pp_layout import LayoutError, parse_layout
 from .schema import DEEPSEEK_ONLY_FIELDS, MLA_FIELDS, Recipe
@@ -323,9 +324,6 @@ def _data_shape(r: Recipe) -> list[Problem]:
 
 
 def _data_files(r: Recipe) -> list[Problem]:
-    from moe_train.data.errors import DataError
-    from moe_train.data.index_header import read_index_header
-
     d, out = r.data, _data_shape(r)
     if d.tokenizer != "byte" and not Path(d.tokenizer).is_file():
         out.append(_p("data.tokenizer", f"'byte' or a tokenizer.json file; {d.tokenizer} does not exist"))
