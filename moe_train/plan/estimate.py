@@ -11,10 +11,8 @@ from dataclasses import dataclass, field
 from moe_train.config.hardware import Hardware
 from moe_train.config.schema import ModelConfig, Recipe
 
-from .activations import (
-    ActivationLayout,
+from .activation_memory import (
     chunk_activation_bytes,
-    expert_rows,
     full_recompute_bytes,
     head_activation_bytes,
     layer_activation_bytes,
@@ -23,11 +21,12 @@ from .activations import (
     other_activation_bytes,
 )
 from .assumptions import Assumptions
-from .comm import CommCounter, comm_time
-from .flops import forward_flops_per_token, layer_flops_by_region
-from .layout import Chunk, PlanLayout, in_flight, rank_chunks
+from .comm_bytes import CommBytes, comm_time
+from .flop_count import forward_flops_per_token, layer_flops_by_region
 from .params import RankParams, rank_params
-from .recompute import recompute_groups, saves_after_shared_experts
+from .rank_layout import Chunk, PlanLayout, in_flight, rank_chunks
+from .recompute_policy import recompute_groups, saves_after_shared_experts
+from .saved_tensors import ActivationLayout, expert_rows
 
 PARAM_BYTES = {"bf16": 2, "fp8": 2, "fp32": 4}  # fp8 keeps bf16 weights; the GEMMs quantise on the fly
 MASTER_BYTES = 4
@@ -46,7 +45,7 @@ class RankPlan:
     activation_bytes_per_layer: dict[int, float]
     flops: dict[str, float]
     flops_split: dict[str, float]
-    comm: CommCounter
+    comm: CommBytes
     elementwise_bytes: float
     moe_sync: float  # seconds per step the host waits on MoE token counts
 
@@ -269,7 +268,7 @@ def _plan_rank(recipe: Recipe, layout: PlanLayout, hw: Hardware, a: Assumptions,
     memory["total"] = sum(memory.values())
 
     flops, split = _rank_flops(m, layout, chunks, a)
-    comm = CommCounter.for_rank(recipe, layout, lay, chunks, params, param_bytes, a)
+    comm = CommBytes.for_rank(recipe, layout, lay, chunks, params, param_bytes, a)
     # memory-bound traffic: what the rank's layers would save without recompute, over every micro-batch
     kinds = {moe: layer_activation_bytes(m, lay, layer_index=m.num_layers if moe else 0) for moe in (False, True)}
     saved = sum(kinds[True] * c.moe_layers + kinds[False] * (len(c.layers) - c.moe_layers) for c in chunks)

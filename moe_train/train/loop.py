@@ -46,7 +46,7 @@ from moe_train.models.init import init_weights, materialize
 from moe_train.models.moe import MoELayer, update_expert_bias
 from moe_train.parallel import parallelize
 from moe_train.parallel.context import ParallelContext
-from moe_train.plan.flops import training_flops_per_token
+from moe_train.plan.flop_count import training_flops_per_token
 from moe_train.run_files import COMPLETE_FILE, PREEMPT_FILE
 from moe_train.train.bad_steps import BadSteps, Rejection
 from moe_train.train.errors import TrainingError

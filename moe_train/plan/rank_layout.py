@@ -16,7 +16,7 @@ from moe_train.config.mesh_shape import DENSE_DIMS, EXPERT_DIMS, MeshShape
 from moe_train.config.pp_layout import pipeline_stages
 from moe_train.config.schema import ModelConfig, Recipe
 
-from .activations import RecomputePolicy
+from .recompute_policy import RecomputePolicy
 
 
 @dataclass(frozen=True, kw_only=True)
