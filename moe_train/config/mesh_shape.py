@@ -26,6 +26,21 @@ DENSE_DIMS = ("pp", "dp", "cp", "tp")
 EXPERT_DIMS = ("pp", "edp", "ep", "etp")
 
 
+def ranks_beside_dp(parallel: ParallelConfig) -> int:
+    """The product of the dense dimensions other than dp (pp*cp*tp): the world size is dp times this."""
+    return math.prod(getattr(parallel, dim) for dim in DENSE_DIMS if dim != "dp")
+
+
+def stage_ranks(dp: int, parallel: ParallelConfig) -> int:
+    """The ranks of one pipeline stage (dp*cp*tp: every dense dimension but pp), which the expert mesh folds onto."""
+    return dp * math.prod(getattr(parallel, dim) for dim in DENSE_DIMS[2:])
+
+
+def ranks_beside_edp(parallel: ParallelConfig) -> int:
+    """The product of the expert dimensions within a stage other than edp (ep*etp)."""
+    return math.prod(getattr(parallel, dim) for dim in EXPERT_DIMS[2:])
+
+
 def data_parallel_size(world_size: int, parallel: ParallelConfig) -> int | None:
     """`parallel.dp` as written, else the world size over the other dense dimensions when that divides it.
 
@@ -34,19 +49,16 @@ def data_parallel_size(world_size: int, parallel: ParallelConfig) -> int | None:
     """
     if parallel.dp is not None:
         return parallel.dp
-    others = math.prod(getattr(parallel, dim) for dim in DENSE_DIMS if dim != "dp")
+    others = ranks_beside_dp(parallel)
     return None if world_size % others else world_size // others
 
 
 def expert_data_parallel_size(dp: int | None, parallel: ParallelConfig) -> int | None:
-    """edp: the expert mesh folds onto the dense mesh's ranks per stage (every dense dimension but pp).
-
-    None when dp is undefined or the other expert dimensions do not divide a stage's ranks.
-    """
+    """edp: the expert mesh folds onto a stage's ranks. None when dp is undefined or the other expert dimensions
+    do not divide a stage's ranks."""
     if dp is None:
         return None
-    per_stage = dp * math.prod(getattr(parallel, dim) for dim in DENSE_DIMS[2:])
-    others = math.prod(getattr(parallel, dim) for dim in EXPERT_DIMS[2:])
+    per_stage, others = stage_ranks(dp, parallel), ranks_beside_edp(parallel)
     return None if per_stage % others else per_stage // others
 
 
@@ -79,13 +91,18 @@ class MeshShape:
     def world_size(self) -> int:
         return math.prod(self.dense)
 
+    @property
+    def ranks_per_stage(self) -> int:
+        """The ranks of one pipeline stage (dp*cp*tp), which hold the same layers."""
+        return math.prod(self.dense[1:])
+
     def problems(self, world_size: int) -> list[str]:
         """Why these meshes cannot cover `world_size` ranks (empty when they can)."""
         out = []
         if self.world_size != world_size:
             sizes = " x ".join(f"{dim} {getattr(self, dim)}" for dim in DENSE_DIMS)
             out.append(f"dense mesh {sizes} = {self.world_size} ranks, not the world size {world_size}")
-        folded, expert = math.prod(self.dense[1:]), math.prod(self.expert[1:])
+        folded, expert = self.ranks_per_stage, math.prod(self.expert[1:])
         if expert != folded:
             sizes = " x ".join(f"{dim} {getattr(self, dim)}" for dim in EXPERT_DIMS[1:])
             out.append(f"expert mesh {sizes} = {expert} ranks per stage, not {'*'.join(DENSE_DIMS[1:])} = {folded}")

@@ -11,7 +11,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from moe_train.config.mesh_shape import data_parallel_size, expert_data_parallel_size
+from moe_train.config.mesh_shape import (
+    data_parallel_size,
+    expert_data_parallel_size,
+    ranks_beside_dp,
+    ranks_beside_edp,
+    stage_ranks,
+)
 
 
 class Section(BaseModel):
@@ -296,9 +302,8 @@ class Recipe(Section):
         """`layout_dp()` of a recipe whose layout is valid (every loaded recipe): raises ValueError otherwise."""
         dp = self.layout_dp()
         if dp is None:
-            p = self.parallel
             raise ValueError(f"no data-parallel size: world size {self.world_size} is not divisible by pp*cp*tp = "
-                             f"{p.pp * p.cp * p.tp}")
+                             f"{ranks_beside_dp(self.parallel)}")
         return dp
 
     @property
@@ -306,9 +311,8 @@ class Recipe(Section):
         """`layout_edp()` of a recipe whose layout is valid (every loaded recipe): raises ValueError otherwise."""
         edp = self.layout_edp()
         if edp is None:
-            p = self.parallel
-            raise ValueError(f"no expert data-parallel size: dp*cp*tp = {self.dp * p.cp * p.tp} is not divisible by "
-                             f"ep*etp = {p.ep * p.etp}")
+            raise ValueError(f"no expert data-parallel size: dp*cp*tp = {stage_ranks(self.dp, self.parallel)} is not "
+                             f"divisible by ep*etp = {ranks_beside_edp(self.parallel)}")
         return edp
 
     def resolved_run_dir(self) -> str:

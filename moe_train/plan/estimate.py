@@ -352,9 +352,9 @@ def estimate(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None
     model_flops = 3 * forward_flops_per_token(m, seq_length=layout.seq_length) * tokens
     # executed FLOPs of the whole step: every pipeline rank's, times the ranks of its stage
     if every_rank:
-        executed = sum(r.flops["total"] for r in ranks) * layout.dp * layout.cp * layout.tp
+        executed = sum(r.flops["total"] for r in ranks) * layout.ranks_per_stage
     else:  # the planned ranks stand for all (search ranks layouts; it does not report executed FLOPs)
-        executed = sum(r.flops["total"] for r in ranks) * layout.pp / len(ranks) * layout.dp * layout.cp * layout.tp
+        executed = sum(r.flops["total"] for r in ranks) * layout.pp / len(ranks) * layout.ranks_per_stage
     times = []
     for r in ranks:
         times.append(_time(r, layout, hardware, a, recipe.train.precision, r.params.local))
