@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moe_train.models.moe.collectives import all_gather_rows, reduce_scatter_rows
+from moe_train.models.moe.dispatch_collectives import all_gather_rows, reduce_scatter_rows
 from moe_train.models.moe.expert_group import ExpertShard
 from moe_train.models.moe.permute import Permutation, permute, unpermute, weighted_sum
 

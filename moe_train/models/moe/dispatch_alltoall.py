@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_train.models.moe.collectives import all_to_all_rows
+from moe_train.models.moe.dispatch_collectives import all_to_all_rows
 from moe_train.models.moe.expert_group import ExpertShard
 from moe_train.models.moe.permute import Permutation, permute, unpermute, weighted_sum
 
