@@ -20,6 +20,7 @@ from torch import nn
 from moe_train.config.schema import ModelConfig
 from moe_train.models.attention import document_ids, document_mask
 from moe_train.models.decoder import DecoderBlock
+from moe_train.models.linear import Linear
 from moe_train.models.loss import IGNORE_INDEX, LanguageModelLoss
 from moe_train.models.moe.aux_loss import StepBalancing, global_aux_loss
 from moe_train.models.moe.layer import RoutingRecord, RoutingRecords
@@ -38,6 +39,12 @@ class LossTerms(NamedTuple):
 
 
 class Transformer(nn.Module):
+    """Every family's model. Its GEMMs run through models/linear.py. Extension points, the only things
+    `moe_train.parallel.parallelize` replaces besides parameters (docs/interfaces.md, "Extension points"):
+    `lm_loss` (the loss object: vocabulary-parallel under tp), `run_layers` (how the decoder stack runs:
+    recomputed groups under full recomputation), each MoE layer's `dispatcher`, `token_group` and
+    `balance_group`, each MLA's `rope_key_to_heads`; `balancing` is what the step sets (`start_step`)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -52,7 +59,7 @@ class Transformer(nn.Module):
             {str(i): DecoderBlock(cfg, layer_index=i, balancing=self.balancing) for i in range(cfg.num_layers)}
         )
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, padded_vocab, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, padded_vocab, bias=False)
         self.mtp = nn.ModuleDict(
             {str(k): MTPModule(cfg, layer_index=cfg.num_layers + k, balancing=self.balancing)
              for k in range(cfg.mtp_layers)}

@@ -60,6 +60,8 @@ def checkpointed(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
 
 
 def _recompute_forward(module: torch.nn.Module) -> None:
+    """Checkpoint `module`'s forward in place. Not torch's checkpoint_wrapper: a wrapper module would rename
+    every parameter below it (`_checkpoint_wrapped_module.`), and checkpoints keep the plain model's names."""
     module.forward = checkpointed(module.forward)
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe_train.config.schema import MoEConfig
+from moe_train.models.linear import linear
 
 
 @dataclass
@@ -63,7 +63,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         """x [T, H] -> Routing."""
-        logits = F.linear(x.float(), self.weight.float())
+        logits = linear(x.float(), self.weight.float())
         scores = logits.softmax(dim=-1) if self.score_function == "softmax" else logits.sigmoid()
         with torch.no_grad():
             if self.even_routing:
