@@ -3,7 +3,8 @@ gradient products), so a precision or kernel choice (FP8, a chunked loss over th
 
 Two checks: a source rule (no other module of models/ or parallel/ calls a matrix product or builds a plain
 nn.Linear), and a run: every matrix product a forward dispatches comes from the site (SDPA's score products
-excepted: they have no weight), and their number is the model's GEMM count written out from its config.
+excepted: they have no weight), and their number is the model's GEMM count written out from its config. The
+same run check holds per rank under tensor parallelism (tests/test_tensor_parallel.py's two-rank job).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten
 ATTENTION = PACKAGE / "models" / "attention.py"
 
 
-class _GemmOrigins(TorchDispatchMode):
+class GemmOrigins(TorchDispatchMode):
     """For every GEMM dispatched in forward: whether the site's file is on the Python stack, or only SDPA's."""
 
     def __init__(self) -> None:
@@ -79,22 +80,24 @@ class _GemmOrigins(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def block_gemms(cfg, index: int) -> int:
+    """Weight GEMMs of decoder block `index`'s forward, from the config alone (the same on every tp rank, each
+    on its shard): attention projections, then the MLP, or the router + 3 grouped expert products (+ shared)."""
+    if cfg.family == "deepseek_v3":
+        attention = (1 if cfg.q_lora_rank is None else 2) + 3  # q (or q_a, q_b), kv_a, kv_b, o
+    else:
+        attention = 4
+    if not cfg.is_moe_layer(index):
+        return attention + 3
+    shared = 3 if cfg.moe.shared_expert_ffn_hidden_size > 0 else 0
+    return attention + 1 + 3 + shared
+
+
 def expected_gemms(cfg) -> int:
-    """The forward's weight GEMMs, from the config alone: attention projections, MLP or router + 3 grouped
-    expert products (+ shared experts), the head, and per MTP depth its projection, block and the head again."""
-
-    def block(index: int) -> int:
-        if cfg.family == "deepseek_v3":
-            attention = (1 if cfg.q_lora_rank is None else 2) + 3  # q (or q_a, q_b), kv_a, kv_b, o
-        else:
-            attention = 4
-        if not cfg.is_moe_layer(index):
-            return attention + 3
-        shared = 3 if cfg.moe.shared_expert_ffn_hidden_size > 0 else 0
-        return attention + 1 + 3 + shared
-
-    layers = sum(block(i) for i in range(cfg.num_layers))
-    mtp = sum(1 + block(cfg.num_layers + k) + 1 for k in range(cfg.mtp_layers))
+    """The model forward's weight GEMMs: every block, the head, and per MTP depth its projection, block and the
+    head again."""
+    layers = sum(block_gemms(cfg, i) for i in range(cfg.num_layers))
+    mtp = sum(1 + block_gemms(cfg, cfg.num_layers + k) + 1 for k in range(cfg.mtp_layers))
     return layers + 1 + mtp
 
 
@@ -110,7 +113,7 @@ def test_every_forward_gemm_runs_through_the_site(name: str):
             assert grouped_mm_supported(torch.float32, torch.device("cpu"), hidden_size=module.hidden_size,
                                         ffn_hidden_size=module.ffn_hidden_size)
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    with _GemmOrigins() as gemms:
+    with GemmOrigins() as gemms:
         terms = model(tokens, labels=tokens)
     assert "elsewhere" not in gemms.origins
     assert gemms.origins.count("site") == expected_gemms(cfg)

@@ -228,6 +228,7 @@ class _Planner:
         for names, style in PLANS[kind].items():
             name = _present(module, names)
             if style == ENTRY:
+                _submodule(module, name, nn.Module)  # the model declares the point (an identity by default)
                 setattr(module, name, RegionEntry(shared))
                 continue
             target = _submodule(module, name, Linear)
