@@ -153,7 +153,7 @@ def _assert_activation_bytes_match(result: dict, tp: int) -> None:
 def _assert_gemms_through_the_site(result: dict, tp: int) -> None:
     """Every GEMM of each layer's forward on rank 0 ran through models/linear.py, as many as on one process."""
     for case in _activation_cases(tp):
-        cfg = load_recipe(case["recipe"], case["overrides"]).model
+        cfg = load_recipe(case["recipe"], [*case["overrides"], f"launch.gpus_per_node={tp}"]).model
         for layer, origins in result[case["id"].replace("bytes-", "gemms-", 1)].items():
             assert "elsewhere" not in origins, f"{case['id']} layer {layer}: {origins}"
             assert origins.count("site") == block_gemms(cfg, int(layer)), f"{case['id']} layer {layer}"
