@@ -123,6 +123,8 @@ class Trainer:
         if recipe.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
             raise RecipeError(["logging.tensorboard: TensorBoard events need the tensorboard package "
                                "(pip install tensorboard)"])
+        if recipe.logging.wandb is not None and importlib.util.find_spec("wandb") is None:
+            raise RecipeError(["logging.wandb: W&B logging needs the wandb package (pip install wandb)"])
         if ctx is None:
             from moe_train.parallel.bootstrap import bootstrap
 
@@ -337,6 +339,8 @@ class Trainer:
                 total_steps=train.steps,
                 start_step=self.progress.step,
                 tensorboard=recipe.logging.tensorboard,
+                wandb=recipe.logging.wandb,
+                run_config=recipe.model_dump(mode="json"),
             )
             logger.message(f"data: {self.datasets.description}")
             for note in self.start.notes:
