@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe_train.checkpoint.async_save import Checkpointer
 from moe_train.checkpoint.collective import agreed_start_point
-from moe_train.checkpoint.save import save_checkpoint
 from moe_train.checkpoint.state import Progress, load_model_weights, load_training_state
 from moe_train.config import RecipeError
 from moe_train.config.schema import Recipe
@@ -136,6 +136,7 @@ class Trainer:
         torch.manual_seed(train.seed)
         self.run_dir = Path(recipe.resolved_run_dir())
         self.ckpt_dir = Path(recipe.checkpoint_dir())
+        self.checkpointer = Checkpointer(self.ckpt_dir, keep=recipe.checkpoint.keep)
         self.datasets = build_datasets(recipe)
         if train.eval_interval is not None and self.datasets.valid is None:
             raise RecipeError(["train.eval_interval: evaluation needs a validation split (data.valid_fraction > 0)"])
@@ -310,17 +311,18 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ the loop
 
-    def _save(self, logger: MetricsLogger | None) -> Path:
-        path = save_checkpoint(
-            self.ckpt_dir,
+    def _save(self, logger: MetricsLogger | None, *, background: bool = False) -> Path:
+        """Save this step; `background` (interval saves, with checkpoint.async_save) returns once it is staged."""
+        background = background and self.recipe.checkpoint.async_save
+        path = self.checkpointer.save(
             model_parts=self.model_parts,
             optimizers=self.optimizers,
             progress=self.progress,
             model_config=self.recipe.model.model_dump(mode="json"),
-            keep=self.recipe.checkpoint.keep,
+            background=background,
         )
         if logger is not None:
-            logger.message(f"checkpoint saved: {path}")
+            logger.message(f"checkpoint {'staged, writing in the background' if background else 'saved'}: {path}")
         return path
 
     def _memory_bytes(self) -> int:
@@ -426,9 +428,10 @@ class Trainer:
                     logger.eval(eval_record(step=step, loss=loss))
             interval = recipe.checkpoint.interval
             if interval and step % interval == 0 and step != last:
-                checkpoint, saved_step = self._save(logger), step
+                checkpoint, saved_step = self._save(logger, background=True), step
         if saved_step != self.progress.step:
             checkpoint = self._save(logger)
+        self.checkpointer.close()  # the last checkpoint is on disk, and `latest` names it, before the run ends
         if status is None:
             status = "complete" if self.progress.step >= train.steps else "exited"
         if status == "complete" and self.ctx.logs:
