@@ -60,9 +60,9 @@ def test_async_saves_equal_sync_saves_and_resume_the_same(tmp_path: Path) -> Non
     assert latest_checkpoint(runs["async"] / "checkpoints").name == "step-0000004"
     assert numbers(runs["async"]) == numbers(runs["sync"])
     # A new run resumed from the background save of step 2 trains steps 3 and 4 as the uninterrupted run did.
-    resumed = tmp_path / "resumed"
+    resumed, step_2 = tmp_path / "resumed", runs["async"] / "checkpoints" / "step-0000002"
     result = run_cli("run", "qwen3-moe-tiny", *sets(*SHRINK, *STEPS, f"run_dir={resumed}",
-                                                     f"checkpoint.resume={runs['async'] / 'checkpoints' / 'step-0000002'}"))
+                                                     f"checkpoint.resume={step_2}"))
     assert result.code == 0, result.stderr
     assert [r["loss"] for r in train_lines(resumed)] == [r["loss"] for r in train_lines(runs["sync"])[2:]]
 
