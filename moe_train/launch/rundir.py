@@ -28,6 +28,7 @@ SCRIPT_FILE = "job.sbatch"
 PREFLIGHT_SCRIPT_FILE = "preflight.sbatch"
 SUBMISSIONS_FILE = "submissions.jsonl"
 COMPLETE_FILE = "COMPLETE"
+FAILED_FILE = "FAILED"  # the reason line of a run that ended in a runtime failure (train_and_report)
 PREEMPT_FILE = "PREEMPT"
 METRICS_FILE = "metrics.jsonl"
 

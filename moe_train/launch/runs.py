@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from .rundir import COMPLETE_FILE, METRICS_FILE, RECIPE_FILE, SUBMISSIONS_FILE
+from .rundir import COMPLETE_FILE, FAILED_FILE, METRICS_FILE, RECIPE_FILE, SUBMISSIONS_FILE
 
 SKIP_DIRS = {"checkpoints", "logs"}
 TAIL_BYTES = 65536
@@ -30,6 +30,7 @@ class RunStatus:
     loss: float | None
     elapsed_s: float | None = None  # from the latest launch (recipe.yaml's provenance time) to the last metrics line
     tokens_per_s: float | None = None  # of the last logged step
+    reason: str | None = None  # why a failed run failed: the FAILED file's line
 
 
 def find_runs(root: Path) -> list[Path]:
@@ -117,7 +118,7 @@ def queue_states() -> dict[str, str]:
 
 
 def run_status(run_dir: Path, queue: dict[str, str]) -> RunStatus:
-    """complete | running | queued | <state> (other live SLURM states) | stopped | submitted | new."""
+    """complete | running | queued | <state> (other live SLURM states) | failed | stopped | submitted | new."""
     record = last_train_record(run_dir / METRICS_FILE) or {}
     step, loss = record.get("step"), record.get("loss")
     submission = last_submission(run_dir)
@@ -130,14 +131,20 @@ def run_status(run_dir: Path, queue: dict[str, str]) -> RunStatus:
         status = {"RUNNING": "running", "PENDING": "queued", "REQUEUED": "queued"}.get(state, state.lower())
         if kind == "preflight":
             status = f"preflight {status}"
+    elif (run_dir / FAILED_FILE).is_file():
+        status = "failed"
     elif step is not None:
         status = "stopped"
     elif job_id is not None:
         status = "preflight done" if kind == "preflight" else "submitted"
     else:
         status = "new"
+    reason = None
+    if status == "failed":
+        reason = (run_dir / FAILED_FILE).read_text(errors="replace").strip().splitlines()[:1] or ["(no reason)"]
+        reason = reason[0]
     return RunStatus(run_dir, status, job_id, step, loss, elapsed_seconds(run_dir) if step is not None else None,
-                     record.get("tokens_per_s"))
+                     record.get("tokens_per_s"), reason)
 
 
 def collect(root: Path) -> list[RunStatus]:
@@ -167,6 +174,12 @@ def format_elapsed(seconds: float | None) -> str:
     if hours:
         return f"{hours}h{minutes:02d}m"
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def failure_lines(statuses: list[RunStatus], root: Path) -> list[str]:
+    """`RUN: failed: REASON`, one per failed run, for under the table."""
+    return [f"{s.run_dir.relative_to(root) if s.run_dir != root else '.'}: failed: {s.reason}"
+            for s in statuses if s.reason is not None]
 
 
 def runs_table(statuses: list[RunStatus], root: Path):

@@ -51,6 +51,7 @@ from moe_train.plan.flops import training_flops_per_token
 from moe_train.train.bad_steps import BadSteps, Rejection
 from moe_train.train.errors import TrainingError
 from moe_train.train.grad_norm import clip_grad_norm
+from moe_train.train.hang_report import HangWatch
 from moe_train.train.metrics import MetricsLogger, eval_record, expert_balance, train_record
 from moe_train.train.optimizer import set_lr
 from moe_train.train.peak import peak_flops
@@ -137,6 +138,9 @@ class Trainer:
         self.run_dir = Path(recipe.resolved_run_dir())
         self.ckpt_dir = Path(recipe.checkpoint_dir())
         self.checkpointer = Checkpointer(self.ckpt_dir, keep=recipe.checkpoint.keep)
+        self.hang_watch = HangWatch(rank=self.rank, timeout_s=recipe.launch.timeout_minutes * 60,
+                                    step=lambda: self.progress.step + 1, log_dir=self.run_dir / "logs") \
+            if ctx.world_size > 1 else None
         self.datasets = build_datasets(recipe)
         if train.eval_interval is not None and self.datasets.valid is None:
             raise RecipeError(["train.eval_interval: evaluation needs a validation split (data.valid_fraction > 0)"])
@@ -432,6 +436,8 @@ class Trainer:
         if saved_step != self.progress.step:
             checkpoint = self._save(logger)
         self.checkpointer.close()  # the last checkpoint is on disk, and `latest` names it, before the run ends
+        if self.hang_watch is not None:
+            self.hang_watch.stop()
         if status is None:
             status = "complete" if self.progress.step >= train.steps else "exited"
         if status == "complete" and self.ctx.logs:
