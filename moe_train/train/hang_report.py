@@ -114,9 +114,9 @@ def _sizes(args, kwargs) -> str:
 # Where each wrapped function takes its group when it is passed by position.
 DIST_GROUP_AT = {"all_reduce": 2, "all_gather": 2, "all_gather_into_tensor": 2, "all_gather_single": 2,
                  "reduce_scatter": 3, "reduce_scatter_tensor": 3, "reduce_scatter_single": 3, "isend": 2, "irecv": 2,
-                 "all_reduce_coalesced": 2, "all_gather_coalesced": 2, "all_to_all": 2, "all_to_all_single": 4, "broadcast": 2, "reduce": 3,
-                 "gather": 3, "scatter": 3, "barrier": 0, "send": 2, "recv": 2, "all_gather_object": 2,
-                 "broadcast_object_list": 2, "monitored_barrier": 0}
+                 "all_reduce_coalesced": 2, "all_gather_coalesced": 2, "all_to_all": 2, "all_to_all_single": 4,
+                 "broadcast": 2, "reduce": 3, "gather": 3, "scatter": 3, "barrier": 0, "send": 2, "recv": 2,
+                 "all_gather_object": 2, "broadcast_object_list": 2, "monitored_barrier": 0}
 FUNCTIONAL_GROUP_AT = {"all_reduce": 2, "all_gather_tensor": 2, "reduce_scatter_tensor": 2, "all_to_all_single": 3,
                        "broadcast": 2, "all_reduce_coalesced": 2, "all_gather_into_tensor_coalesced": 2}
 
