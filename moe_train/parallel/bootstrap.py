@@ -39,7 +39,8 @@ class LauncherEnv:
         self.local_world_size = int(env.get("LOCAL_WORLD_SIZE", 1))
         nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
         self.slurm_nodes = int(nodes) if nodes else None
-        self.host = socket.gethostname()
+        # SLURM's name for the node (several nodes may share a machine, as in the test cluster), else the host's.
+        self.host = env.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def launcher_problems(recipe: Recipe, env: LauncherEnv) -> list[str]:

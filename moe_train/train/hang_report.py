@@ -37,7 +37,7 @@ REPORT_AT = 0.75  # of the process group's timeout
 POLL_S = 0.5
 WRAPPED_DIST = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
                 "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single", "broadcast",
-                "reduce", "gather", "scatter", "barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+                "reduce", "gather", "scatter", "barrier", "send", "recv", "batch_isend_irecv",
                 "all_gather_object", "broadcast_object_list", "monitored_barrier", "all_reduce_coalesced",
                 "all_gather_coalesced")
 WRAPPED_FUNCTIONAL = ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "all_to_all_single",
@@ -113,7 +113,7 @@ def _sizes(args, kwargs) -> str:
 
 # Where each wrapped function takes its group when it is passed by position.
 DIST_GROUP_AT = {"all_reduce": 2, "all_gather": 2, "all_gather_into_tensor": 2, "all_gather_single": 2,
-                 "reduce_scatter": 3, "reduce_scatter_tensor": 3, "reduce_scatter_single": 3, "isend": 2, "irecv": 2,
+                 "reduce_scatter": 3, "reduce_scatter_tensor": 3, "reduce_scatter_single": 3,
                  "all_reduce_coalesced": 2, "all_gather_coalesced": 2, "all_to_all": 2, "all_to_all_single": 4,
                  "broadcast": 2, "reduce": 3, "gather": 3, "scatter": 3, "barrier": 0, "send": 2, "recv": 2,
                  "all_gather_object": 2, "broadcast_object_list": 2, "monitored_barrier": 0}
@@ -134,6 +134,8 @@ def _wrap(module, name: str, functional: bool) -> None:
         return
 
     def call(*args, **kwargs):
+        if torch.compiler.is_compiling():  # traced into a graph: no Python runs there when it executes
+            return real(*args, **kwargs)
         group = _group_argument(FUNCTIONAL_GROUP_AT if functional else DIST_GROUP_AT, name, args, kwargs)
         LOG.enter(group_name(group), name, _sizes(args, kwargs))
         try:
@@ -150,7 +152,8 @@ def _wrap(module, name: str, functional: bool) -> None:
 
 def install_wrappers() -> None:
     """Wrap the collectives (once per process). An async collective counts as waiting only while it is issued;
-    its `wait()` is what then blocks, and the stacks show that frame."""
+    its `wait()` is what then blocks, and the stacks show that frame. isend/irecv stay unwrapped: `P2POp` checks
+    its op against those very functions (batch_isend_irecv, which runs them, is wrapped)."""
     import torch.distributed._functional_collectives as functional
 
     for name in WRAPPED_DIST:
