@@ -1,7 +1,9 @@
 """A real two-node SLURM cluster for the tests: munged, slurmctld and two slurmd started from a temporary folder.
 
-The two nodes are two slurmd daemons on this machine (`slurmd -N NAME`, each on its own port, one CPU each), so
-jobs of `launch.nodes: 2` really run one srun task on each node and torchrun rendezvous across them. Each node
+The two nodes are two slurmd daemons on this machine (`slurmd -N NAME`, each on its own port), so jobs of
+`launch.nodes: 2` really run one srun task on each node and torchrun rendezvous across them. Each node offers
+this machine's CPUs (2 here, so both nodes together claim the cores twice): CPU launches ask for
+`--cpus-per-task=gpus_per_node`, and the one-node jobs of two ranks must still fit one node. Each node
 name resolves to this machine (the host's own name and `localhost`; NodeAddr=127.0.0.1), as the batch script's
 rendezvous host (the first node of the allocation) must. One-node jobs land on either node.
 
@@ -158,7 +160,8 @@ def start_cluster(root: Path) -> SlurmCluster:
     subprocess.run([_binary("mungekey"), "--create", f"--keyfile={key}", "--force"], check=True,
                    capture_output=True)
     ctld_port = _free_port()
-    node_lines = [f"NodeName={name} NodeAddr=127.0.0.1 NodeHostname={name} Port={_free_port()} CPUs=1 State=UNKNOWN"
+    node_lines = [f"NodeName={name} NodeAddr=127.0.0.1 NodeHostname={name} Port={_free_port()} "
+                  f"CPUs={os.cpu_count()} State=UNKNOWN"
                   for name in nodes]
     conf = root / "slurm.conf"
     conf.write_text(
@@ -178,7 +181,7 @@ def start_cluster(root: Path) -> SlurmCluster:
                 f"SlurmdPidFile={run}/slurmd-%n.pid",
                 f"SlurmctldLogFile={root}/slurmctld.log",
                 f"SlurmdLogFile={root}/slurmd-%n.log",
-                "SlurmdParameters=config_overrides",  # one CPU per node as configured, whatever the machine has
+                "SlurmdParameters=config_overrides",  # the nodes as configured (they share this machine's cores)
                 "ProctrackType=proctrack/linuxproc",
                 "TaskPlugin=task/none",
                 "JobAcctGatherType=jobacct_gather/none",
