@@ -14,6 +14,7 @@ import typer
 
 from moe_train.report.history import ReportError, load_histories
 from moe_train.report.summary import describe, summarize, sweep_table
+from moe_train.run_files import REPORT_DIR
 
 from .common import fail
 
@@ -47,12 +48,12 @@ def report(
     from moe_train.report.write import write_report
 
     if compare:
-        _compare(run_dirs, out if out is not None else Path("report"))
+        _compare(run_dirs, out if out is not None else Path(REPORT_DIR))
         return
     if len(run_dirs) != 1:
         fail(["RUN_DIR: give one run or sweep folder, or several with --compare"])
     run_dir = run_dirs[0]
-    out_dir = out if out is not None else run_dir / "report"
+    out_dir = out if out is not None else run_dir / REPORT_DIR
     try:
         histories, notes = load_histories(run_dir)
         if out_dir.exists() and not out_dir.is_dir():

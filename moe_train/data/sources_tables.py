@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from moe_train.data.errors import DataError
+from moe_train.config.data_files import DataError
 
 PARQUET_SUFFIX = ".parquet"
 ROWS_PER_BATCH = 4096

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moe_train.launch.rundir import FAILED_FILE
+from moe_train.run_files import FAILED_FILE
 
 if TYPE_CHECKING:
     from moe_train.config.schema import Recipe

@@ -17,6 +17,7 @@ import torch
 
 from moe_train.atomic import write_atomic
 from moe_train.config.schema import WandbConfig
+from moe_train.run_files import METRICS_FILE
 from moe_train.train.wandb_log import WandbLog
 
 
@@ -130,7 +131,7 @@ class MetricsLogger:
     def __init__(self, log_dir: Path, *, total_steps: int, start_step: int, tensorboard: bool,
                  wandb: WandbConfig | None = None, run_config: dict[str, Any] | None = None) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.path = log_dir / "metrics.jsonl"
+        self.path = log_dir / METRICS_FILE
         _drop_records_after(self.path, start_step)
         self._file = self.path.open("a", encoding="utf-8")
         self._total = total_steps
