@@ -106,14 +106,15 @@ def record_run(recipe_name: str, overrides: list[str], *, world: int, run_dir: P
 
 
 def record_resumed(recipe_name: str, overrides: list[str], *, world: int, run_dir: Path, steps: int,
-                   stop_at: int) -> dict:
+                   stop_at: int, resume_overrides: tuple[str, ...] = ()) -> dict:
     """Train to `stop_at` (checkpoint, exit), resume in a new Trainer and finish: the final state and the
-    metrics the logging rank wrote, to compare with an uninterrupted run."""
+    metrics the logging rank wrote, to compare with an uninterrupted run. `resume_overrides` change the resumed
+    launch (another layout: the checkpoint reshards on load)."""
     from moe_train.train.loop import Trainer
 
     base = [*overrides, f"launch.gpus_per_node={world}", f"run_dir={run_dir}", f"train.steps={steps}"]
     Trainer(load_recipe(recipe_name, [*base, f"train.exit_at_step={stop_at}"])).train()
-    resumed = Trainer(load_recipe(recipe_name, [*base, "checkpoint.resume=required"]))
+    resumed = Trainer(load_recipe(recipe_name, [*base, *resume_overrides, "checkpoint.resume=required"]))
     started = resumed.progress.step
     resumed.train()
     return {"started": started, "state": whole_state(resumed)}

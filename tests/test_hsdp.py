@@ -1,0 +1,58 @@
+"""HSDP (`parallel.dp_replicate`) and FSDP2's explicit prefetch against the single-process run of the same recipe,
+parameter by parameter, in one 4-rank job (tests/workers/train_layouts.py): dp 4 as 2 replicas x 2 shards for a
+dense and a MoE model, experts apart on their own (dpr, edps) mesh under EP2, and a checkpoint saved under HSDP
+resumed as plain FSDP over dp 4 (DCP reshards the replicated shards). Explicit prefetch is always on wherever
+FSDP2 is applied, so these cases and every other multi-rank layout test run with it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from multirank import run_ranks
+from test_data_parallel import FP32, assert_same_run, case, reference
+
+from moe_train.config import load_recipe
+from moe_train.config.loader import RecipeError
+
+HSDP = "parallel.dp_replicate=2"
+
+
+def test_hsdp_2x2_equals_single_process_and_resumes_as_dp4(tmp_path: Path) -> None:
+    moe = FP32["qwen3-moe-tiny"]
+    cases = [
+        case("hsdp-qwen3-tiny", "qwen3-tiny", [*FP32["qwen3-tiny"], HSDP]),
+        case("hsdp-qwen3-moe-tiny", "qwen3-moe-tiny", [*moe, HSDP]),
+        # EP2 puts experts apart: edp 2 = dpr 2 x edps 1, replicated over the same dpr as the dense parameters.
+        case("hsdp-ep2-qwen3-moe-tiny", "qwen3-moe-tiny", [*moe, HSDP, "parallel.ep=2"]),
+        case("hsdp-to-dp4-qwen3-moe-tiny", "qwen3-moe-tiny", [*moe, HSDP], steps=4, stop_at=2,
+             resume_overrides=["parallel.dp_replicate=1"]),
+        case("straight-dp4-qwen3-moe-tiny", "qwen3-moe-tiny", moe, steps=4),
+    ]
+    saved = run_ranks("train_layouts", 4, {"cases": cases, "run_root": str(tmp_path / "hsdp")}, tmp_path,
+                      timeout=420)
+    records = {key: torch.load(path, weights_only=True) for key, path in saved.items()}
+    assert_same_run(records["hsdp-qwen3-tiny"], reference(tmp_path, "qwen3-tiny", FP32["qwen3-tiny"]))
+    want = reference(tmp_path, "qwen3-moe-tiny", moe)
+    assert_same_run(records["hsdp-qwen3-moe-tiny"], want)
+    assert_same_run(records["hsdp-ep2-qwen3-moe-tiny"], want)
+
+    # Two steps under HSDP, two more under FSDP over dp 4 from its checkpoint: the uninterrupted dp-4 run.
+    resumed, straight = records["hsdp-to-dp4-qwen3-moe-tiny"], records["straight-dp4-qwen3-moe-tiny"]
+    assert resumed["started"] == 2
+    for key, value in straight["state"].items():
+        torch.testing.assert_close(resumed["state"][key], value, rtol=1e-5, atol=1e-7,
+                                   msg=lambda m, key=key: f"{key}: {m}")
+    logged = [json.loads(line) for line in (tmp_path / "hsdp" / "hsdp-to-dp4-qwen3-moe-tiny" / "metrics.jsonl").open()]
+    assert [r["loss"] for r in logged if r["kind"] == "train"] == pytest.approx(straight["losses"], rel=1e-6)
+
+
+def test_dp_replicate_must_divide_dp_and_edp() -> None:
+    with pytest.raises(RecipeError, match="parallel.dp_replicate: 3 must divide dp = 4"):
+        load_recipe("qwen3-moe-tiny", ["launch.gpus_per_node=4", "parallel.dp_replicate=3"])
+    # dp 2 x tp 1 with ep 2: edp = 1, which 2 replicas cannot split.
+    with pytest.raises(RecipeError, match="parallel.dp_replicate: 2 must divide the experts' edp = 1"):
+        load_recipe("qwen3-moe-tiny", ["launch.gpus_per_node=2", "parallel.dp_replicate=2", "parallel.ep=2"])
