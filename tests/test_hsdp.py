@@ -37,8 +37,8 @@ def test_hsdp_2x2_equals_single_process_and_resumes_as_dp4(tmp_path: Path) -> No
     records = {key: torch.load(path, weights_only=True) for key, path in saved.items()}
     for key in ("hsdp-qwen3-tiny", "hsdp-qwen3-moe-tiny", "hsdp-ep2-qwen3-moe-tiny"):  # HSDP's 2-D meshes
         for name, dims in records[key]["meshes"].items():
-            want_dims = ["dpr", "edps", "ep"] if key.startswith("hsdp-ep2") and ".experts." in name else ["dpr", "dps"]
-            assert dims == want_dims, (key, name)
+            experts = key.startswith("hsdp-ep2") and ".experts." in name  # on the expert mesh, apart
+            assert dims == (["dpr", "edps", "ep", "etp"] if experts else ["dpr", "dps"]), (key, name)
     assert_same_run(records["hsdp-qwen3-tiny"], reference(tmp_path, "qwen3-tiny", FP32["qwen3-tiny"]))
     want = reference(tmp_path, "qwen3-moe-tiny", moe)
     assert_same_run(records["hsdp-qwen3-moe-tiny"], want)
