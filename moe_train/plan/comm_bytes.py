@@ -28,6 +28,7 @@ micro-batch on this rank, Ts of them in the sequence region, Tm routed; a bytes 
   rank's padded shard in the parameter dtype in each micro-batch's forward and again in its backward (when
   resharding after forward), and one reduce-scatter of the fp32 gradient (padded, all shards) per step (the
   trainer syncs gradients in the last micro-batch only); under pipelining once per step (Assumptions).
+  HSDP (dpr > 1): the same over dps (dps_cp) and edps, and each reduced fp32 shard all-reduced over dpr.
 - per step: the sum over tp of replicated parameters' partial gradients (one fp32 all-reduce of their local
   shards) and the gradient norm: one fp32 value per parameter tensor, all-reduced over each dimension of its
   mesh (plain tensors: dp; tensor-parallel ones: dp and tp; experts: edp, and ep, or ep x etp at once over
