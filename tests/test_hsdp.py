@@ -96,3 +96,25 @@ def test_prefetch_each_block_gathers_the_next_one_before_its_forward(tmp_path: P
     for block, during in gathered:
         first.setdefault(block, during)
     assert [(block, first[block]) for block in order[1:]] == [(order[i + 1], order[i]) for i in range(len(order) - 1)]
+
+
+def test_plan_of_hsdp_is_fsdp_over_one_replica_plus_the_replica_all_reduce() -> None:
+    """qwen3-30b-a3b on 32 GPUs as 2 replicas x 16 shards: each rank holds and gathers what plain FSDP over 16
+    ranks does (same micro-batches per rank), and the replicas all-reduce each reduced fp32 shard once per step."""
+    from moe_train.config.hardware import HARDWARE
+    from moe_train.plan.estimate import estimate, plan_json
+
+    hsdp = plan_json(estimate(load_recipe("qwen3-30b-a3b", [HSDP]), HARDWARE["h100"]))
+    one = plan_json(estimate(load_recipe("qwen3-30b-a3b", ["launch.nodes=2", "train.global_batch_size=128"]),
+                             HARDWARE["h100"]))
+    assert (hsdp["layout"]["dp"], hsdp["layout"]["dp_replicate"], one["layout"]["dp"]) == (32, 2, 16)
+    assert hsdp["params"] == one["params"]
+    for memory in ("weights", "grads", "optimizer"):
+        assert hsdp["memory_bytes"][memory] == one["memory_bytes"][memory]
+    bytes_h, bytes_1 = hsdp["comm_bytes"], one["comm_bytes"]
+    for op in ("all_gather", "reduce_scatter"):
+        assert bytes_h[f"dps/{op}"] == bytes_1[f"dp/{op}"]
+        assert bytes_h[f"edps/{op}"] == bytes_1[f"edp/{op}"]
+    # a reduce-scatter's payload is all shards (16 dense, edps = 2 expert), the all-reduce one shard
+    assert bytes_h["dpr/all_reduce"] == bytes_1["dp/reduce_scatter"] / 16 + bytes_1["edp/reduce_scatter"] / 2
+    assert not [key for key in bytes_h if key.split("/")[0] in ("dp", "edp")]
