@@ -1,8 +1,8 @@
 """HSDP (`parallel.dp_replicate`) and FSDP2's explicit prefetch against the single-process run of the same recipe,
 parameter by parameter, in one 4-rank job (tests/workers/train_layouts.py): dp 4 as 2 replicas x 2 shards for a
 dense and a MoE model, experts apart on their own (dpr, edps) mesh under EP2, and a checkpoint saved under HSDP
-resumed as plain FSDP over dp 4 (DCP reshards the replicated shards). Explicit prefetch is always on wherever
-FSDP2 is applied, so these cases and every other multi-rank layout test run with it.
+resumed as plain FSDP over dp 4 (DCP reshards the replicated shards). Explicit prefetch is on wherever the dense
+FSDP2 mesh has more than one rank, so these cases and every other layout test with dp > 1 run with it.
 """
 
 from __future__ import annotations
@@ -62,39 +62,12 @@ def test_dp_replicate_must_divide_dp_and_edp() -> None:
         load_recipe("qwen3-moe-tiny", ["launch.gpus_per_node=2", "parallel.dp_replicate=2", "parallel.ep=2"])
 
 
-def test_prefetch_each_block_gathers_the_next_one_before_its_forward(tmp_path: Path, monkeypatch) -> None:
-    """Explicit forward prefetch, observed: in a bf16 step (FSDP2 applied, one process), each decoder block's
-    all-gather after the first is issued while the block before it is the one being entered, not when its own
-    forward starts (FSDP2's implicit order, which a host sync in the previous block would delay)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-
-    from moe_train.train.loop import Trainer
-
-    recipe = load_recipe("qwen3-tiny", ["model.num_layers=3", "train.seq_length=16", "train.micro_batch_size=1",
-                                        "train.global_batch_size=1", "train.precision=bf16",
-                                        "checkpoint.interval=null", "train.eval_interval=null",
-                                        f"run_dir={tmp_path / 'run'}", "train.steps=1"])
-    trainer = Trainer(recipe)
-    (model,) = trainer.model_parts
-    blocks = {id(block): name for name, block in model.layers.items()}
-    entered: list[str] = []
-    gathered: list[tuple[str, str | None]] = []  # (block gathered, block last entered then)
-    for name, block in model.layers.items():
-        block.register_forward_pre_hook(lambda module, args, name=name: entered.append(name), prepend=True)
-    unshard = FSDPParamGroup.unshard
-
-    def recording(group, *args, **kwargs):
-        names = [blocks[id(module)] for module in group.modules if id(module) in blocks]
-        if names and len(entered) < len(blocks):  # the first forward, before its last block is entered
-            gathered.append((names[0], entered[-1] if entered else None))
-        return unshard(group, *args, **kwargs)
-
-    monkeypatch.setattr(FSDPParamGroup, "unshard", recording)
-    trainer.train_step(1)
-    order = list(model.layers)
-    first = {}  # a block's own pre-forward calls unshard again, which returns at once when prefetched
-    for block, during in gathered:
-        first.setdefault(block, during)
+def test_prefetch_each_block_gathers_the_next_one_before_its_forward(tmp_path: Path) -> None:
+    """Explicit forward prefetch, observed: in a bf16 step on 2 ranks, each decoder block's all-gather after the
+    first is issued while the block before it is the one being entered, not when its own forward starts
+    (FSDP2's implicit order, which a host sync in the previous block would delay)."""
+    result = run_ranks("prefetch_order", 2, {"run_dir": str(tmp_path / "run")}, tmp_path, timeout=180)
+    order, first = result["order"], result["first"]
     assert [(block, first[block]) for block in order[1:]] == [(order[i + 1], order[i]) for i in range(len(order) - 1)]
 
 

@@ -59,7 +59,8 @@ def apply_fsdp(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> None
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
-    _prefetch_one_block_ahead([_units(block, apart) for block in blocks])
+    if dense.size() > 1:  # one shard: nothing to gather, so prefetching only holds the next block earlier
+        _prefetch_one_block_ahead([_units(block, apart) for block in blocks])
 
 
 def _units(block: nn.Module, apart: bool) -> list[FSDPModule]:
@@ -74,7 +75,8 @@ def _prefetch_one_block_ahead(units: list[list[FSDPModule]]) -> None:
     gather with the next module, and it cannot run ahead of a CPU that waits: a MoE layer's dispatch reads its
     split sizes on the host, so without this the next block's gather starts only after that wait (torchtitan
     sets the same for MoE models). One block ahead holds at most two blocks' parameters gathered, as implicit
-    prefetch does; further ahead would cost another block's memory for overlap the comm stream already has."""
+    prefetch does; further ahead would cost another block's memory for overlap the comm stream already has.
+    `apply_fsdp` sets it only where the dense mesh has more than one rank (with one shard nothing is gathered)."""
     for before, after in zip(units, units[1:], strict=False):
         before[0].set_modules_to_forward_prefetch(after)
         after[0].set_modules_to_backward_prefetch(list(reversed(before)))
