@@ -39,6 +39,8 @@ def summary_table(recipe: Recipe) -> Table:
     layout = f"pp {p.pp} x dp {recipe.dp} x cp {p.cp} x tp {p.tp}"
     if p.vpp > 1:
         layout += f" (vpp {p.vpp})"
+    if p.dp_replicate > 1:
+        layout += f" (HSDP: dpr {p.dp_replicate} x dps {recipe.dp // p.dp_replicate})"
     if m.moe is not None:
         layout += f" | experts: edp {recipe.edp} x ep {p.ep} x etp {p.etp}"
     extras = [name for name, on in (("sequence parallel", p.sequence_parallel),) if on]

@@ -138,6 +138,9 @@ REAL = {
         ("dsv3-tp2dp2-ep2etp2-allgather-bf16", "deepseek-v3-tiny",
          ["parallel.tp=2", "parallel.ep=2", "parallel.etp=2", "model.moe.dispatcher=allgather",
           "train.precision=bf16", "train.global_batch_size=4", *recompute("full-block-1")], True),
+        # HSDP 2 x 2, experts apart under EP2 (edp 2 = dpr 2 x edps 1): shard groups dps, the dpr all-reduce
+        ("moe-hsdp2x2-ep2-bf16", "qwen3-moe-tiny", ["parallel.dp_replicate=2", "parallel.ep=2",
+                                                    "train.precision=bf16", "train.global_batch_size=8"], True),
     ],
 }
 
@@ -216,6 +219,10 @@ def test_real_two_rank_layouts_measure_what_fake_and_plan_say(tmp_path):
 def test_real_four_rank_layouts_measure_what_fake_and_plan_say(tmp_path):
     result, recipes = _run_real(4, tmp_path)
     check_real(result, recipes, 4)
+    # HSDP: the shards' collectives go by dps and the replicas' gradient all-reduce by dpr, none by dp
+    hsdp = result["moe-hsdp2x2-ep2-bf16"]["report"]["comm_bytes"]
+    assert hsdp["dpr/all_reduce"] > 0 and hsdp["dps/reduce_scatter"] > 0 and hsdp["dps/all_gather"] > 0
+    assert not [key for key in hsdp if key.startswith("dp/")]
 
 
 # ------------------------------------------------------------------------------- full-size layers, fake

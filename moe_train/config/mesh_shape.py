@@ -6,6 +6,11 @@ parallelism can span ranks that attention uses for TP or DP, and etp is independ
 ranks row-major with the last dimension fastest, the order init_device_mesh uses: tp and etp neighbours are
 adjacent ranks (same node), pp is outermost.
 
+HSDP (`parallel.dp_replicate` > 1) splits dp into dpr x dps (replicas outer, so a replica's shards are the
+nearer ranks, within a node) and edp into dpr x edps, the same dpr: a rank's replica index is one number in
+both meshes, since both number a stage's ranks row-major with dp (edp) outermost. The split names have no `_`,
+which joins flattened dimensions (`dp_cp`).
+
 This is the one statement of the mesh dimensions: the recipe derives dp and edp here, the planner its rank
 strides, parallel/mesh.py the DeviceMeshes and the entry its rank table. A new dimension is added to the
 tuples and to MeshShape, nowhere else.
@@ -24,6 +29,9 @@ if TYPE_CHECKING:
 # Outermost first. Both start with pp; the second dimension is the data-parallel one, derived from the others.
 DENSE_DIMS = ("pp", "dp", "cp", "tp")
 EXPERT_DIMS = ("pp", "edp", "ep", "etp")
+# HSDP's split of each data-parallel dimension: replicas (outer) x shards, the 2-D mesh FSDP2 is given.
+DENSE_DP_SPLIT = ("dpr", "dps")
+EXPERT_DP_SPLIT = ("dpr", "edps")
 
 
 def ranks_beside_dp(parallel: ParallelConfig) -> int:
@@ -73,11 +81,22 @@ class MeshShape:
     edp: int
     ep: int
     etp: int
+    dpr: int = 1  # HSDP replicas (`parallel.dp_replicate`), splitting dp and edp
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> MeshShape:
         p = recipe.parallel
-        return cls(pp=p.pp, dp=recipe.dp, cp=p.cp, tp=p.tp, edp=recipe.edp, ep=p.ep, etp=p.etp)
+        return cls(pp=p.pp, dp=recipe.dp, cp=p.cp, tp=p.tp, edp=recipe.edp, ep=p.ep, etp=p.etp, dpr=p.dp_replicate)
+
+    @property
+    def dps(self) -> int:
+        """Dense shards per replica: the ranks a dense parameter is sharded over (dp under plain FSDP)."""
+        return self.dp // self.dpr
+
+    @property
+    def edps(self) -> int:
+        """Expert shards per replica: the ranks a routed expert is sharded over (edp under plain FSDP)."""
+        return self.edp // self.dpr
 
     @property
     def dense(self) -> tuple[int, ...]:
@@ -106,6 +125,9 @@ class MeshShape:
         if expert != folded:
             sizes = " x ".join(f"{dim} {getattr(self, dim)}" for dim in EXPERT_DIMS[1:])
             out.append(f"expert mesh {sizes} = {expert} ranks per stage, not {'*'.join(DENSE_DIMS[1:])} = {folded}")
+        for dim in ("dp", "edp"):
+            if getattr(self, dim) % self.dpr:
+                out.append(f"dpr {self.dpr} (HSDP replicas) does not divide {dim} {getattr(self, dim)}")
         return out
 
     def strides(self, dims: tuple[str, ...]) -> dict[str, int]:
@@ -114,6 +136,9 @@ class MeshShape:
         for dim in reversed(dims):
             out[dim] = running
             running *= getattr(self, dim)
+        for whole, (replicas, shards) in (("dp", DENSE_DP_SPLIT), ("edp", EXPERT_DP_SPLIT)):
+            if whole in out:  # HSDP's split: shards are the whole's neighbours, replicas dps (edps) of them apart
+                out[shards], out[replicas] = out[whole], out[whole] * getattr(self, shards)
         return out
 
     def dense_coords(self, rank: int) -> tuple[int, ...]:

@@ -138,6 +138,9 @@ def _layout(r: Recipe) -> list[Problem]:
         )
     # The rules below hold whatever the world size; only the fold onto the dense mesh needs dp.
     dp = r.layout_dp()
+    if dp is not None and dp % p.dp_replicate:
+        out.append(_p("parallel.dp_replicate", f"{p.dp_replicate} must divide dp = {dp} (HSDP: dp = dp_replicate "
+                      "replicas x shards)"))
     if m.moe is None:
         for field in ("ep", "etp"):
             if getattr(p, field) > 1:
@@ -148,6 +151,10 @@ def _layout(r: Recipe) -> list[Problem]:
                 _p("parallel.ep", f"the expert mesh must fold onto the dense one: dp*cp*tp = {stage_ranks(dp, p)} is "
                    f"not divisible by ep*etp = {ranks_beside_edp(p)}")
             )
+        edp = expert_data_parallel_size(dp, p)
+        if edp is not None and edp % p.dp_replicate:
+            out.append(_p("parallel.dp_replicate", f"{p.dp_replicate} must divide the experts' edp = {edp} "
+                          f"(dp*cp*tp / ep*etp): experts replicate over the same replicas"))
         if m.moe.num_experts % p.ep:
             out.append(_p("parallel.ep", f"{p.ep} must divide model.moe.num_experts {m.moe.num_experts}"))
         if p.etp > 1 and m.moe.dispatcher != "allgather":

@@ -147,6 +147,11 @@ class ParallelConfig(Section):
     ep: int = Field(1, ge=1)
     etp: int = Field(1, ge=1)
     dp: int | None = Field(None, ge=1, description="null: derived from the world size.")
+    dp_replicate: int = Field(
+        1, ge=1, description="HSDP: dp splits into dp_replicate replicas (dpr, across nodes) x dp/dp_replicate "
+        "shards (dps, within a node); parameters are sharded over dps and replicated over dpr, gradients "
+        "reduce-scattered within dps and all-reduced across dpr. Experts replicate over the same dpr. 1: FSDP."
+    )
     sequence_parallel: bool = False
     recompute: RecomputeConfig = RecomputeConfig()
     reshard_after_forward: bool | None = Field(

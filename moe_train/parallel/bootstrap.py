@@ -114,6 +114,8 @@ def bootstrap(recipe: Recipe, *, preflight: bool = False, env: LauncherEnv | Non
         device=device,
         dense=meshes.dense,
         expert=meshes.expert,
+        dense_split=meshes.dense_split,
+        expert_split=meshes.expert_split,
         owns_process_group=created,
         distinct_groups=distinct_groups,
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from moe_train.config.mesh_shape import DENSE_DIMS, EXPERT_DIMS, MeshShape
+from moe_train.config.mesh_shape import DENSE_DIMS, DENSE_DP_SPLIT, EXPERT_DIMS, EXPERT_DP_SPLIT, MeshShape
 
 if TYPE_CHECKING:
     import torch
@@ -29,6 +29,9 @@ class ParallelContext:
     device: torch.device
     dense: DeviceMesh  # (pp, dp, cp, tp)
     expert: DeviceMesh  # (pp, edp, ep, etp)
+    # HSDP (dpr > 1): the same meshes with dp split (pp, dpr, dps, cp, tp) and edp split (pp, dpr, edps, ep, etp)
+    dense_split: DeviceMesh | None = None
+    expert_split: DeviceMesh | None = None
     owns_process_group: bool = False  # bootstrap created it, so `shutdown` destroys it
     distinct_groups: bool = False  # every dimension has its own process group (build_meshes)
     flattened: dict[str, DeviceMesh] = field(default_factory=dict, compare=False)  # made so far, by name
@@ -43,6 +46,12 @@ class ParallelContext:
             return self.dense[name]
         if name in EXPERT_DIMS:
             return self.expert[name]
+        if name in (*DENSE_DP_SPLIT, *EXPERT_DP_SPLIT):
+            if self.dense_split is None:
+                if name == "dpr":
+                    raise KeyError("mesh dimension 'dpr' exists under HSDP only (parallel.dp_replicate > 1)")
+                return self.dense["dp"] if name == "dps" else self.expert["edp"]
+            return self.dense_split[name] if name in DENSE_DP_SPLIT else self.expert_split[name]
         if name in self.flattened:
             return self.flattened[name]
         dims = tuple(name.split("_"))
@@ -54,6 +63,13 @@ class ParallelContext:
                 return self.flattened[name]
         raise KeyError(f"unknown mesh dimension {name!r}; known: {', '.join(DENSE_DIMS + EXPERT_DIMS[1:])} "
                        "or adjacent ones joined by _")
+
+    def fsdp_mesh(self, *, experts: bool) -> DeviceMesh:
+        """The mesh FSDP2 shards over: dp (edp for experts apart from their block), or under HSDP the 2-D
+        (dpr, dps) ((dpr, edps)) mesh, on which fully_shard replicates over dpr and shards over the other."""
+        if self.dense_split is None:
+            return self.expert["edp"] if experts else self.dense["dp"]
+        return self.expert_split[EXPERT_DP_SPLIT] if experts else self.dense_split[DENSE_DP_SPLIT]
 
     def group(self, name: str) -> ProcessGroup:
         return self.mesh(name).get_group()
@@ -83,6 +99,10 @@ class ParallelContext:
         for name in (*DENSE_DIMS, *EXPERT_DIMS[1:], *self.flattened):
             if self.mesh(name).get_group() is group:
                 return name
+        for split, names in ((self.dense_split, DENSE_DP_SPLIT), (self.expert_split, EXPERT_DP_SPLIT)):
+            for name in names if split is not None else ():
+                if split[name].get_group() is group:  # the expert mesh's dpr is the dense dpr's ranks
+                    return name
         for name, named in self.named_groups.items():
             if named is group:
                 return name

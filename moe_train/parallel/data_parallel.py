@@ -1,5 +1,5 @@
 """Data parallelism with FSDP2 (`fully_shard`): dense parameters sharded over dp, experts over edp (with their
-block when edp is dp).
+block when edp is dp), and explicit prefetch one block ahead.
 
 Every rank holds a shard of every parameter, gathered for a module's forward and backward and resharded after
 (unless `parallel.reshard_after_forward` is false, the default under pipeline parallelism: more memory, one
@@ -9,6 +9,10 @@ policy is one at every world size, including 1, so numerics never depend on dp: 
 in fp32. On one process in fp32 that policy is the identity (nothing to gather, cast or reduce), so FSDP2 is
 not applied there: its hooks and buffer copies cost ~10% of the default run's step for bit-identical numbers.
 A bf16 run on one process keeps FSDP2, whose parameter cast is the policy.
+
+HSDP (`parallel.dp_replicate` > 1): the mesh is 2-D, (dpr, dps) for dense units and (dpr, edps) for experts
+apart (ParallelContext.fsdp_mesh): parameters are sharded over the shard dimension and replicated over dpr;
+FSDP2 reduce-scatters gradients within dps, then all-reduces the shard across dpr.
 
 Gradients are SUMMED over the data-parallel group, never averaged: the trainer scales each rank's loss to its
 share of the global batch already, so the sum is the global batch's gradient. Forcing the sum (and a divide
@@ -41,7 +45,7 @@ def apply_fsdp(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> None
         mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32),
         reshard_after_forward=recipe.parallel.reshards_after_forward,
     )
-    dense, expert = ctx.mesh("dp"), ctx.mesh("edp")
+    dense, expert = ctx.fsdp_mesh(experts=False), ctx.fsdp_mesh(experts=True)
     apart = recipe.parallel.experts_apart
     blocks: list[nn.Module] = [*model.layers.values(), *(module.block for module in model.mtp.values())]
     for block in blocks:
@@ -55,6 +59,27 @@ def apply_fsdp(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> None
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+    if dense.size() > 1:  # one shard: nothing to gather, so prefetching only holds the next block earlier
+        _prefetch_one_block_ahead([_units(block, apart) for block in blocks])
+
+
+def _units(block: nn.Module, apart: bool) -> list[FSDPModule]:
+    """A block's FSDP2 units in the order its forward uses them: the block (attention), then its experts when
+    they are a unit of their own."""
+    return [block, block.mlp.experts] if block.is_moe and apart else [block]
+
+
+def _prefetch_one_block_ahead(units: list[list[FSDPModule]]) -> None:
+    """Explicit prefetch: each block's forward issues the next block's all-gathers, each block's backward the
+    previous block's, so the gathers overlap compute. FSDP2's implicit prefetch only overlaps the copy-out of a
+    gather with the next module, and it cannot run ahead of a CPU that waits: a MoE layer's dispatch reads its
+    split sizes on the host, so without this the next block's gather starts only after that wait (torchtitan
+    sets the same for MoE models). One block ahead holds at most two blocks' parameters gathered, as implicit
+    prefetch does; further ahead would cost another block's memory for overlap the comm stream already has.
+    `apply_fsdp` sets it only where the dense mesh has more than one rank (with one shard nothing is gathered)."""
+    for before, after in zip(units, units[1:], strict=False):
+        before[0].set_modules_to_forward_prefetch(after)
+        after[0].set_modules_to_backward_prefetch(list(reversed(before)))
 
 
 def set_gradient_sync(model: nn.Module, sync: bool) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from moe_train.config.mesh_shape import DENSE_DIMS, EXPERT_DIMS, MeshShape
+from moe_train.config.mesh_shape import DENSE_DIMS, DENSE_DP_SPLIT, EXPERT_DIMS, EXPERT_DP_SPLIT, MeshShape
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -15,11 +15,15 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Meshes:
-    """The two DeviceMeshes over all ranks; sub-groups by name, e.g. `dense["tp"]`, `expert["ep"]`."""
+    """The two DeviceMeshes over all ranks; sub-groups by name, e.g. `dense["tp"]`, `expert["ep"]`. Under HSDP
+    (dpr > 1) also each with its data-parallel dimension split, (pp, dpr, dps, cp, tp) and (pp, dpr, edps, ep,
+    etp): the same ranks, FSDP2's 2-D meshes and the replica and shard groups."""
 
     shape: MeshShape
     dense: DeviceMesh
     expert: DeviceMesh
+    dense_split: DeviceMesh | None = None
+    expert_split: DeviceMesh | None = None
 
 
 def build_meshes(shape: MeshShape, device_type: str, *, distinct_groups: bool = False) -> Meshes:
@@ -46,4 +50,11 @@ def build_meshes(shape: MeshShape, device_type: str, *, distinct_groups: bool = 
                              backend_override=own_groups(DENSE_DIMS, shape.dense))
     expert = init_device_mesh(device_type, shape.expert, mesh_dim_names=EXPERT_DIMS,
                               backend_override=own_groups(EXPERT_DIMS, shape.expert))
-    return Meshes(shape=shape, dense=dense, expert=expert)
+    if shape.dpr == 1:
+        return Meshes(shape=shape, dense=dense, expert=expert)
+    dense_sizes, expert_sizes = (shape.dpr, shape.dps), (shape.dpr, shape.edps)
+    dense_split = dense._unflatten("dp", dense_sizes, DENSE_DP_SPLIT,
+                                   backend_override=own_groups(DENSE_DP_SPLIT, dense_sizes))
+    expert_split = expert._unflatten("edp", expert_sizes, EXPERT_DP_SPLIT,
+                                     backend_override=own_groups(EXPERT_DP_SPLIT, expert_sizes))
+    return Meshes(shape=shape, dense=dense, expert=expert, dense_split=dense_split, expert_split=expert_split)

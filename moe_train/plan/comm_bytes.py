@@ -28,6 +28,7 @@ micro-batch on this rank, Ts of them in the sequence region, Tm routed; a bytes 
   rank's padded shard in the parameter dtype in each micro-batch's forward and again in its backward (when
   resharding after forward), and one reduce-scatter of the fp32 gradient (padded, all shards) per step (the
   trainer syncs gradients in the last micro-batch only); under pipelining once per step (Assumptions).
+  HSDP (dpr > 1): the same over dps (dps_cp) and edps, and each reduced fp32 shard all-reduced over dpr.
 - per step: the sum over tp of replicated parameters' partial gradients (one fp32 all-reduce of their local
   shards) and the gradient norm: one fp32 value per parameter tensor, all-reduced over each dimension of its
   mesh (plain tensors: dp; tensor-parallel ones: dp and tp; experts: edp, and ep, or ep x etp at once over
@@ -95,7 +96,8 @@ class CommBytes:
         m = recipe.model
         model = _CachedComm(_ModelComm(m, layout, lay))
         sizes = {"pp": layout.pp, "dp": layout.dp, "dp_cp": layout.dp * layout.cp, "tp": layout.tp,
-                 "edp": layout.edp, "ep": layout.ep, "etp": layout.etp, "ep_etp": layout.ep * layout.etp}
+                 "edp": layout.edp, "ep": layout.ep, "etp": layout.etp, "ep_etp": layout.ep * layout.etp,
+                 "dpr": layout.dpr, "dps": layout.dps, "edps": layout.edps}
         mb = layout.micro_batches
         policy = layout.recompute
         modules = set(policy.modules) if policy.granularity == "selective" else set()
@@ -137,7 +139,7 @@ class CommBytes:
         # the last stage's copy of the embedding (MTP, tied head) and the first stage's sum their gradient
         # shards once per step over a group of the two (parallel/pipeline.py: sync_shared_gradients)
         if layout.pp > 1 and (m.mtp_layers > 0 or m.tie_embeddings):
-            rows = fsdp_rows(m.padded_vocab_size() // layout.tp, layout.dp * layout.cp)[0]
+            rows = fsdp_rows(m.padded_vocab_size() // layout.tp, layout.dps * layout.cp)[0]
             holders = sum(c.virtual_index in (0, last) for c in chunks)
             out.add("embedding", "all_reduce", FP32 * rows * m.hidden_size, 2, holders)
         return out
@@ -359,16 +361,19 @@ def _per_step(out: CommBytes, layout: PlanLayout, params: RankParams) -> None:
     tensors = {"dense": 0, "tp": 0, "experts": 0}
     for tensor, count in params.tensors:
         tensors[tensor.mesh] += count
-    out.add("dp", "all_reduce", FP32 * tensors["dense"], layout.dp)
-    out.add("dp", "all_reduce", FP32 * tensors["tp"], layout.dp)
+    # Under HSDP a norm is Partial over the shard dimension only (replicas hold the same shard): dps, edps.
+    dense, dense_size = ("dps", layout.dps) if layout.dpr > 1 else ("dp", layout.dp)
+    out.add(dense, "all_reduce", FP32 * tensors["dense"], dense_size)
+    out.add(dense, "all_reduce", FP32 * tensors["tp"], dense_size)
     out.add("tp", "all_reduce", FP32 * tensors["tp"], layout.tp)
     # Experts: over edp, and as DTensors over ep and etp too; DTensor reduces over several dimensions at once
     # when a flattened group of exactly those exists (ep_etp, made for the all-gather dispatcher). Gathered
     # with their block (not experts_apart), they are DTensors of dp like the block's.
-    expert_dims = [(d, n) for d, n in (("edp", layout.edp), ("ep", layout.ep), ("etp", layout.etp)) if n > 1]
+    shard = ("edps", layout.edps) if layout.dpr > 1 else ("edp", layout.edp)
+    expert_dims = [(d, n) for d, n in (shard, ("ep", layout.ep), ("etp", layout.etp)) if n > 1]
     if [d for d, _ in expert_dims] == ["ep", "etp"]:
         expert_dims = [("ep_etp", layout.ep * layout.etp)]
-    for group, size in expert_dims if layout.experts_apart else [("dp", layout.dp)]:
+    for group, size in expert_dims if layout.experts_apart else [(dense, dense_size)]:
         out.add(group, "all_reduce", FP32 * tensors["experts"], size)
     out.add("pp", "all_reduce", FP32, layout.pp)  # the stages' squared norms
 
@@ -388,19 +393,23 @@ def _fsdp(out: CommBytes, recipe: Recipe, layout: PlanLayout, params: RankParams
     else:
         gathers = mb * (2 if reshard else 1)
         reduces = mb if a.fsdp_reduce_every_micro_batch else 1
-    dense_group = "dp_cp" if layout.cp > 1 else "dp"
+    hsdp = layout.dpr > 1  # shard groups dps (edps), then each reduced shard all-reduced over the dpr replicas
+    dense_group = ("dps" if hsdp else "dp") + ("_cp" if layout.cp > 1 else "")
     for unit in params.units:
-        group = "edp" if all(t.unit == "experts" for t in unit.tensors) else dense_group  # experts alone: edp
+        experts_alone = all(t.unit == "experts" for t in unit.tensors)
+        group = ("edps" if hsdp else "edp") if experts_alone else dense_group
         shard = unit.padded_shard
         out.add(group, "all_gather", param_bytes * shard, unit.shards, gathers * unit.count)
         out.add(group, "reduce_scatter", FP32 * shard * unit.shards, unit.shards, reduces * unit.count)
+        out.add("dpr", "all_reduce", FP32 * shard, layout.dpr, reduces * unit.count)
 
 
 def comm_time(counter: CommBytes, layout: PlanLayout, hw: Hardware, a: Assumptions) -> dict[str, dict]:
     """Seconds per key on its link (bus bytes over the achieved bandwidth), and the part that overlap could
     hide behind compute (the caller caps the hidden total at the compute there is to hide behind)."""
     overlap = {"tp": a.tp_overlap, "ep": a.ep_overlap, "etp": a.ep_overlap, "ep_etp": a.ep_overlap,
-               "dp": a.dp_overlap, "dp_cp": a.dp_overlap, "edp": a.dp_overlap, "pp": a.pp_overlap}
+               "dp": a.dp_overlap, "dp_cp": a.dp_overlap, "edp": a.dp_overlap, "pp": a.pp_overlap,
+               "dpr": a.dp_overlap, "dps": a.dp_overlap, "dps_cp": a.dp_overlap, "edps": a.dp_overlap}
     nvlink = hw.nvlink_bytes_per_s * a.nvlink_efficiency
     network = hw.network_bytes_per_s * a.network_efficiency
     total, hideable = {}, {}

@@ -388,7 +388,7 @@ def plan_json(plan: Plan, *, pipeline_rank: int | None = None) -> dict:
         "params": {"dense_per_rank": int(w.params.dense), "experts_per_rank": int(w.params.experts),
                    "local_after_fsdp": w.params.local},
         "layout": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "cp": layout.cp, "dp": layout.dp,
-                   "ep": layout.ep, "etp": layout.etp, "edp": layout.edp,
+                   "ep": layout.ep, "etp": layout.etp, "edp": layout.edp, "dp_replicate": layout.dpr,
                    "sequence_parallel": layout.sequence_parallel, "micro_batch_size": layout.micro_batch,
                    "micro_batches": layout.micro_batches, "recompute": layout.recompute.granularity,
                    "recompute_modules": list(layout.recompute.modules)},

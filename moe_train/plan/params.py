@@ -248,7 +248,7 @@ def rank_params(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk]) -> Rank
     with it or apart (`layout.experts_apart`), each MTP module's own projection and norms, and the root
     (embedding, final norm, head)."""
     out = RankParams()
-    dense_shards, sp = layout.dp * layout.cp, layout.sequence_parallel
+    dense_shards, sp = layout.dps * layout.cp, layout.sequence_parallel  # HSDP: shards within a replica
     kinds = {moe: block_tensors(m, moe_layer=moe, tp=layout.tp, sequence_parallel=sp, ep=layout.ep, etp=layout.etp)
              for moe in {False, m.moe is not None}}
 
@@ -260,7 +260,7 @@ def rank_params(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk]) -> Rank
             out.units.append(Unit(tuple(t for t in tensors if t.unit == "block"), dense_shards, count))
             experts = tuple(t for t in tensors if t.unit == "experts")
             if experts:
-                out.units.append(Unit(experts, layout.edp, count))
+                out.units.append(Unit(experts, layout.edps, count))
         out.largest_unit = max(out.largest_unit, sum(t.numel for t in tensors))
 
     root: list[Tensor] = []

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from moe_train.config.mesh_shape import DENSE_DIMS, EXPERT_DIMS, MeshShape
+from moe_train.config.mesh_shape import DENSE_DIMS, EXPERT_DIMS, EXPERT_DP_SPLIT, MeshShape
 from moe_train.config.pp_layout import pipeline_stages
 from moe_train.config.schema import ModelConfig, Recipe
 
@@ -101,12 +101,13 @@ def in_flight(layout: PlanLayout, rank: int) -> list[int]:
 
 @functools.lru_cache(maxsize=4096)
 def group_span(layout: PlanLayout, group: str) -> tuple[int, int]:
-    """(size, span in consecutive ranks) of a group named as measure names it (`dp`, `ep`, `dp_cp`, ...;
+    """(size, span in consecutive ranks) of a group named as measure names it (`dp`, `ep`, `dp_cp`, `dpr`, `dps`, ...;
     `embedding`: a first-stage rank and its last-stage peer, as far apart as the pipeline spans)."""
     if group == "embedding":
         return 2, group_span(layout, "pp")[1]
     dims = group.split("_")
-    stride = layout.strides(EXPERT_DIMS if any(d in EXPERT_DIMS[1:] for d in dims) else DENSE_DIMS)
+    expert = any(d in (*EXPERT_DIMS[1:], *EXPERT_DP_SPLIT[1:]) for d in dims)
+    stride = layout.strides(EXPERT_DIMS if expert else DENSE_DIMS)
     size = span = 1
     for dim in dims:
         size *= getattr(layout, dim)

@@ -72,8 +72,9 @@ def whole_grads(trainer, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 def record_run(recipe_name: str, overrides: list[str], *, world: int, run_dir: Path, steps: int, ctx=None,
                prepare: Callable | None = None, evaluate: bool = False) -> dict:
     """{"losses", "grads" (step 1), "state" (after `steps`), "moe" (balance figures per step), "eval" (the
-    validation loss after the last step, when `evaluate`)}; every rank must call it (the full tensors are
-    gathered collectively). `prepare(trainer)` runs before the first step."""
+    validation loss after the last step, when `evaluate`), "meshes" (this rank's parameters' mesh dimensions)};
+    every rank must call it (the full tensors are gathered collectively). `prepare(trainer)` runs before the
+    first step."""
     from moe_train.train.loop import Trainer
 
     recipe = load_recipe(recipe_name, [*overrides, f"launch.gpus_per_node={world}", f"run_dir={run_dir}",
@@ -101,19 +102,22 @@ def record_run(recipe_name: str, overrides: list[str], *, world: int, run_dir: P
         result = trainer.train_step(step)
         losses.append(result.loss)
         balance.append(result.moe)
+    meshes = {n: list(p.device_mesh.mesh_dim_names) if isinstance(p, DTensor) else None
+              for part in trainer.model_parts for n, p in part.named_parameters()}
     return {"losses": losses, "grads": whole_grads(trainer, grads), "state": whole_state(trainer), "moe": balance,
-            "initial": initial, "eval": trainer.evaluate() if evaluate else None}
+            "initial": initial, "eval": trainer.evaluate() if evaluate else None, "meshes": meshes}
 
 
 def record_resumed(recipe_name: str, overrides: list[str], *, world: int, run_dir: Path, steps: int,
-                   stop_at: int) -> dict:
+                   stop_at: int, resume_overrides: tuple[str, ...] = ()) -> dict:
     """Train to `stop_at` (checkpoint, exit), resume in a new Trainer and finish: the final state and the
-    metrics the logging rank wrote, to compare with an uninterrupted run."""
+    metrics the logging rank wrote, to compare with an uninterrupted run. `resume_overrides` change the resumed
+    launch (another layout: the checkpoint reshards on load)."""
     from moe_train.train.loop import Trainer
 
     base = [*overrides, f"launch.gpus_per_node={world}", f"run_dir={run_dir}", f"train.steps={steps}"]
     Trainer(load_recipe(recipe_name, [*base, f"train.exit_at_step={stop_at}"])).train()
-    resumed = Trainer(load_recipe(recipe_name, [*base, "checkpoint.resume=required"]))
+    resumed = Trainer(load_recipe(recipe_name, [*base, *resume_overrides, "checkpoint.resume=required"]))
     started = resumed.progress.step
     resumed.train()
     return {"started": started, "state": whole_state(resumed)}

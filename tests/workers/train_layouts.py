@@ -20,7 +20,8 @@ def main() -> None:
         run_dir = Path(spec["run_root"]) / case["id"]
         if case.get("stop_at"):
             record = record_resumed(case["recipe"], case["overrides"], world=world, run_dir=run_dir,
-                                    steps=case["steps"], stop_at=case["stop_at"])
+                                    steps=case["steps"], stop_at=case["stop_at"],
+                                    resume_overrides=tuple(case.get("resume_overrides", ())))
         else:
             record = record_run(case["recipe"], case["overrides"], world=world, run_dir=run_dir, steps=case["steps"],
                                 evaluate=case.get("evaluate", False))
