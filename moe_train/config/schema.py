@@ -248,7 +248,10 @@ class LaunchConfig(Section):
     gpu: str = Field("cpu", description="An id of the hardware table (moe-train validate lists them).")
     nodes: int = Field(1, ge=1)
     gpus_per_node: int = Field(1, ge=1, description="Ranks per node, also on CPU.")
-    timeout_minutes: float = Field(10.0, gt=0, description="Timeout of collectives.")
+    timeout_minutes: float = Field(10.0, gt=0, description="Timeout of a training step's collectives.")
+    startup_timeout_minutes: float = Field(
+        30.0, gt=0, description="Timeout of collectives until the first step has run (rendezvous, NCCL set-up, "
+        "checkpoint load, first step).")
     env: dict[str, str] = Field(default_factory=dict)
     setup: tuple[str, ...] = Field((), description="Shell lines run before the job (trusted, not quoted).")
     cluster: str | None = Field(None, description="A cluster profile name or path supplying launch defaults.")

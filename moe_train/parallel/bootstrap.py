@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from moe_train.config import RecipeError, unsupported
 from moe_train.parallel.context import ParallelContext
 from moe_train.parallel.mesh import MeshShape, build_meshes
+from moe_train.runtime import clear_dtensor_cache, torch_problems
 
 if TYPE_CHECKING:
     from moe_train.config import Recipe
@@ -54,6 +55,7 @@ def launcher_problems(recipe: Recipe, env: LauncherEnv) -> list[str]:
     if env.slurm_nodes is not None and env.slurm_nodes != launch.nodes:
         out.append(f"the SLURM allocation has {env.slurm_nodes} node(s), the recipe's launch.nodes is {launch.nodes}")
     out += MeshShape.from_recipe(recipe).problems(recipe.world_size)
+    out += torch_problems()
     if launch.device == "cuda":
         import torch
 
@@ -93,11 +95,15 @@ def bootstrap(recipe: Recipe, *, preflight: bool = False, env: LauncherEnv | Non
             torch.set_num_threads(1)  # ranks share the cores; oversubscription is many times slower
     created = not dist.is_initialized()
     if created:
-        timeout = timedelta(minutes=recipe.launch.timeout_minutes)
+        # The start-up timeout until the first step has run (moe_train/runtime.py: use_step_timeout). device_id
+        # binds NCCL to this rank's GPU: communicators are created eagerly on it, not guessed at first use.
+        timeout = timedelta(minutes=recipe.launch.startup_timeout_minutes)
+        device_id = device if device.type == "cuda" else None
         if env.under_launcher:
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(backend, timeout=timeout, device_id=device_id)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
+                                    device_id=device_id)
     meshes = build_meshes(MeshShape.from_recipe(recipe), recipe.launch.device, distinct_groups=distinct_groups)
     forget_dtensor_shardings()
     return ParallelContext(
@@ -117,11 +123,10 @@ def forget_dtensor_shardings() -> None:
     the same shape compare equal whatever their process groups: after an earlier bootstrap in this process
     (tests, `measure --fake` run after run) DTensor would reduce over that bootstrap's groups, which may be gone
     ("Could not resolve the process group") or not the ones this context names."""
-    import torch
     from torch.distributed.tensor import DTensor
 
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()
+    clear_dtensor_cache()
 
 
 def shutdown(ctx: ParallelContext) -> None:

@@ -48,6 +48,7 @@ from moe_train.models.moe import MoELayer, update_expert_bias
 from moe_train.parallel import parallelize
 from moe_train.parallel.context import ParallelContext
 from moe_train.plan.flops import training_flops_per_token
+from moe_train.runtime import use_step_timeout
 from moe_train.train.bad_steps import BadSteps, Rejection
 from moe_train.train.errors import TrainingError
 from moe_train.train.grad_norm import clip_grad_norm
@@ -219,7 +220,7 @@ class Trainer:
         reduce_gradients(self.model_parts, tp_group=self.ctx.group("tp"), shared_embedding=parts.shared_embedding)
         lm_sum, mtp_loss, counts, moe, aux_loss = self._figures(loss.sums, share)
         grad_norm = clip_grad_norm([p for part in self.model_parts for p in part.parameters()], train.grad_clip,
-                                   stage_group=self.ctx.group("pp"), duplicates=parts.duplicates)
+                                   stage_group=self.ctx.group("pp"), duplicates=parts.duplicates, device=self.device)
         lm_loss = lm_sum / self.tokens_per_step
         total = lm_loss + aux_loss + mtp_loss
         result = StepResult(
@@ -371,6 +372,8 @@ class Trainer:
             result = self.train_step(step)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+            if step == first_step + 1:  # start-up is over: a hung step now fails after launch.timeout_minutes
+                use_step_timeout(self.ctx, self.recipe.launch.timeout_minutes)
             seconds = time.perf_counter() - t0
             rejected = result.rejection
             skipped = self.progress.skipped + (0 if rejected is None else 1)
