@@ -9,8 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from cli_helpers import assert_bad_input, run_cli
 
 from moe_train.config import load_recipe
+from moe_train.config.hardware import HARDWARE_ENV, hardware_table
+from moe_train.launch.render import render_sbatch, render_torchrun, sbatch_directives
+from moe_train.launch.shell import LaunchError
 from moe_train.parallel.bootstrap import LauncherEnv, launcher_problems
 from moe_train.runtime import TESTED_TORCH, torch_problems
 from moe_train.train import grad_norm
@@ -74,3 +78,60 @@ def test_startup_timeout_until_the_first_step_then_the_step_timeout(tmp_path: Pa
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------ the cuda batch script
+
+
+def cuda_recipe(tmp_path: Path, *sets: str):
+    return load_recipe("qwen3-moe-tiny", ["launch.device=cuda", "launch.gpu=h100", "launch.gpus_per_node=8",
+                                          "parallel.ep=8", "train.micro_batch_size=2", f"run_dir={tmp_path / 'run'}",
+                                          *sets])
+
+
+def test_cuda_job_asks_for_the_cores_of_every_rank_also_when_not_exclusive(tmp_path: Path) -> None:
+    shared = sbatch_directives(cuda_recipe(tmp_path, "launch.slurm.exclusive=false"), "/o")
+    assert "--cpus-per-task=112" in shared and "--exclusive" not in shared  # 8 ranks x h100's 14 cores
+    assert "--ntasks-per-node=1" in shared and "--gpus-per-node=8" in shared
+    own = sbatch_directives(cuda_recipe(tmp_path, "launch.slurm.cpus_per_gpu=4"), "/o")
+    assert "--cpus-per-task=32" in own and "--exclusive" in own
+    script = render_sbatch(cuda_recipe(tmp_path, "launch.slurm.exclusive=false"), tmp_path / "run")
+    assert 'srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task=112 ' in script  # not inherited
+
+
+def test_cuda_job_without_a_core_count_is_refused_naming_the_field(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    table = tmp_path / "hardware.yaml"
+    table.write_text("mygpu: {extends: h100}\nbare: {name: x, memory_bytes: 1, bf16_flops: 1, fp8_flops: 0, "
+                     "hbm_bytes_per_s: 1, nvlink_bytes_per_s: 1, network_bytes_per_s: 1, gpus_per_node: 8, "
+                     "nvlink_domain: 8}\n")
+    monkeypatch.setenv(HARDWARE_ENV, str(table))
+    assert hardware_table()["mygpu"].cpus_per_gpu == 14  # extends keeps the column
+    assert hardware_table()["bare"].cpus_per_gpu is None
+    with pytest.raises(LaunchError) as error:
+        sbatch_directives(cuda_recipe(tmp_path, "launch.gpu=bare", "launch.slurm.exclusive=false"), "/o")
+    (line,) = error.value.problems
+    assert line.startswith("launch.slurm.cpus_per_gpu: needed for a cuda job (the hardware table's 'bare'")
+
+
+def test_cuda_environment_defaults_are_rendered_and_launch_env_overrides_them(tmp_path: Path) -> None:
+    recipe = cuda_recipe(tmp_path, "launch.env={PYTORCH_CUDA_ALLOC_CONF: 'expandable_segments:False', X: '1'}")
+    script = render_sbatch(recipe, tmp_path / "run")
+    exports = [line for line in script.splitlines() if line.startswith("export ") and "MOE_TRAIN" not in line]
+    assert exports == ["export TORCH_NCCL_DUMP_ON_TIMEOUT=1", "export TORCH_NCCL_TRACE_BUFFER_SIZE=2000",
+                       "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False", "export X=1"]
+    snippet = render_torchrun(recipe, tmp_path / "run")
+    assert snippet.splitlines()[:4] == exports
+    cpu = render_sbatch(load_recipe("qwen3-moe-tiny", [f"run_dir={tmp_path / 'cpu'}"]), tmp_path / "cpu")
+    assert "TORCH_NCCL" not in cpu and "PYTORCH_CUDA_ALLOC_CONF" not in cpu
+
+
+def test_render_cli_refuses_a_cuda_job_without_cores_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    table = tmp_path / "hardware.yaml"
+    table.write_text("bare: {name: x, memory_bytes: 1, bf16_flops: 1, fp8_flops: 0, hbm_bytes_per_s: 1, "
+                     "nvlink_bytes_per_s: 1, network_bytes_per_s: 1, gpus_per_node: 8, nvlink_domain: 8}\n")
+    monkeypatch.setenv(HARDWARE_ENV, str(table))
+    result = run_cli("render", "qwen3-moe-tiny", "--set", "launch.device=cuda", "--set", "launch.gpu=bare",
+                     "--set", "launch.gpus_per_node=8", "--set", "parallel.ep=8", "--set", "train.micro_batch_size=2",
+                     "--set", f"run_dir={tmp_path / 'run'}")
+    assert_bad_input(result, "launch.slurm.cpus_per_gpu")
