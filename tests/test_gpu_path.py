@@ -3,6 +3,7 @@ training device, the two process-group timeouts. CUDA-only cases are skipped wit
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from cli_helpers import assert_bad_input, run_cli
 from moe_train.config import load_recipe
 from moe_train.config.hardware import HARDWARE_ENV, hardware_table
 from moe_train.launch.render import render_sbatch, render_torchrun, sbatch_directives
+from moe_train.launch.rundir import recipe_differences
 from moe_train.launch.shell import LaunchError
 from moe_train.parallel.bootstrap import LauncherEnv, launcher_problems
 from moe_train.runtime import TESTED_TORCH, torch_problems
@@ -58,6 +60,10 @@ def test_gradient_norm_sum_lives_on_the_training_device_without_gradients(monkey
         grad_norm.clip_grad_norm([torch.nn.Parameter(torch.ones(2))], 1.0, stage_group=object(),
                                  device=torch.device("meta"))
     assert seen == [torch.device("meta")]
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _timeout() -> timedelta:
@@ -135,3 +141,52 @@ def test_render_cli_refuses_a_cuda_job_without_cores_exit_2(tmp_path: Path, monk
                      "--set", "launch.gpus_per_node=8", "--set", "parallel.ep=8", "--set", "train.micro_batch_size=2",
                      "--set", f"run_dir={tmp_path / 'run'}")
     assert_bad_input(result, "launch.slurm.cpus_per_gpu")
+
+
+# ---------------------------------------------------------------------------------------- train.deterministic
+
+
+def test_deterministic_changes_no_cpu_number_and_continues_the_same_run(tmp_path: Path) -> None:
+    """On the CPU the deterministic kernels are the ones that run anyway: equal losses and parameters, bit for
+    bit; so toggling the field continues the run (it is one of the run folder's ignored fields)."""
+    results = {}
+    for flag in (False, True):
+        t = Trainer(load_recipe("qwen3-moe-tiny", [*SHRINK, "train.steps=2", f"train.deterministic={flag}",
+                                                   f"run_dir={tmp_path / str(flag)}"]))
+        try:
+            assert torch.are_deterministic_algorithms_enabled() is flag
+            t.train()
+            state = {k: v.detach().clone() for k, v in t.model_parts[0].state_dict().items()}
+            results[flag] = ([r for r in records(tmp_path / str(flag)) if r["kind"] == "train"], state)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            torch.use_deterministic_algorithms(False)
+    (plain, plain_state), (exact, exact_state) = results[False], results[True]
+    assert [r["loss"] for r in plain] == [r["loss"] for r in exact]
+    assert all(torch.equal(plain_state[k], exact_state[k]) for k in plain_state)
+    base = load_recipe("qwen3-moe-tiny", [f"run_dir={tmp_path / 'same'}"])
+    assert recipe_differences(base, load_recipe("qwen3-moe-tiny", [f"run_dir={tmp_path / 'same'}",
+                                                                "train.deterministic=true"])) == []
+
+
+def test_deterministic_job_exports_the_cublas_workspace(tmp_path: Path) -> None:
+    script = render_sbatch(cuda_recipe(tmp_path, "train.deterministic=true"), tmp_path / "run")
+    assert "export CUBLAS_WORKSPACE_CONFIG=:4096:8" in script
+    assert "CUBLAS_WORKSPACE_CONFIG" not in render_sbatch(cuda_recipe(tmp_path), tmp_path / "run")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: cuBLAS reads its workspace when CUDA starts")
+def test_deterministic_cuda_matmul_repeats_bit_for_bit() -> None:
+    from moe_train.train.determinism import apply_determinism
+
+    apply_determinism(True)
+    try:
+        a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        index = torch.randint(0, 64, (4096,), device="cuda")
+        first = [(a @ b).sum(0), torch.zeros(64, 4096, device="cuda").index_add_(0, index, a.float())]
+        second = [(a @ b).sum(0), torch.zeros(64, 4096, device="cuda").index_add_(0, index, a.float())]
+        assert all(torch.equal(x, y) for x, y in zip(first, second, strict=True))
+    finally:
+        apply_determinism(False)

@@ -45,6 +45,7 @@ IGNORED_FIELDS: tuple[tuple[str, ...], ...] = (
     ("parallel",),
     ("launch",),
     ("train", "micro_batch_size"),
+    ("train", "deterministic"),  # which kernels run, not what they compute (moe_train/train/determinism.py)
 )
 
 

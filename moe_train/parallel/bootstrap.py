@@ -86,6 +86,9 @@ def bootstrap(recipe: Recipe, *, preflight: bool = False, env: LauncherEnv | Non
     mismatch = launcher_problems(recipe, env)
     if mismatch:
         raise LaunchMismatch("; ".join(mismatch))
+    from moe_train.train.determinism import apply_determinism
+
+    apply_determinism(recipe.train.deterministic)  # before CUDA starts: cuBLAS reads its workspace setting once
     if recipe.launch.device == "cuda":
         torch.cuda.set_device(env.local_rank)
         device, backend = torch.device("cuda", env.local_rank), "nccl"
