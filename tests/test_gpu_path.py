@@ -17,6 +17,13 @@ from moe_train.config.hardware import HARDWARE_ENV, hardware_table
 from moe_train.launch.render import render_sbatch, render_torchrun, sbatch_directives
 from moe_train.launch.rundir import recipe_differences
 from moe_train.launch.shell import LaunchError
+from moe_train.measure.activations import SavedTensorTracker
+from moe_train.measure.driver import Target, measure
+from moe_train.measure.layers import LayerTracker
+from moe_train.models import build_model
+from moe_train.models import model as model_module
+from moe_train.models.attention import attend, attention_mask, document_mask
+from moe_train.models.model import Transformer
 from moe_train.parallel.bootstrap import LauncherEnv, launcher_problems
 from moe_train.runtime import TESTED_TORCH, torch_problems
 from moe_train.train import grad_norm
@@ -190,3 +197,76 @@ def test_deterministic_cuda_matmul_repeats_bit_for_bit() -> None:
         assert all(torch.equal(x, y) for x, y in zip(first, second, strict=True))
     finally:
         apply_determinism(False)
+
+
+# ------------------------------------------------------------------------------------------ packed documents
+
+
+def _saved_per_layer(cfg, positions: torch.Tensor) -> dict[str, int]:
+    """measure's saved-tensor tracker around one forward and backward of the whole model."""
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    tokens = torch.randint(cfg.vocab_size, (positions.shape[0], positions.shape[1]))
+    layers = LayerTracker([model])
+    tracker = SavedTensorTracker([model], layers)
+    with tracker:
+        model(tokens, positions, labels=tokens)[0].backward()  # the summed language-model loss
+    layers.close()
+    return tracker.per_layer()
+
+
+def test_two_packed_documents_save_what_one_document_saves() -> None:
+    """qwen3-tiny at s = 2,048: every layer saves the same bytes with two packed documents as with one; the one
+    additive mask, shared by all layers, is the only addition (the boolean mask cost 1.62x: SDPA converted it to
+    float and saved a copy in every layer)."""
+    cfg = load_recipe("qwen3-tiny").model
+    s = 2048
+    one = _saved_per_layer(cfg, torch.arange(s).unsqueeze(0))
+    two = _saved_per_layer(cfg, torch.cat([torch.arange(s // 2), torch.arange(s - s // 2)]).unsqueeze(0))
+    assert {k: v for k, v in one.items() if k != "other"} == {k: v for k, v in two.items() if k != "other"}
+    assert two["other"] - one["other"] == s * s * 4  # one fp32 [1, 1, s, s] mask
+
+
+def test_additive_mask_gives_the_boolean_masks_outputs_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    positions = torch.tensor([[*range(10), *range(14)], [*range(5), *range(12), *range(7)]])
+    q, k, v = (torch.randn(2, 4, 24, 8, dtype=torch.float64) for _ in range(3))
+    additive, boolean = attention_mask(positions), document_mask(positions)
+    assert additive.dtype == torch.float32 and torch.equal(additive == 0, boolean)
+    assert torch.equal(attend(q, k, v, additive.double()), attend(q, k, v, boolean))
+    for name in ("qwen3-tiny", "deepseek-v3-tiny"):  # GQA and MLA
+        cfg = load_recipe(name, ["model.num_layers=2"]).model
+        model = build_model(cfg).double()
+        tokens = torch.randint(cfg.vocab_size, (2, 24))
+        logits = model(tokens, positions)
+        with monkeypatch.context() as patch:
+            patch.setattr(model_module, "attention_mask", document_mask)  # the boolean mask of before
+            assert torch.equal(logits, model(tokens, positions)), name
+
+
+def test_measure_fake_feeds_packed_positions_when_reset_at_eod() -> None:
+    sets = ["model.num_layers=2", "train.seq_length=256", "train.global_batch_size=2", "train.micro_batch_size=1"]
+    plain = measure(load_recipe("qwen3-tiny", sets), Target(fake=True))
+    packed = measure(load_recipe("qwen3-tiny", [*sets, "data.reset_at_eod=true"]), Target(fake=True))
+    layers = [str(i) for i in range(2)]
+    assert [plain["activation_bytes_per_layer"][i] for i in layers] == \
+        [packed["activation_bytes_per_layer"][i] for i in layers]
+    other = packed["activation_bytes_per_layer"]["other"] - plain["activation_bytes_per_layer"]["other"]
+    assert other == 256 * 256 * 4  # the step measured attends through the document mask
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: FlexAttention's block mask is the cuda row "
+                    "of the kernel table (no CPU backward in torch 2.13)")
+def test_cuda_block_mask_attention_equals_the_dense_mask() -> None:
+    positions = torch.tensor([[*range(300), *range(212)]], device="cuda")
+    mask = attention_mask(positions)
+    assert type(mask).__name__ == "BlockMask"
+    q = torch.randn(1, 8, 512, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 2, 512, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, 2, 512, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    flex = attend(q, k, v, mask, enable_gqa=True)
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float().repeat_interleave(4, 1), v.float().repeat_interleave(4, 1),
+        attn_mask=document_mask(positions))
+    assert (flex.float() - dense).abs().max().item() < 2e-2
+    flex.float().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
