@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from cli_helpers import assert_bad_input, run_cli
+from host_reads import HostReads
+from multirank import run_ranks
 
 from moe_train.config import load_recipe
 from moe_train.config.hardware import HARDWARE_ENV, hardware_table
@@ -27,7 +29,9 @@ from moe_train.models.model import Transformer
 from moe_train.parallel.bootstrap import LauncherEnv, launcher_problems
 from moe_train.runtime import TESTED_TORCH, torch_problems
 from moe_train.train import grad_norm
+from moe_train.train.device_stats import device_mismatch, enable_tf32, memory_figures, start_interval
 from moe_train.train.loop import Trainer
+from moe_train.train.peak import peak_flops
 
 SHRINK = ["model.num_layers=2", "train.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=2",
           "train.precision=fp32", "logging.interval=1", "checkpoint.interval=null"]
@@ -270,3 +274,80 @@ def test_cuda_block_mask_attention_equals_the_dense_mask() -> None:
     assert (flex.float() - dense).abs().max().item() < 2e-2
     flex.float().sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+# ------------------------------------------------------------------------------------------------ host reads
+
+# One packed read of the step's figures (loss sums, MoE counts) plus the gradient norm's: the step core of issue
+# 20 (item 1) folds the norm into the packed read; this budget then becomes 1.
+STEP_READS = 2
+MOE_SHRINK = ["model.num_layers=2", "train.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=2",
+              "train.precision=fp32", "logging.interval=1", "checkpoint.interval=null"]
+
+
+def _under(reads: dict[str, int], prefix: str) -> int:
+    return sum(n for where, n in reads.items() if where.startswith(prefix))
+
+
+def test_host_reads_of_one_step_on_one_rank(tmp_path: Path) -> None:
+    """World size 1: the MoE layers read nothing from the device (no all-to-all splits to read); the step
+    reads its figures packed."""
+    t = Trainer(load_recipe("qwen3-moe-tiny", [*MOE_SHRINK, "train.steps=2", f"run_dir={tmp_path}"]))
+    try:
+        t.train_step(1)
+        reads = HostReads()
+        with reads.counting():
+            t.train_step(2)
+        counted = dict(reads.by_line)
+        assert _under(counted, "models/") == 0, counted
+        assert 1 <= _under(counted, "train/") <= STEP_READS, counted
+        assert sum(counted.values()) == _under(counted, "train/"), counted
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_host_reads_of_one_step_under_expert_parallelism(tmp_path: Path) -> None:
+    """EP2 on two gloo ranks: at most one read per MoE dispatch (the all-to-all splits, or the all-gathered
+    token counts), with two MoE layers and two micro-batches: 4 dispatches per step."""
+    cases = [{"id": d, "recipe": "qwen3-moe-tiny", "overrides": [*MOE_SHRINK, "parallel.ep=2",
+                                                                  f"model.moe.dispatcher={d}"]}
+             for d in ("alltoall", "allgather")]
+    result = run_ranks("host_reads_step", 2, {"cases": cases, "run_root": str(tmp_path / "runs")}, tmp_path,
+                       timeout=240)
+    dispatches = 2 * 1  # layers x micro-batches of this rank (global batch 4 over dp 2, micro-batch 2)
+    for case in cases:
+        counted = result[case["id"]]
+        assert 1 <= _under(counted, "models/") <= dispatches, (case["id"], counted)
+        assert _under(counted, "train/") <= STEP_READS, (case["id"], counted)
+
+
+# -------------------------------------------------------------------------------------- MFU, memory, TF32
+
+
+def test_mfu_peak_is_launch_gpus_and_another_gpu_is_named_once() -> None:
+    assert peak_flops(device="cuda", gpu="h200", precision="bf16") == 989e12
+    assert device_mismatch("h200", "NVIDIA H200") is None
+    assert device_mismatch("h100", "NVIDIA H100 80GB HBM3") is None
+    assert device_mismatch("a100-80gb", "NVIDIA A100-SXM4-80GB") is None
+    warning = device_mismatch("h100", "NVIDIA H200")
+    assert warning.startswith("launch.gpu is h100 (NVIDIA H100 80GB SXM) but this job runs on NVIDIA H200")
+
+
+def test_cpu_memory_figures_have_no_reserved_bytes() -> None:
+    figures = memory_figures(torch.device("cpu"))
+    assert set(figures) == {"memory_bytes"} and figures["memory_bytes"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the allocator's peak and reserved bytes")
+def test_cuda_memory_peak_is_per_interval_and_reports_reserved_bytes() -> None:
+    device = torch.device("cuda")
+    big = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    first = memory_figures(device)
+    del big
+    start_interval(device)
+    second = memory_figures(device)
+    assert first["memory_bytes"] >= 256 * 2**20 > second["memory_bytes"]
+    assert second["memory_reserved_bytes"] >= second["memory_bytes"]
+    enable_tf32()
+    assert torch.backends.cuda.matmul.allow_tf32

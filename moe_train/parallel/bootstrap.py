@@ -90,6 +90,9 @@ def bootstrap(recipe: Recipe, *, preflight: bool = False, env: LauncherEnv | Non
 
     apply_determinism(recipe.train.deterministic)  # before CUDA starts: cuBLAS reads its workspace setting once
     if recipe.launch.device == "cuda":
+        from moe_train.train.device_stats import enable_tf32
+
+        enable_tf32()
         torch.cuda.set_device(env.local_rank)
         device, backend = torch.device("cuda", env.local_rank), "nccl"
     else:
