@@ -19,9 +19,9 @@ from moe_train.config import ModelConfig, Recipe, TrainConfig, dump_recipe
 from moe_train.config.schema import CheckpointConfig
 from moe_train.models import build_model
 from moe_train.models.init import materialize
+from moe_train.run_files import RECIPE_FILE
 
 CHECKPOINT_DIR = "checkpoint"
-RECIPE_FILE = "recipe.yaml"
 
 
 def from_hf(hf_dir: Path, out_dir: Path) -> tuple[Path, Path]:

@@ -39,14 +39,14 @@ from moe_train.checkpoint.state import Progress, load_model_weights, load_traini
 from moe_train.config import RecipeError
 from moe_train.config.schema import Recipe
 from moe_train.data import build_datasets, global_batch, position_ids
-from moe_train.launch.rundir import COMPLETE_FILE, PREEMPT_FILE
 from moe_train.models import build_model
 from moe_train.models.decoder import DecoderBlock
 from moe_train.models.init import init_weights, materialize
 from moe_train.models.moe import MoELayer, update_expert_bias
 from moe_train.parallel import parallelize
 from moe_train.parallel.context import ParallelContext
-from moe_train.plan.flops import training_flops_per_token
+from moe_train.plan.flop_count import training_flops_per_token
+from moe_train.run_files import COMPLETE_FILE, PREEMPT_FILE
 from moe_train.runtime import use_step_timeout
 from moe_train.train.bad_steps import BadSteps, Rejection
 from moe_train.train.device_stats import device_mismatch, memory_figures, start_interval
