@@ -19,6 +19,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from moe_train.parallel.context import ParallelContext
 
+# cuBLAS picks non-deterministic reduction splits unless its workspace is fixed; it reads this once, when CUDA
+# starts, so it must be in the environment before the process touches CUDA (train.deterministic: bootstrap sets
+# it, and the rendered job exports it, moe_train/launch/job_env.py).
+DETERMINISTIC_ENV: dict[str, str] = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
 TESTED_TORCH = ">=2.11,<2.14"  # pyproject's dependency; 2.11 is what current CUDA images (and the H200) ship
 
 # (module path, attribute): the public APIs newer than torch's older releases that the engine calls.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from moe_train.config import Recipe
 from moe_train.config.hardware import hardware_table
+from moe_train.runtime import DETERMINISTIC_ENV
 
 from .shell import LaunchError
 
@@ -22,9 +23,6 @@ CUDA_DEFAULTS: dict[str, str] = {
     "TORCH_NCCL_TRACE_BUFFER_SIZE": str(FLIGHT_RECORDER_ENTRIES),
     "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
 }
-# cuBLAS picks non-deterministic reduction splits unless its workspace is fixed; it reads this once, when CUDA
-# starts, so it must be in the environment before the process touches CUDA (train.deterministic).
-DETERMINISTIC_DEFAULTS: dict[str, str] = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
 def job_environment(recipe: Recipe) -> dict[str, str]:
@@ -34,7 +32,7 @@ def job_environment(recipe: Recipe) -> dict[str, str]:
     if recipe.launch.device == "cuda":
         out.update(CUDA_DEFAULTS)
     if recipe.train.deterministic:
-        out.update(DETERMINISTIC_DEFAULTS)
+        out.update(DETERMINISTIC_ENV)
     out.update(recipe.launch.env)
     return out
 

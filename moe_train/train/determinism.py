@@ -5,7 +5,7 @@ CPU as is, but CUDA by default picks kernels that add in a run-dependent order: 
 (the MoE combine, the vocabulary-parallel loss), flash attention's backward, cuBLAS's split-K reductions. With
 `train.deterministic` torch is told to use its deterministic kernels (and to raise where an op has none) and
 cuBLAS gets a fixed workspace, which it reads only when CUDA starts: so this runs before the first CUDA call,
-and the rendered job exports the variable too (moe_train/launch/job_env.py).
+and the rendered job exports the variable too (moe_train/runtime.py: DETERMINISTIC_ENV).
 
 What it costs: on CUDA the deterministic kernels are slower (sorted instead of atomic accumulation, cuDNN's
 non-deterministic attention backends excluded); on the CPU the same kernels run either way and the numbers do
@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from moe_train.launch.job_env import DETERMINISTIC_DEFAULTS
+from moe_train.runtime import DETERMINISTIC_ENV
 
 
 class DeterminismTooLate(RuntimeError):
@@ -31,7 +31,7 @@ def apply_determinism(deterministic: bool) -> None:
     torch.backends.cudnn.deterministic = deterministic
     if not deterministic:
         return
-    for name, value in DETERMINISTIC_DEFAULTS.items():
+    for name, value in DETERMINISTIC_ENV.items():
         if name not in os.environ:
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 raise DeterminismTooLate(f"train.deterministic: CUDA started before {name} was set; export "
