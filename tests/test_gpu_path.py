@@ -82,6 +82,8 @@ def _timeout() -> timedelta:
 
 
 def test_startup_timeout_until_the_first_step_then_the_step_timeout(tmp_path: Path) -> None:
+    if dist.is_initialized():  # an earlier test's group: bootstrap would reuse it and its timeout
+        dist.destroy_process_group()
     t = Trainer(load_recipe("qwen3-tiny", [*SHRINK, "train.steps=2", f"run_dir={tmp_path}",
                                            "launch.startup_timeout_minutes=7", "launch.timeout_minutes=3"]))
     try:
@@ -206,11 +208,11 @@ def test_deterministic_cuda_matmul_repeats_bit_for_bit() -> None:
 # ------------------------------------------------------------------------------------------ packed documents
 
 
-def _saved_per_layer(cfg, positions: torch.Tensor) -> dict[str, int]:
+def _saved_per_layer(cfg, positions: torch.Tensor | None, seq: int) -> dict[str, int]:
     """measure's saved-tensor tracker around one forward and backward of the whole model."""
     torch.manual_seed(0)
     model = Transformer(cfg)
-    tokens = torch.randint(cfg.vocab_size, (positions.shape[0], positions.shape[1]))
+    tokens = torch.randint(cfg.vocab_size, (1, seq))
     layers = LayerTracker([model])
     tracker = SavedTensorTracker([model], layers)
     with tracker:
@@ -225,8 +227,8 @@ def test_two_packed_documents_save_what_one_document_saves() -> None:
     float and saved a copy in every layer)."""
     cfg = load_recipe("qwen3-tiny").model
     s = 2048
-    one = _saved_per_layer(cfg, torch.arange(s).unsqueeze(0))
-    two = _saved_per_layer(cfg, torch.cat([torch.arange(s // 2), torch.arange(s - s // 2)]).unsqueeze(0))
+    one = _saved_per_layer(cfg, None, s)  # one document: no positions, plain causal attention
+    two = _saved_per_layer(cfg, torch.cat([torch.arange(s // 2), torch.arange(s - s // 2)]).unsqueeze(0), s)
     assert {k: v for k, v in one.items() if k != "other"} == {k: v for k, v in two.items() if k != "other"}
     assert two["other"] - one["other"] == s * s * 4  # one fp32 [1, 1, s, s] mask
 
@@ -289,10 +291,12 @@ def _under(reads: dict[str, int], prefix: str) -> int:
     return sum(n for where, n in reads.items() if where.startswith(prefix))
 
 
-def test_host_reads_of_one_step_on_one_rank(tmp_path: Path) -> None:
-    """World size 1: the MoE layers read nothing from the device (no all-to-all splits to read); the step
-    reads its figures packed."""
-    t = Trainer(load_recipe("qwen3-moe-tiny", [*MOE_SHRINK, "train.steps=2", f"run_dir={tmp_path}"]))
+@pytest.mark.parametrize("packed", [False, True])
+def test_host_reads_of_one_step_on_one_rank(tmp_path: Path, packed: bool) -> None:
+    """World size 1: the MoE layers read nothing from the device (no all-to-all splits to read), nor does the
+    document mask of packed documents; the step reads its figures packed."""
+    t = Trainer(load_recipe("qwen3-moe-tiny", [*MOE_SHRINK, "train.steps=2", f"run_dir={tmp_path}",
+                                               f"data.reset_at_eod={packed}"]))
     try:
         t.train_step(1)
         reads = HostReads()

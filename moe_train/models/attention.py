@@ -52,13 +52,19 @@ def document_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
 
 
 def attention_mask(position_ids: torch.Tensor) -> torch.Tensor | BlockMask | None:
-    """`document_mask` in the form the device's attention kernel takes (the kernel table's `documents`): an
-    additive fp32 mask [b, 1, s, s] (0 or -inf), a FlexAttention block mask, or None (plain causal)."""
-    if kernels_for(position_ids.device.type).documents == "flex_block_mask":
-        return _block_mask(document_ids(position_ids)) if _restarts(position_ids) else None
-    allowed = document_mask(position_ids)
-    if allowed is None:
+    """The document mask of given position ids in the form the device's attention kernel takes (the kernel
+    table's `documents`): an additive fp32 mask [b, 1, s, s] (0 or -inf) or a FlexAttention block mask; None
+    (plain causal) only on the meta device. Built without reading the positions (no device-to-host read per
+    forward): positions without a restart give the causal mask, which SDPA's CPU kernel applies bit for bit as
+    `is_causal` does; callers without restarts pass no positions (the trainer: only with data.reset_at_eod)."""
+    if position_ids.device.type == "meta":
         return None
+    docs = document_ids(position_ids)
+    if kernels_for(position_ids.device.type).documents == "flex_block_mask":
+        return _block_mask(docs)
+    seq = position_ids.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=position_ids.device).tril()
+    allowed = ((docs[..., :, None] == docs[..., None, :]) & causal).unsqueeze(-3)
     additive = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
     return additive.masked_fill_(~allowed, float("-inf"))
 
