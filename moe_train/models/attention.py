@@ -2,8 +2,8 @@
 
 Attention runs through F.scaled_dot_product_attention, which on CPU and GPU picks a fused kernel. Packed
 sequences (data.reset_at_eod) restart their position ids at 0 at each document start; attention restarts
-there too, through a block-diagonal causal mask. The mask is only built when a restart exists: without one,
-`is_causal=True` keeps the fastest kernel.
+there too, through a block-diagonal causal mask, built whenever position ids are given (the trainer gives them
+only with data.reset_at_eod); without them `is_causal=True` keeps the fastest kernel.
 
 The mask every layer receives is in the form the device's kernel takes (moe_train/kernels.py), built once per
 forward: on the CPU an additive fp32 mask, which SDPA's flash kernel uses as it is (a boolean one it converts
