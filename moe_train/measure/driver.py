@@ -37,6 +37,7 @@ class Target:
     rank: int = 0
     layers: tuple[int, ...] | None = None
     fake: bool = False
+    even_routing: bool = False  # route by the even spread (always, when fake: fake tensors have no values)
 
 
 def keep_layers(model: Transformer, layers: tuple[int, ...]) -> None:
@@ -126,6 +127,8 @@ def measure_step(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
     """Run one step on this rank (every rank of the job calls it) and return the report dict."""
     torch.manual_seed(recipe.train.seed)
     chunks = _build(recipe, target, ctx)
+    for chunk in chunks:
+        chunk.set_even_routing(target.fake or target.even_routing)
     parts = step_parts(chunks, recipe, ctx)
     batch = _batch(recipe, target, ctx.device, ctx.coord("dp"), ctx.size("dp"))
     micro_batches = len(batch.inputs) // recipe.train.micro_batch_size
@@ -185,7 +188,7 @@ def measure(recipe: Recipe, target: Target) -> dict:
             return measure_step(recipe, target, ctx)
         finally:
             shutdown(ctx)
-    from moe_train.measure.fake import even_routing, fake_process_group, fake_tensors
+    from moe_train.measure.fake import fake_process_group, fake_tensors
 
     if torch.distributed.is_initialized():
         raise RuntimeError("--fake plays one rank of its own fake process group; this process already has one")
@@ -195,5 +198,5 @@ def measure(recipe: Recipe, target: Target) -> dict:
     with fake_process_group(rank=target.rank, world_size=recipe.world_size):
         ctx = bootstrap(on_cpu, distinct_groups=True)
         torch.set_num_threads(threads)
-        with even_routing(), fake_tensors():
+        with fake_tensors():
             return measure_step(on_cpu, target, ctx)

@@ -70,7 +70,10 @@ _CHUNK_CLASSES: dict[type, type] = {}
 
 
 def _cut(model: Transformer, stage: StageContents) -> Transformer:
-    """`model` (meta) reduced to what `stage` holds, with the stage's forward."""
+    """`model` (meta) reduced to what `stage` holds, with the stage's forward.
+
+    The chunk takes the stage's forward by a class swap (StageChunk first in the MRO), not a wrapper module: a
+    wrapper would prefix every parameter name, and checkpoints must hold the single-process model's names."""
     keep = {str(index) for index in stage.layers}
     for name in list(model.layers):
         if name not in keep:

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe_train.checkpoint.async_save import Checkpointer
 from moe_train.checkpoint.collective import agreed_start_point
-from moe_train.checkpoint.save import save_checkpoint
 from moe_train.checkpoint.state import Progress, load_model_weights, load_training_state
 from moe_train.config import RecipeError
 from moe_train.config.schema import Recipe
@@ -52,6 +52,7 @@ from moe_train.train.bad_steps import BadSteps, Rejection
 from moe_train.train.device_stats import device_mismatch, memory_figures, start_interval
 from moe_train.train.errors import TrainingError
 from moe_train.train.grad_norm import clip_grad_norm
+from moe_train.train.hang_report import HangWatch
 from moe_train.train.metrics import MetricsLogger, eval_record, expert_balance, train_record
 from moe_train.train.optimizer import set_lr
 from moe_train.train.peak import peak_flops
@@ -124,6 +125,8 @@ class Trainer:
         if recipe.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
             raise RecipeError(["logging.tensorboard: TensorBoard events need the tensorboard package "
                                "(pip install tensorboard)"])
+        if recipe.logging.wandb is not None and importlib.util.find_spec("wandb") is None:
+            raise RecipeError(["logging.wandb: W&B logging needs the wandb package (pip install wandb)"])
         if ctx is None:
             from moe_train.parallel.bootstrap import bootstrap
 
@@ -135,6 +138,10 @@ class Trainer:
         torch.manual_seed(train.seed)
         self.run_dir = Path(recipe.resolved_run_dir())
         self.ckpt_dir = Path(recipe.checkpoint_dir())
+        self.checkpointer = Checkpointer(self.ckpt_dir, keep=recipe.checkpoint.keep)
+        self.hang_watch = HangWatch(rank=self.rank, timeout_s=recipe.launch.timeout_minutes * 60,
+                                    step=lambda: self.progress.step + 1, log_dir=self.run_dir / "logs") \
+            if ctx.world_size > 1 else None
         self.datasets = build_datasets(recipe)
         if train.eval_interval is not None and self.datasets.valid is None:
             raise RecipeError(["train.eval_interval: evaluation needs a validation split (data.valid_fraction > 0)"])
@@ -311,17 +318,18 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ the loop
 
-    def _save(self, logger: MetricsLogger | None) -> Path:
-        path = save_checkpoint(
-            self.ckpt_dir,
+    def _save(self, logger: MetricsLogger | None, *, background: bool = False) -> Path:
+        """Save this step; `background` (interval saves, with checkpoint.async_save) returns once it is staged."""
+        background = background and self.recipe.checkpoint.async_save
+        path = self.checkpointer.save(
             model_parts=self.model_parts,
             optimizers=self.optimizers,
             progress=self.progress,
             model_config=self.recipe.model.model_dump(mode="json"),
-            keep=self.recipe.checkpoint.keep,
+            background=background,
         )
         if logger is not None:
-            logger.message(f"checkpoint saved: {path}")
+            logger.message(f"checkpoint {'staged, writing in the background' if background else 'saved'}: {path}")
         return path
 
     def train(self) -> Summary:
@@ -335,6 +343,8 @@ class Trainer:
                 total_steps=train.steps,
                 start_step=self.progress.step,
                 tensorboard=recipe.logging.tensorboard,
+                wandb=recipe.logging.wandb,
+                run_config=recipe.model_dump(mode="json"),
             )
             logger.message(f"data: {self.datasets.description}")
             for note in self.start.notes:
@@ -425,9 +435,12 @@ class Trainer:
                     logger.eval(eval_record(step=step, loss=loss))
             interval = recipe.checkpoint.interval
             if interval and step % interval == 0 and step != last:
-                checkpoint, saved_step = self._save(logger), step
+                checkpoint, saved_step = self._save(logger, background=True), step
         if saved_step != self.progress.step:
             checkpoint = self._save(logger)
+        self.checkpointer.close()  # the last checkpoint is on disk, and `latest` names it, before the run ends
+        if self.hang_watch is not None:
+            self.hang_watch.stop()
         if status is None:
             status = "complete" if self.progress.step >= train.steps else "exited"
         if status == "complete" and self.ctx.logs:
