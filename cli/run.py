@@ -15,6 +15,7 @@ from moe_train.checkpoint.layout import CheckpointError
 from moe_train.checkpoint.manifest import sizes_only
 from moe_train.checkpoint.resume import start_point
 from moe_train.config import Recipe, unsupported
+from moe_train.launch.job_env import job_environment
 from moe_train.launch.render import torchrun_argv
 from moe_train.launch.rundir import prepare_run_dir, read_run_recipe
 from moe_train.launch.shell import LaunchError
@@ -35,7 +36,7 @@ def _launch_torchrun(recipe: Recipe, run_dir: Path) -> int:
     """Start every rank with torchrun (this interpreter's), on a free local port; returns its exit code."""
     argv = torchrun_argv(recipe, run_dir, host="127.0.0.1", port=_free_port(), rdzv_id=f"run-{os.getpid()}")
     argv = [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
-    env = {**os.environ, **recipe.launch.env}
+    env = {**os.environ, **job_environment(recipe)}  # the rendered job's defaults (CUDA, determinism) too
     env.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.run(argv, env=env, check=False).returncode
 

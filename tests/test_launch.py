@@ -179,7 +179,8 @@ def test_sbatch_script_structure(tmp_path):
     text = render_sbatch(recipe, run_dir)
     directives = [line[len("#SBATCH "):] for line in text.splitlines() if line.startswith("#SBATCH ")]
     assert directives == [
-        "--job-name=qwen3-moe-tiny", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=4", "--partition=gpu",
+        "--job-name=qwen3-moe-tiny", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=4",
+        "--cpus-per-task=56", "--partition=gpu",
         "--time=04:00:00", "--exclusive", f"--output={run_dir}/logs/slurm-%j.out", "--open-mode=append",
         "--signal=B:USR1@300", "--requeue", "--mem=0",
     ]

@@ -29,6 +29,9 @@ class Hardware:
     network_bytes_per_s: float
     gpus_per_node: int
     nvlink_domain: int
+    # CPU cores per GPU of the vendor's reference node (DGX, an NVL72 tray): the sbatch default of
+    # launch.slurm.cpus_per_gpu. Optional: a cluster's own entry may leave it out.
+    cpus_per_gpu: int | None = None
 
     @property
     def supports_fp8(self) -> bool:
@@ -38,12 +41,12 @@ class Hardware:
 HARDWARE: dict[str, Hardware] = {
     hw.id: hw
     for hw in (
-        Hardware("a100-80gb", "NVIDIA A100 80GB SXM", 80 * GB, 312e12, 0.0, 2.039e12, 300 * GB, 25 * GB, 8, 8),
-        Hardware("h100", "NVIDIA H100 80GB SXM", 80 * GB, 989e12, 1979e12, 3.35e12, 450 * GB, 50 * GB, 8, 8),
-        Hardware("h200", "NVIDIA H200 141GB SXM", 141 * GB, 989e12, 1979e12, 4.8e12, 450 * GB, 50 * GB, 8, 8),
-        Hardware("b200", "NVIDIA B200 180GB", 180 * GB, 2250e12, 4500e12, 8.0e12, 900 * GB, 50 * GB, 8, 8),
-        Hardware("gb200", "NVIDIA GB200 NVL72", 186 * GB, 2500e12, 5000e12, 8.0e12, 900 * GB, 50 * GB, 4, 72),
-        Hardware("gb300", "NVIDIA GB300 NVL72", 288 * GB, 2500e12, 5000e12, 8.0e12, 900 * GB, 100 * GB, 4, 72),
+        Hardware("a100-80gb", "NVIDIA A100 80GB SXM", 80 * GB, 312e12, 0.0, 2.039e12, 300 * GB, 25 * GB, 8, 8, 16),
+        Hardware("h100", "NVIDIA H100 80GB SXM", 80 * GB, 989e12, 1979e12, 3.35e12, 450 * GB, 50 * GB, 8, 8, 14),
+        Hardware("h200", "NVIDIA H200 141GB SXM", 141 * GB, 989e12, 1979e12, 4.8e12, 450 * GB, 50 * GB, 8, 8, 14),
+        Hardware("b200", "NVIDIA B200 180GB", 180 * GB, 2250e12, 4500e12, 8.0e12, 900 * GB, 50 * GB, 8, 8, 14),
+        Hardware("gb200", "NVIDIA GB200 NVL72", 186 * GB, 2500e12, 5000e12, 8.0e12, 900 * GB, 50 * GB, 4, 72, 36),
+        Hardware("gb300", "NVIDIA GB300 NVL72", 288 * GB, 2500e12, 5000e12, 8.0e12, 900 * GB, 100 * GB, 4, 72, 36),
         Hardware("cpu", "CPU (peak measured at start)", 0, 0.0, 0.0, 0.0, 0.0, 0.0, 1024, 1),
     )
 }
@@ -80,23 +83,29 @@ def _entry(path: Path, hw_id: str, spec: object, table: dict[str, Hardware]) -> 
     else:
         values = {"name": hw_id}
     allowed = [f.name for f in fields(Hardware) if f.name != "id"]
+    optional = {"cpus_per_gpu"}
     unknown = sorted(str(k) for k in spec if k not in allowed)
     if unknown:
         raise HardwareError(f"{where}: unknown field(s) {', '.join(unknown)}; allowed: extends, {', '.join(allowed)}")
     values.update(spec)
     values["id"] = hw_id
-    missing = [name for name in allowed if name not in values]
+    missing = [name for name in allowed if name not in values and name not in optional]
     if missing:
         raise HardwareError(f"{where}: missing {', '.join(missing)} (or name a built-in with extends)")
     for name in allowed[1:]:
-        value = values[name]
+        value = values.get(name)
+        if name in optional and value is None:
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise HardwareError(f"{where}: {name} must be a number >= 0, got {value!r}")
-    for name in ("gpus_per_node", "nvlink_domain"):
+    for name in ("gpus_per_node", "nvlink_domain", "cpus_per_gpu"):
+        if name in optional and values.get(name) is None:
+            continue
         if int(values[name]) != values[name] or values[name] < 1:
             raise HardwareError(f"{where}: {name} must be a whole number >= 1, got {values[name]!r}")
     return Hardware(**{**values, "memory_bytes": int(values["memory_bytes"]),
-                       "gpus_per_node": int(values["gpus_per_node"]), "nvlink_domain": int(values["nvlink_domain"])})
+                       "gpus_per_node": int(values["gpus_per_node"]), "nvlink_domain": int(values["nvlink_domain"]),
+                       "cpus_per_gpu": None if values.get("cpus_per_gpu") is None else int(values["cpus_per_gpu"])})
 
 
 def load_hardware_file(path: Path, table: dict[str, Hardware]) -> dict[str, Hardware]:

@@ -195,6 +195,9 @@ class TrainConfig(Section):
     grad_clip: float | None = Field(1.0, gt=0, description="null: no clipping.")
     precision: Literal["fp32", "bf16", "fp8"] = "bf16"
     seed: int = 1234
+    deterministic: bool = Field(
+        False, description="Deterministic kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG): "
+        "bitwise resume and layout equality on CUDA, at a speed cost (docs/gpu.md).")
     eval_interval: int | None = Field(None, ge=1, description="null: no evaluation.")
     eval_steps: int = Field(1, ge=1)
     on_nonfinite: Literal["skip", "stop"] = "skip"
@@ -258,6 +261,9 @@ class SlurmConfig(Section):
     qos: str | None = None
     constraint: str | None = None
     exclusive: bool = True
+    cpus_per_gpu: int | None = Field(
+        None, ge=1, description="CPU cores per GPU rank (cuda: --cpus-per-task = gpus_per_node x this); null: the "
+        "hardware table's cpus_per_gpu of launch.gpu.")
     extra_sbatch: tuple[str, ...] = Field((), description="Extra #SBATCH directives, e.g. '--mem=0'.")
     signal_seconds: int = Field(120, ge=0, description="Preemption notice this long before the time limit.")
     requeue: bool = True
@@ -270,7 +276,10 @@ class LaunchConfig(Section):
     gpu: str = Field("cpu", description="An id of the hardware table (moe-train validate lists them).")
     nodes: int = Field(1, ge=1)
     gpus_per_node: int = Field(1, ge=1, description="Ranks per node, also on CPU.")
-    timeout_minutes: float = Field(10.0, gt=0, description="Timeout of collectives.")
+    timeout_minutes: float = Field(10.0, gt=0, description="Timeout of a training step's collectives.")
+    startup_timeout_minutes: float = Field(
+        30.0, gt=0, description="Timeout of collectives until the first step has run (rendezvous, NCCL set-up, "
+        "checkpoint load, first step).")
     env: dict[str, str] = Field(default_factory=dict)
     setup: tuple[str, ...] = Field((), description="Shell lines run before the job (trusted, not quoted).")
     cluster: str | None = Field(None, description="A cluster profile name or path supplying launch defaults.")

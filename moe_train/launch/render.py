@@ -16,6 +16,7 @@ import moe_train
 from moe_train.config import Recipe
 from moe_train.run_files import COMPLETE_FILE, LOGS_DIR, PREEMPT_FILE, RECIPE_FILE
 
+from .job_env import cpus_per_task, job_environment
 from .shell import LaunchError, env_name_problems, one_line, sbatch_value, sh, sh_join, slurm_filename
 
 TEMPLATE = "job.sbatch.j2"
@@ -100,7 +101,7 @@ def render_torchrun(
 ) -> str:
     """A shell snippet: the recipe's env exports and setup lines, then the quoted torchrun command."""
     _require_renderable(recipe)
-    lines = [f"export {name}={sh(value)}" for name, value in recipe.launch.env.items()]
+    lines = [f"export {name}={sh(value)}" for name, value in job_environment(recipe).items()]
     lines += list(recipe.launch.setup)
     lines.append(sh_join(torchrun_argv(recipe, run_dir, host=host, port=port, preflight=preflight)))
     return "\n".join(lines) + "\n"
@@ -122,8 +123,7 @@ def sbatch_directives(
     out = [f"--job-name={sbatch_value(name)}", f"--nodes={launch.nodes}", "--ntasks-per-node=1"]
     if launch.device == "cuda":
         out.append(f"--gpus-per-node={launch.gpus_per_node}")
-    else:
-        out.append(f"--cpus-per-task={launch.gpus_per_node}")
+    out.append(f"--cpus-per-task={cpus_per_task(recipe)}")
     for field in ("partition", "account", "qos", "constraint"):
         value = getattr(slurm, field)
         if value is not None:
@@ -164,9 +164,10 @@ def _render(recipe: Recipe, *, title: str, directives: list[str], preflight: boo
         title=title,
         version=moe_train.__version__,
         directives=directives,
-        env=list(launch.env.items()),
+        env=list(job_environment(recipe).items()),
         setup=list(launch.setup),
         gpus_per_node=launch.gpus_per_node,
+        cpus_per_task=cpus_per_task(recipe),  # srun (SLURM >= 22.05) does not inherit sbatch's value
         entry_module=ENTRY_MODULE,
         srun_args=_srun_args(recipe, run_dirs),
         run_dirs=[str(d) for d in run_dirs],

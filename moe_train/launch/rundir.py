@@ -37,6 +37,7 @@ IGNORED_FIELDS: tuple[tuple[str, ...], ...] = (
     ("parallel",),
     ("launch",),
     ("train", "micro_batch_size"),
+    ("train", "deterministic"),  # which kernels run, not what they compute (moe_train/train/determinism.py)
     ("checkpoint", "async_save"),  # how checkpoints are written and where metrics are mirrored, not the run
     ("logging", "wandb"),
 )

@@ -131,11 +131,13 @@ class SavedTensorTracker:
         self.shared.update((micro_batch, storage_key(t)) for t in tree_leaves(output) if isinstance(t, torch.Tensor))
 
     def _layer_starts(self, module: nn.Module, args: tuple) -> None:
-        """Boolean masks among a layer's arguments are shared by every layer; checkpoint inputs saved before
-        this layer started (a full-recompute group's input) are this layer's."""
+        """Attention masks among a layer's arguments (boolean, or the additive [b, 1, s, s] one: the only 4-D
+        argument) are shared by every layer; checkpoint inputs saved before this layer started (a full-recompute
+        group's input) are this layer's."""
         micro_batch = self.layers.micro_batch
         self.shared.update(
-            (micro_batch, storage_key(t)) for t in args if isinstance(t, torch.Tensor) and t.dtype == torch.bool
+            (micro_batch, storage_key(t)) for t in args
+            if isinstance(t, torch.Tensor) and (t.dtype == torch.bool or t.dim() == 4)
         )
         if self._pending and not in_backward():
             index = self.layers.stack[-1]

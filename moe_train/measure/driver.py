@@ -75,7 +75,8 @@ def _batch(recipe: Recipe, target: Target, device: torch.device, dp_rank: int, d
     rows = train.global_batch_size // dp_size
     if target.fake:
         samples = torch.randint(recipe.model.vocab_size, (rows, train.seq_length + 1), device=device)
-        return Batch(samples[:, :-1], samples[:, 1:], None)
+        return Batch(samples[:, :-1], samples[:, 1:], packed_positions(rows, train.seq_length, device)
+                     if recipe.data.reset_at_eod else None)
     from moe_train.data import build_datasets, global_batch, position_ids
 
     datasets = build_datasets(recipe)
@@ -84,6 +85,15 @@ def _batch(recipe: Recipe, target: Target, device: torch.device, dp_rank: int, d
     ).to(device)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     return Batch(inputs, labels, position_ids(inputs, datasets.eod) if recipe.data.reset_at_eod else None)
+
+
+def packed_positions(rows: int, seq_length: int, device: torch.device) -> torch.Tensor:
+    """Position ids of two packed documents per row (the second starts half-way): with data.reset_at_eod the
+    step attends through a document mask, which `--fake` must measure (its values are unknown to the model,
+    which takes fake positions as restarting: moe_train/models/attention.py)."""
+    half = seq_length // 2
+    row = torch.cat([torch.arange(half, device=device), torch.arange(seq_length - half, device=device)])
+    return row.expand(rows, seq_length)
 
 
 @contextlib.contextmanager

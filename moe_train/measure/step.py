@@ -36,7 +36,7 @@ def train_step(chunks: list[Transformer], parts: StepParts, batch: Batch, *, rec
     forward_backward(chunks, parts.pipeline, batch, micro_batch_size=train.micro_batch_size, loss=loss)
     reduce_gradients(chunks, tp_group=ctx.group("tp"), shared_embedding=parts.shared_embedding)
     clip_grad_norm([p for chunk in chunks for p in chunk.parameters()], train.grad_clip,
-                   stage_group=ctx.group("pp"), duplicates=parts.duplicates)
+                   stage_group=ctx.group("pp"), duplicates=parts.duplicates, device=ctx.device)
     for optimizer in parts.optimizers:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

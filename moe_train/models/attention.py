@@ -2,18 +2,27 @@
 
 Attention runs through F.scaled_dot_product_attention, which on CPU and GPU picks a fused kernel. Packed
 sequences (data.reset_at_eod) restart their position ids at 0 at each document start; attention restarts
-there too, through a block-diagonal causal mask. The mask is only built when a restart exists: without one,
-`is_causal=True` keeps the fastest kernel.
+there too, through a block-diagonal causal mask, built whenever position ids are given (the trainer gives them
+only with data.reset_at_eod); without them `is_causal=True` keeps the fastest kernel.
+
+The mask every layer receives is in the form the device's kernel takes (moe_train/kernels.py), built once per
+forward: on the CPU an additive fp32 mask, which SDPA's flash kernel uses as it is (a boolean one it converts
+to float in every layer, one [b, s, s] copy saved per layer); on CUDA a FlexAttention block mask, since SDPA's
+fast CUDA kernels take no mask and the math kernel would save the [b, h, s, s] scores.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.nn.attention.flex_attention import BlockMask
 
 from moe_train.config.schema import ModelConfig
+from moe_train.kernels import kernels_for
 from moe_train.models.linear import Linear
 from moe_train.models.norm import RMSNorm
 from moe_train.models.rope import apply_rotary
@@ -24,13 +33,18 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return (position_ids == 0).cumsum(dim=-1)
 
 
-def document_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """Block-diagonal causal mask [b, 1, s, s] (True: attend), or None when no document starts after token 0.
+def _restarts(position_ids: torch.Tensor) -> bool:
+    """Whether a document starts after token 0. On the meta device the values are unknown and plain causal
+    attention is assumed; fake tensors (measure --fake, which feeds positions only for packed documents) are
+    taken to restart, so the packed step's shapes are measured."""
+    if position_ids.device.type == "meta":
+        return False
+    return is_fake(position_ids) or bool((position_ids[..., 1:] == 0).any())
 
-    On the meta device or as fake tensors (shape-only runs: `moe-train measure --fake`) the values are unknown:
-    plain causal attention is assumed.
-    """
-    if position_ids.device.type == "meta" or is_fake(position_ids) or not bool((position_ids[..., 1:] == 0).any()):
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Block-diagonal causal mask [b, 1, s, s] (True: attend), or None when no document starts after token 0."""
+    if not _restarts(position_ids):
         return None
     docs = document_ids(position_ids)
     seq = position_ids.shape[-1]
@@ -38,15 +52,58 @@ def document_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
     return ((docs[..., :, None] == docs[..., None, :]) & causal).unsqueeze(-3)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, **kwargs) -> torch.Tensor:
-    """SDPA over [b, heads, s, d]: causal, or restricted by a document mask."""
+def attention_mask(position_ids: torch.Tensor) -> torch.Tensor | BlockMask | None:
+    """The document mask of given position ids in the form the device's attention kernel takes (the kernel
+    table's `documents`): an additive fp32 mask [b, 1, s, s] (0 or -inf) or a FlexAttention block mask; None
+    (plain causal) only on the meta device. Built without reading the positions (no device-to-host read per
+    forward): positions without a restart give the causal mask, which SDPA's CPU kernel applies bit for bit as
+    `is_causal` does; callers without restarts pass no positions (the trainer: only with data.reset_at_eod)."""
+    if position_ids.device.type == "meta":
+        return None
+    docs = document_ids(position_ids)
+    if kernels_for(position_ids.device.type).documents == "flex_block_mask":
+        return _block_mask(docs)
+    seq = position_ids.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=position_ids.device).tril()
+    allowed = ((docs[..., :, None] == docs[..., None, :]) & causal).unsqueeze(-3)
+    additive = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
+    return additive.masked_fill_(~allowed, float("-inf"))
+
+
+def _block_mask(docs: torch.Tensor) -> BlockMask:
+    """FlexAttention's block mask of causal attention within each document (CUDA)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document_causal(b, h, q_index, kv_index):
+        return (docs[b, q_index] == docs[b, kv_index]) & (q_index >= kv_index)
+
+    seq = docs.shape[-1]
+    return create_block_mask(same_document_causal, docs.shape[0], None, seq, seq, device=docs.device)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    """flex_attention compiled once: uncompiled it materialises the scores (and warns)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None,
+           **kwargs) -> torch.Tensor:
+    """Attention over [b, heads, s, d]: causal SDPA, SDPA restricted by an additive document mask, or
+    FlexAttention under a block mask (what `attention_mask` built for this device)."""
+    if isinstance(mask, BlockMask):
+        return _compiled_flex_attention()(q, k, v, block_mask=mask, **kwargs)
+    if mask is not None and mask.is_floating_point() and q.dtype == torch.float64:
+        mask = mask.to(q.dtype)  # torch 2.13's CPU SDPA misreads an fp32 additive mask on fp64 q (fp64: tests)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **kwargs)
 
 
 class CoreAttention(nn.Module):
     """`attend` as a module (no parameters): the region `parallel.recompute`'s core_attn policy recomputes."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None,
                 **kwargs) -> torch.Tensor:
         return attend(q, k, v, mask, **kwargs)
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from moe_train.config.schema import ModelConfig
-from moe_train.models.attention import document_ids, document_mask
+from moe_train.models.attention import attention_mask, document_ids
 from moe_train.models.decoder import DecoderBlock
 from moe_train.models.linear import Linear
 from moe_train.models.loss import IGNORE_INDEX, LanguageModelLoss
@@ -94,17 +94,19 @@ class Transformer(nn.Module):
     ) -> torch.Tensor | LossTerms:
         """input_ids [b, s] -> logits [b, s, vocab_size], or LossTerms when labels [b, s] (-100: ignored) are
         given. position_ids [b, s] or [1, s]: default 0..s-1; attention restarts wherever they fall back to 0."""
+        documents = position_ids is not None  # the default positions have no restart: no mask, no read of them
         position_ids = default_positions(input_ids, position_ids)
-        context = self.attention_context(position_ids)
+        context = self.attention_context(position_ids, documents=documents)
         moe = self.cfg.moe
         records = RoutingRecords() if moe is not None and moe.router.load_balancing == "all_layers_aux_loss" else None
         hidden = self.run_layers(list(self.layers.values()), self.embed_tokens(input_ids), *context, records)
         return self.head(hidden, input_ids, position_ids, labels, context, records)
 
-    def attention_context(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(cos, sin, mask): what every block's attention reads besides its input."""
+    def attention_context(self, position_ids: torch.Tensor, *, documents: bool = True) -> tuple[torch.Tensor, ...]:
+        """(cos, sin, mask): what every block's attention reads besides its input. `documents` False: the
+        default positions, which have no restart (no mask, and no read of their values)."""
         cos, sin = self.rope(position_ids)
-        return cos, sin, document_mask(position_ids)
+        return cos, sin, attention_mask(position_ids) if documents else None
 
     def head(
         self,

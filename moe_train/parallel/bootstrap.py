@@ -19,6 +19,7 @@ from moe_train.config import RecipeError, unsupported
 from moe_train.config.mesh_shape import MeshShape
 from moe_train.parallel.context import ParallelContext
 from moe_train.parallel.mesh import build_meshes
+from moe_train.runtime import clear_dtensor_cache, torch_problems
 
 if TYPE_CHECKING:
     from moe_train.config import Recipe
@@ -57,6 +58,7 @@ def launcher_problems(recipe: Recipe, env: LauncherEnv) -> list[str]:
     if env.slurm_nodes is not None and env.slurm_nodes != launch.nodes:
         out.append(f"the SLURM allocation has {env.slurm_nodes} node(s), the recipe's launch.nodes is {launch.nodes}")
     out += MeshShape.from_recipe(recipe).problems(recipe.world_size)
+    out += torch_problems()
     if launch.device == "cuda":
         import torch
 
@@ -87,7 +89,13 @@ def bootstrap(recipe: Recipe, *, preflight: bool = False, env: LauncherEnv | Non
     mismatch = launcher_problems(recipe, env)
     if mismatch:
         raise LaunchMismatch("; ".join(mismatch))
+    from moe_train.train.determinism import apply_determinism
+
+    apply_determinism(recipe.train.deterministic)  # before CUDA starts: cuBLAS reads its workspace setting once
     if recipe.launch.device == "cuda":
+        from moe_train.train.device_stats import enable_tf32
+
+        enable_tf32()
         torch.cuda.set_device(env.local_rank)
         device, backend = torch.device("cuda", env.local_rank), "nccl"
     else:
@@ -96,15 +104,19 @@ def bootstrap(recipe: Recipe, *, preflight: bool = False, env: LauncherEnv | Non
             torch.set_num_threads(1)  # ranks share the cores; oversubscription is many times slower
     created = not dist.is_initialized()
     if created:
-        timeout = timedelta(minutes=recipe.launch.timeout_minutes)
+        # The start-up timeout until the first step has run (moe_train/runtime.py: use_step_timeout). device_id
+        # binds NCCL to this rank's GPU: communicators are created eagerly on it, not guessed at first use.
+        timeout = timedelta(minutes=recipe.launch.startup_timeout_minutes)
+        device_id = device if device.type == "cuda" else None
         if backend == "nccl":  # read when the NCCL group is created: a hang's collectives land in the run folder
             from moe_train.train.hang_report import enable_flight_recorder
 
             enable_flight_recorder(Path(recipe.resolved_run_dir()) / "logs")
         if env.under_launcher:
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(backend, timeout=timeout, device_id=device_id)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
+                                    device_id=device_id)
     meshes = build_meshes(MeshShape.from_recipe(recipe), recipe.launch.device, distinct_groups=distinct_groups)
     forget_dtensor_shardings()
     return ParallelContext(
@@ -126,11 +138,10 @@ def forget_dtensor_shardings() -> None:
     the same shape compare equal whatever their process groups: after an earlier bootstrap in this process
     (tests, `measure --fake` run after run) DTensor would reduce over that bootstrap's groups, which may be gone
     ("Could not resolve the process group") or not the ones this context names."""
-    import torch
     from torch.distributed.tensor import DTensor
 
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()
+    clear_dtensor_cache()
 
 
 def shutdown(ctx: ParallelContext) -> None:

@@ -56,8 +56,9 @@ class StageChunk:
         labels: torch.Tensor,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        documents = position_ids is not None  # the default positions have no restart: no mask, no read of them
         position_ids = default_positions(input_ids, position_ids)
-        context = self.attention_context(position_ids)
+        context = self.attention_context(position_ids, documents=documents)
         hidden = self.embed_tokens(x) if self.stage.embedding else x
         hidden = self.run_layers(list(self.layers.values()), hidden, *context, None)
         if not self.stage.loss:

@@ -281,7 +281,8 @@ class _ModelComm:
         if n == 1:
             return []
         if forward:
-            return [(group, "all_gather", 2 * INT64), (group, "all_gather", tm * k * INT64),
+            # sizes: [tokens, padding, slots per expert holder (ep rank)] per rank (dispatch_allgather._sizes)
+            return [(group, "all_gather", (2 + ep) * INT64), (group, "all_gather", tm * k * INT64),
                     (group, "all_gather", a * tm * h), (group, "all_gather", tm * k * FP32),
                     (group, "reduce_scatter", n * tm * h * FP32)]
         return [(group, "reduce_scatter", n * tm * h * a), (group, "reduce_scatter", n * tm * k * FP32),

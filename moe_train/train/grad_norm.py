@@ -29,10 +29,13 @@ def clip_grad_norm(
     *,
     stage_group: dist.ProcessGroup | None = None,
     duplicates: Iterable[torch.nn.Parameter] = (),
+    device: torch.device | None = None,
 ) -> float:
     """Scale gradients so their global L2 norm is at most `max_norm` (None: no clipping); returns the norm
     before clipping (what metrics.jsonl logs as grad_norm). `duplicates`: parameters that are another stage's
-    copy (a pipeline's second embedding), clipped like the rest but counted once in the norm."""
+    copy (a pipeline's second embedding), clipped like the rest but counted once in the norm. `device`: the
+    training device (ctx.device), where the sum lives even on a rank without a counted gradient: under pp > 1
+    that rank still all-reduces it, and NCCL takes no CPU tensor."""
     skip = {id(param) for param in duplicates}
     by_mesh: dict[object, list[torch.nn.Parameter]] = defaultdict(list)
     counted: dict[object, list[torch.nn.Parameter]] = defaultdict(list)
@@ -42,11 +45,12 @@ def clip_grad_norm(
             by_mesh[mesh].append(param)
             if id(param) not in skip:
                 counted[mesh].append(param)
-    squares = torch.zeros((), dtype=torch.float32)
+    device = device if device is not None else _device_of(by_mesh)
+    squares = torch.zeros((), dtype=torch.float32, device=device)
     if counted:
         squares = torch.stack([_norm_of([p.grad for p in params]).float() ** 2 for params in counted.values()]).sum()
     if stage_group is not None and dist.get_world_size(stage_group) > 1:
-        squares = squares.to(_device_of(by_mesh))
+        squares = squares.to(device)
         dist.all_reduce(squares, group=stage_group)
     elif not by_mesh:
         return 0.0

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +47,9 @@ from moe_train.parallel import parallelize
 from moe_train.parallel.context import ParallelContext
 from moe_train.plan.flop_count import training_flops_per_token
 from moe_train.run_files import COMPLETE_FILE, PREEMPT_FILE
+from moe_train.runtime import use_step_timeout
 from moe_train.train.bad_steps import BadSteps, Rejection
+from moe_train.train.device_stats import device_mismatch, memory_figures, start_interval
 from moe_train.train.errors import TrainingError
 from moe_train.train.grad_norm import clip_grad_norm
 from moe_train.train.hang_report import HangWatch
@@ -178,6 +179,8 @@ class Trainer:
         self.tokens_per_step = train.global_batch_size * train.seq_length
         self.flops_per_token = training_flops_per_token(recipe.model, seq_length=train.seq_length)
         self.peak = peak_flops(device=recipe.launch.device, gpu=recipe.launch.gpu, precision=train.precision)
+        self.device_warning = device_mismatch(recipe.launch.gpu, torch.cuda.get_device_name(self.device)) \
+            if self.device.type == "cuda" else None
         self.stops = StopRequests(notice=self.run_dir / PREEMPT_FILE, reads_notice=ctx.logs, device=self.device)
 
     # ------------------------------------------------------------------------------------------ one step
@@ -226,7 +229,7 @@ class Trainer:
         reduce_gradients(self.model_parts, tp_group=self.ctx.group("tp"), shared_embedding=parts.shared_embedding)
         lm_sum, mtp_loss, counts, moe, aux_loss = self._figures(loss.sums, share)
         grad_norm = clip_grad_norm([p for part in self.model_parts for p in part.parameters()], train.grad_clip,
-                                   stage_group=self.ctx.group("pp"), duplicates=parts.duplicates)
+                                   stage_group=self.ctx.group("pp"), duplicates=parts.duplicates, device=self.device)
         lm_loss = lm_sum / self.tokens_per_step
         total = lm_loss + aux_loss + mtp_loss
         result = StepResult(
@@ -329,11 +332,6 @@ class Trainer:
             logger.message(f"checkpoint {'staged, writing in the background' if background else 'saved'}: {path}")
         return path
 
-    def _memory_bytes(self) -> int:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device)
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
     def train(self) -> Summary:
         """Run steps until train.steps, exit_at_step or a stop request; see the module docstring."""
         train, recipe = self.recipe.train, self.recipe
@@ -353,6 +351,8 @@ class Trainer:
                 logger.message(note)
             if self.started_from is not None:
                 logger.message(f"started from {self.started_from} at step {self.progress.step}")
+            if self.device_warning is not None:
+                logger.message(f"warning: {self.device_warning}")
         try:
             with self.stops:
                 return self._loop(last, logger)
@@ -381,6 +381,8 @@ class Trainer:
             result = self.train_step(step)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
+            if step == first_step + 1:  # start-up is over: a hung step now fails after launch.timeout_minutes
+                use_step_timeout(self.ctx, self.recipe.launch.timeout_minutes)
             seconds = time.perf_counter() - t0
             rejected = result.rejection
             skipped = self.progress.skipped + (0 if rejected is None else 1)
@@ -408,12 +410,13 @@ class Trainer:
                         tokens_per_s=tokens_per_s,
                         tflops_per_device=tflops,
                         mfu=tflops * 1e12 / self.peak,
-                        memory_bytes=self._memory_bytes(),
+                        **memory_figures(self.device),
                         skipped=skipped,
                         moe=result.moe,
                         mtp_loss=_finite_or_none(result.mtp_loss) if recipe.model.mtp_layers else None,
                     )
                 )
+                start_interval(self.device)  # the next record's memory peak is its own interval's
             if rejected is not None:
                 what = f"{rejected.reason} at step {step}"
                 field = "on_nonfinite" if rejected.kind == "nonfinite" else "on_loss_spike"

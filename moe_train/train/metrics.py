@@ -58,8 +58,10 @@ def train_record(
     skipped: int,
     moe: dict[str, dict[str, float]] | None = None,
     mtp_loss: float | None = None,
+    memory_reserved_bytes: int | None = None,
 ) -> dict[str, Any]:
-    """One `kind: train` line. `tokens` is the cumulative count trained on; `skipped` the cumulative skips."""
+    """One `kind: train` line. `tokens` is the cumulative count trained on; `skipped` the cumulative skips;
+    `memory_reserved_bytes` (CUDA only) the allocator's peak reserved bytes of the logging interval."""
     record: dict[str, Any] = {
         "kind": "train",
         "step": step,
@@ -75,6 +77,8 @@ def train_record(
         "memory_bytes": memory_bytes,
         "skipped": skipped,
     }
+    if memory_reserved_bytes is not None:
+        record["memory_reserved_bytes"] = memory_reserved_bytes
     if mtp_loss is not None:
         record["mtp_loss"] = mtp_loss
     if moe is not None:

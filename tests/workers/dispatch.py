@@ -210,7 +210,8 @@ def check_case(case: str, kind: str, *, group, num_experts: int, dtype: torch.dt
     else:
         max_tokens, top_k = max(len(s.hidden) for s in shards), shards[0].indices.shape[1]
         metadata = {
-            "all_gather": 16 + max_tokens * top_k * (8 + itemsize),
+            # sizes [tokens, padding, slots per expert holder] (issue 21: one read per dispatch)
+            "all_gather": 8 * (2 + size // etp) + max_tokens * top_k * (8 + itemsize),
             "reduce_scatter": size * max_tokens * top_k * itemsize,
         }
     assert got.metadata_total == metadata, f"metadata bytes {got.metadata_total} != {metadata}"

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from moe_train.models.moe.dispatch_collectives import all_gather_rows, reduce_scatter_rows
 from moe_train.models.moe.expert_group import ExpertShard
 from moe_train.models.moe.permute import Permutation, permute, unpermute, weighted_sum
+from moe_train.models.moe.router import count_per_expert
 
 
 @dataclass
@@ -84,20 +85,19 @@ class AllGatherDispatcher:
                 hidden, topk_indices, num_experts=self.num_experts, keep=keep, pad_to=pad_to
             )
             return rows, counts, AllGatherPlan(permutation, None, None, tokens, tokens)
-        # Every rank's token count and padding (capacities differ where token counts do).
-        sizes = torch.tensor([[tokens, pad_to or 0]], device=hidden.device)
-        sizes = all_gather_rows(sizes, group=shard.group, sent_bytes=self.metadata_bytes)
-        if host_counts is None:
-            sizes = sizes.tolist()
+        # Dropped slots and padding tokens are marked -1: no rank holds that expert.
+        routing = topk_indices if keep is None else topk_indices.masked_fill(~keep, -1)
+        gathered = self._sizes(routing, tokens, pad_to)  # gathered even when known: plan counts one shape
+        if host_counts is None:  # the dispatch's one device-to-host read
+            rows = gathered.tolist()
+            sizes = [row[:2] for row in rows]
             max_tokens = max(count for count, _ in sizes)
-            local_slots_count = None
+            local_slots_count = sum(row[2 + shard.rank // shard.expert_tp_size] for row in rows)
         else:
             sizes = [[tokens, 0]] * shard.size
             max_tokens = tokens
             mine = host_counts[shard.first_expert: shard.first_expert + self.num_local_experts]
             local_slots_count = shard.size * sum(mine)
-        # Dropped slots and padding tokens are marked -1: no rank holds that expert.
-        routing = topk_indices if keep is None else topk_indices.masked_fill(~keep, -1)
         routing = F.pad(routing, (0, 0, 0, max_tokens - tokens), value=-1)
         routing = all_gather_rows(routing, group=shard.group, sent_bytes=self.metadata_bytes)
         hidden = F.pad(hidden, (0, 0, 0, max_tokens - tokens))
@@ -112,12 +112,21 @@ class AllGatherDispatcher:
             pad_to=None if pad_to is None else sum(pad for _, pad in sizes),
             kept=local_slots_count,
         )
-        if local_slots_count is None:
-            local_slots = is_local.reshape(-1).nonzero().squeeze(1)
-        else:
-            local_slots = torch.nonzero_static(is_local.reshape(-1), size=local_slots_count).squeeze(1)
+        local_slots = torch.nonzero_static(is_local.reshape(-1), size=local_slots_count).squeeze(1)
         local_rows = permutation.slot_rows.index_select(0, local_slots)
         return rows, counts, AllGatherPlan(permutation, local_slots, local_rows, tokens, max_tokens)
+
+    def _sizes(self, routing: torch.Tensor, tokens: int, pad_to: int | None) -> torch.Tensor:
+        """[group size, 2 + ep] on the device: every rank's [tokens, pad_to, its slots for each expert holder (ep
+        rank)], so one read gives the padding to gather with and how many slots this rank's experts receive
+        (capacities differ where token counts do)."""
+        shard = self.shard
+        holders = shard.size // shard.expert_tp_size
+        owner = torch.where(routing >= 0, routing // self.num_local_experts, holders)
+        row = routing.new_full((2 + holders,), tokens, dtype=torch.int64)
+        row[1] = pad_to or 0
+        row[2:] = count_per_expert(owner, holders + 1)[:holders]
+        return all_gather_rows(row.unsqueeze(0), group=shard.group, sent_bytes=self.metadata_bytes)
 
     def combine(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, plan: AllGatherPlan) -> torch.Tensor:
         """expert_out [N, H] (rows as dispatch returned them) -> [T, H] fp32 on the tokens' own rank."""

@@ -80,9 +80,9 @@ class AllToAllDispatcher:
         dist.all_to_all_single(received, counts, group=shard.group)
         self.metadata_bytes["all_to_all"] += (shard.size - 1) * self.num_local_experts * counts.element_size()
         received = received.view(shard.size, self.num_local_experts)
-        if host_counts is None:
-            send_splits = counts.view(shard.size, self.num_local_experts).sum(dim=1).tolist()
-            recv_splits = received.sum(dim=1).tolist()
+        if host_counts is None:  # both splits in one device-to-host read: the dispatch's only one
+            send_splits, recv_splits = torch.stack(
+                [counts.view(shard.size, self.num_local_experts).sum(dim=1), received.sum(dim=1)]).tolist()
         else:
             per_rank = [sum(host_counts[r * self.num_local_experts: (r + 1) * self.num_local_experts])
                         for r in range(shard.size)]

@@ -197,7 +197,7 @@ class MoELayer(nn.Module):
     @torch.no_grad()
     def _switch_load(self, counts: torch.Tensor, rows: int, kind: str) -> torch.Tensor:
         """Fraction of the token set's rows assigned to each expert (sums to top_k)."""
-        totals = torch.cat([counts, torch.tensor([rows], device=counts.device)])
+        totals = torch.cat([counts, counts.new_full((1,), rows)])  # a fill on the device, not a host copy
         if self.token_group is not None:
             dist.all_reduce(totals, group=self.token_group)
         if kind == "global_aux_loss":

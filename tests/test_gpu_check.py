@@ -1,0 +1,50 @@
+"""bench/gpu/check.py's CPU rehearsal: every stage of the GPU check runs here on tiny shapes, so the script
+cannot fail on the H200 over a typo (issue 21). The figures are CPU figures and are only checked for shape and
+for the checks each stage makes (the loss falls, resume equals the straight run, grouped_mm equals the loop)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from processes import run_bounded
+
+REPO = Path(__file__).resolve().parents[1]
+CHECK = REPO / "bench" / "gpu" / "check.py"
+STAGES = ["probe", "grouped_mm", "sdpa", "tiny_run", "proxy", "hf_proxy", "resume"]
+
+
+def test_cpu_rehearsal_runs_every_stage(tmp_path: Path) -> None:
+    done = run_bounded([sys.executable, str(CHECK), "--device", "cpu", "--in-process", "--out", str(tmp_path)],
+                       timeout=400, cwd=REPO)
+    report = json.loads((tmp_path / "figures.json").read_text())
+    assert list(report["stages"]) == STAGES, done.stdout + done.stderr
+    failed = {k: v for k, v in report["stages"].items() if v["status"] != "ok"}
+    assert not failed, json.dumps(failed, indent=1)[:4000]
+    assert done.returncode == 0
+    figures = {k: v["figures"] for k, v in report["stages"].items()}
+    assert figures["probe"]["missing_apis"] == []
+    assert figures["grouped_mm"]["max_rel_diff"] == {"out": 0.0, "grad_x": 0.0, "grad_w": 0.0}  # fp32, CPU
+    assert figures["grouped_mm"]["empty_experts"] > 0
+    assert figures["sdpa"]["gqa_documents"]["kernel"] == "ScaledDotProductFlashAttentionForCpuBackward0"
+    assert figures["tiny_run"]["loss_fell"] and figures["resume"]["straight"] == figures["resume"]["resumed"]
+    assert figures["proxy"]["eager"]["tokens_per_s"] > 0 and figures["hf_proxy"]["tokens_per_s"] > 0
+    assert figures["proxy"]["compile"].startswith("not built yet")
+
+
+def test_stage_runs_in_its_own_process_under_a_timeout(tmp_path: Path) -> None:
+    done = run_bounded([sys.executable, str(CHECK), "--device", "cpu", "--only", "probe", "--out", str(tmp_path)],
+                       timeout=200, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "figures.json").read_text())
+    assert report["stages"]["probe"]["status"] == "ok" and "probe: ok" in (tmp_path / "check.log").read_text()
+    bad = run_bounded([sys.executable, str(CHECK), "--only", "nope", "--out", str(tmp_path)], timeout=60,
+                      cwd=REPO)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: unknown stage(s) nope")
+
+
+def test_check_scripts_parse() -> None:
+    for script in ("check.sh", "fetch_wheels.sh"):
+        subprocess.run(["bash", "-n", str(REPO / "bench" / "gpu" / script)], check=True)
