@@ -150,8 +150,8 @@ def fsdp_shard_elements(model: torch.nn.Module, dp: int) -> int:
 
 
 def test_fake_full_size_deepseek_v3_layers():
-    from moe_train.measure.driver import keep_layers
     from moe_train.models.model import Transformer
+    from moe_train.parallel.pipeline import keep_layers
 
     start = time.monotonic()
     args = [arg for item in DEEPSEEK_TODAY for arg in ("--set", item)]
@@ -168,7 +168,7 @@ def test_fake_full_size_deepseek_v3_layers():
     layers += ffn_matrices(cfg, moe_layer=True, active=False)
     with torch.device("meta"):
         model = Transformer(cfg)
-    keep_layers(model, (0, 3))
+    keep_layers(model, layers=(0, 3), mtp=())
     assert sum(p.numel() for p in model.parameters()) == 2 * cfg.padded_vocab_size() * cfg.hidden_size + (
         cfg.hidden_size + layers)
     # FSDP2 over dp = 256: fp32 shards; gradients the same; AdamW's two moments plus a step scalar per tensor.

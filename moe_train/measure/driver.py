@@ -21,13 +21,12 @@ from moe_train.measure.dtensor import local_dtensor_ops
 from moe_train.measure.flops import PhaseFlopCounter
 from moe_train.measure.layers import LayerTracker
 from moe_train.measure.memory import LiveBytes, grad_bytes, optimizer_bytes, param_bytes
-from moe_train.measure.step import train_step
-from moe_train.models.init import init_weights, materialize
-from moe_train.models.model import Transformer
-from moe_train.parallel import parallelize
 from moe_train.parallel.bootstrap import bootstrap, shutdown
 from moe_train.parallel.context import ParallelContext
-from moe_train.train.step import Batch, step_parts
+from moe_train.train.batch import Batch, rank_batch
+from moe_train.train.build import build_training
+from moe_train.train.schedule import lr_at
+from moe_train.train.step import apply_update, compute_gradients, zero_gradients
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,50 +38,18 @@ class Target:
     fake: bool = False
 
 
-def keep_layers(model: Transformer, layers: tuple[int, ...]) -> None:
-    """Drop every other layer (and MTP module) from the model, as a pipeline stage does."""
-    num_layers = model.cfg.num_layers
-    for name in list(model.layers):
-        if int(name) not in layers:
-            del model.layers[name]
-    for name in list(model.mtp):
-        if num_layers + int(name) not in layers:
-            del model.mtp[name]
-
-
-def _build(recipe: Recipe, target: Target, ctx: ParallelContext) -> list[Transformer]:
-    """The trainer's model chunks (one without a pipeline), cut to the target's layers: built on the meta
-    device (fake: directly as fake tensors, shapes only), cut, parallelised, then (real) allocated and
-    initialised by name."""
-    with torch.device(ctx.device if target.fake else "meta"):
-        model = Transformer(recipe.model)
-    if target.layers is not None:
-        keep_layers(model, target.layers)
-    chunks = parallelize(model, recipe, ctx)
-    for chunk in chunks:
-        if not target.fake:
-            materialize(chunk, device=ctx.device)
-            init_weights(chunk, seed=recipe.train.seed, init_std=recipe.model.init_std)
-        chunk.train()
-    return chunks
-
-
-def _batch(recipe: Recipe, target: Target, device: torch.device, dp_rank: int, dp_size: int) -> Batch:
-    """This rank's samples of the first global batch, as the trainer lays them out (micro-batches are views of
-    this rank's [B, s + 1] samples); fake token ids of the same shapes under `--fake`."""
-    train = recipe.train
-    rows = train.global_batch_size // dp_size
+def _batch(recipe: Recipe, target: Target, ctx: ParallelContext) -> Batch:
+    """This rank's samples of the first global batch, as the trainer reads them (train/batch.py); fake token
+    ids of the same shapes under `--fake`."""
     if target.fake:
-        samples = torch.randint(recipe.model.vocab_size, (rows, train.seq_length + 1), device=device)
-        return Batch(samples[:, :-1], samples[:, 1:], None)
-    from moe_train.data import build_datasets, global_batch, position_ids
+        train = recipe.train
+        rows = train.global_batch_size // ctx.size("dp")
+        samples = torch.randint(recipe.model.vocab_size, (rows, train.seq_length + 1), device=ctx.device)
+        return Batch.of_samples(samples, eod=None)
+    from moe_train.data import build_datasets
 
     datasets = build_datasets(recipe)
-    tokens = global_batch(
-        datasets.train, step=0, global_batch_size=train.global_batch_size, dp_rank=dp_rank, dp_size=dp_size
-    ).to(device)
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    return Batch(inputs, labels, position_ids(inputs, datasets.eod) if recipe.data.reset_at_eod else None)
+    return rank_batch(datasets.train, 0, recipe=recipe, ctx=ctx, eod=datasets.eod)
 
 
 @contextlib.contextmanager
@@ -115,16 +82,16 @@ def unmeasured_pipeline_warmup(*, fake: bool) -> Iterator[None]:
 def measure_step(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
     """Run one step on this rank (every rank of the job calls it) and return the report dict."""
     torch.manual_seed(recipe.train.seed)
-    chunks = _build(recipe, target, ctx)
-    parts = step_parts(chunks, recipe, ctx)
-    batch = _batch(recipe, target, ctx.device, ctx.coord("dp"), ctx.size("dp"))
+    trainable = build_training(recipe, ctx, weights="fake" if target.fake else "init", layers=target.layers)
+    chunks = trainable.chunks
+    batch = _batch(recipe, target, ctx)
     micro_batches = len(batch.inputs) // recipe.train.micro_batch_size
     grads: dict[str, int] = {}
 
     def gradients_ready(*_) -> None:  # the gradients exist between backward and the update
         grads["bytes"] = sum(grad_bytes(chunk) for chunk in chunks)
 
-    parts.optimizers[0].register_step_pre_hook(gradients_ready)
+    trainable.optimizers[0].register_step_pre_hook(gradients_ready)
 
     layers = LayerTracker(chunks)
     saved = SavedTensorTracker(chunks, layers)
@@ -137,7 +104,11 @@ def measure_step(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
         stack.enter_context(unmeasured_pipeline_warmup(fake=target.fake))
         for context in (local_dtensor_ops(), live, comm, flops, saved):
             stack.enter_context(context)
-        train_step(chunks, parts, batch, recipe=recipe, ctx=ctx)
+        # The trainer's step without its host-side figures (fake tensors have no values): the all-reduce of the
+        # loss sums and MoE telemetry and the expert-bias update it feeds; the update is taken whatever the norm.
+        compute_gradients(trainable, batch, recipe=recipe, ctx=ctx)
+        apply_update(trainable, lr=lr_at(1, train=recipe.train))
+        zero_gradients(trainable)
     layers.close()
     peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else live.peak
     per_layer = saved.per_layer()
@@ -149,7 +120,7 @@ def measure_step(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
         "activation_bytes_total": sum(per_layer.values()),
         "param_bytes": sum(param_bytes(chunk) for chunk in chunks),
         "grad_bytes": grads.get("bytes", 0),
-        "optimizer_bytes": sum(optimizer_bytes(optimizer) for optimizer in parts.optimizers),
+        "optimizer_bytes": sum(optimizer_bytes(optimizer) for optimizer in trainable.optimizers),
         "flops": flops.totals(),
         "comm_bytes": dict(sorted(comm.bytes.items())),
         "peak_memory_bytes": peak,

@@ -39,23 +39,21 @@ from moe_train.checkpoint.save import save_checkpoint
 from moe_train.checkpoint.state import Progress, load_model_weights, load_training_state
 from moe_train.config import RecipeError
 from moe_train.config.schema import Recipe
-from moe_train.data import build_datasets, global_batch, position_ids
+from moe_train.data import build_datasets
 from moe_train.launch.rundir import COMPLETE_FILE, PREEMPT_FILE
-from moe_train.models import build_model
 from moe_train.models.decoder import DecoderBlock
-from moe_train.models.init import init_weights, materialize
 from moe_train.models.moe import MoELayer, update_expert_bias
-from moe_train.parallel import parallelize
 from moe_train.parallel.context import ParallelContext
 from moe_train.plan.flops import training_flops_per_token
 from moe_train.train.bad_steps import BadSteps, Rejection
+from moe_train.train.batch import rank_batch
+from moe_train.train.build import build_training
 from moe_train.train.errors import TrainingError
-from moe_train.train.grad_norm import clip_grad_norm
+from moe_train.train.grad_norm import host_norm
 from moe_train.train.metrics import MetricsLogger, eval_record, expert_balance, train_record
-from moe_train.train.optimizer import set_lr
 from moe_train.train.peak import peak_flops
 from moe_train.train.schedule import lr_at
-from moe_train.train.step import Batch, StepLoss, forward_backward, forward_only, reduce_gradients, step_parts
+from moe_train.train.step import StepLoss, apply_update, compute_gradients, forward_only, zero_gradients
 from moe_train.train.stops import StopRequests
 
 
@@ -129,7 +127,6 @@ class Trainer:
             ctx = bootstrap(recipe)
         self.ctx = ctx
         self.rank = ctx.rank
-        self.dp_size = ctx.size("dp")
         self.device = ctx.device
         torch.manual_seed(train.seed)
         self.run_dir = Path(recipe.resolved_run_dir())
@@ -142,16 +139,11 @@ class Trainer:
         )
         start = self.start
         self.started_from = start.resume_from or start.init_from
-        # This rank's model chunks: the whole model, or its pipeline stages (one per virtual stage).
-        model = build_model(recipe.model, device="meta")
-        model_keys = set(model.state_dict())  # the whole model's, which a checkpoint holds at every layout
-        self.model_parts = parallelize(model, recipe, ctx)
-        for part in self.model_parts:
-            materialize(part, device=self.device)
-            if start.resume_from is None and start.init_from is None:
-                init_weights(part, seed=train.seed, init_std=recipe.model.init_std)
-            part.train()
-        self.parts = step_parts(self.model_parts, recipe, ctx)
+        # This rank's model chunks (the whole model, or its pipeline stages), allocated empty when a checkpoint
+        # fills them.
+        fresh = start.resume_from is None and start.init_from is None
+        self.trainable = build_training(recipe, ctx, weights="init" if fresh else "empty")
+        self.model_parts = self.trainable.chunks
         # This rank's MoE layers by index (MTP blocks count as layers num_layers + k), and every MoE layer of the
         # whole model, whose figures all ranks exchange in one tensor of the same shape whatever their stage.
         self.moe_layers: dict[int, MoELayer] = {
@@ -161,6 +153,7 @@ class Trainer:
         cfg = recipe.model
         self.all_moe_layers = [i for i in range(cfg.num_layers + cfg.mtp_layers) if cfg.is_moe_layer(i)]
         self.progress = Progress()
+        model_keys = self.trainable.model_keys
         if start.resume_from is not None:
             self.progress = load_training_state(start.resume_from, model_parts=self.model_parts,
                                                 optimizers=self.optimizers, model_keys=model_keys, own=start.own)
@@ -181,45 +174,18 @@ class Trainer:
             dist.all_reduce(tensor)
         return tensor
 
-    def _batch(self, source, batch_index: int) -> Batch:
-        """This rank's samples of global batch `batch_index` (its data-parallel slice; every pipeline stage of
-        the slice reads the same samples)."""
-        train = self.recipe.train
-        tokens = global_batch(
-            source,
-            step=batch_index,
-            global_batch_size=train.global_batch_size,
-            dp_rank=self.ctx.coord("dp"),
-            dp_size=self.dp_size,
-        ).to(self.device)
-        inputs, labels = tokens[:, :-1], tokens[:, 1:]
-        positions = position_ids(inputs, self.datasets.eod) if self.recipe.data.reset_at_eod else None
-        return Batch(inputs, labels, positions)
-
-    def _zero_grad(self) -> None:
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        """One AdamW per model chunk (`parts.optimizers`)."""
-        return self.parts.optimizers
+        """One AdamW per model chunk (`trainable.optimizers`)."""
+        return self.trainable.optimizers
 
     def train_step(self, step: int) -> StepResult:
-        """Forward/backward over this rank's micro-batches of global batch step-1, then clip and update."""
+        """The step's gradients (step.py), then its figures read on the host, then the update if admitted."""
         train = self.recipe.train
-        batch = self._batch(self.datasets.train, step - 1)
-        micro_batches = len(batch.inputs) // train.micro_batch_size
-        share = 1.0 / (micro_batches * self.dp_size)  # of each micro-batch's mean losses
-        loss = StepLoss(tokens_per_step=self.tokens_per_step, share=share, device=self.device)
-        self._reset_telemetry()
-        self._zero_grad()
-        parts = self.parts
-        forward_backward(self.model_parts, parts.pipeline, batch, micro_batch_size=train.micro_batch_size, loss=loss)
-        reduce_gradients(self.model_parts, tp_group=self.ctx.group("tp"), shared_embedding=parts.shared_embedding)
-        lm_sum, mtp_loss, counts, moe, aux_loss = self._figures(loss.sums, share)
-        grad_norm = clip_grad_norm([p for part in self.model_parts for p in part.parameters()], train.grad_clip,
-                                   stage_group=self.ctx.group("pp"), duplicates=parts.duplicates)
+        batch = rank_batch(self.datasets.train, step - 1, recipe=self.recipe, ctx=self.ctx, eod=self.datasets.eod)
+        gradients = compute_gradients(self.trainable, batch, recipe=self.recipe, ctx=self.ctx)
+        lm_sum, mtp_loss, counts, moe, aux_loss = self._figures(gradients.loss.sums, gradients.loss.share)
+        grad_norm = host_norm(gradients.grad_norm)
         lm_loss = lm_sum / self.tokens_per_step
         total = lm_loss + aux_loss + mtp_loss
         result = StepResult(
@@ -232,18 +198,10 @@ class Trainer:
             rejection=self.bad_steps.admit(loss=total, grad_norm=grad_norm),
         )
         if result.rejection is None:
-            for optimizer in self.optimizers:
-                set_lr(optimizer, lr_at(step, train=train))
-                optimizer.step()
+            apply_update(self.trainable, lr=lr_at(step, train=train))
             self._update_expert_bias(counts)
-        self._zero_grad()
+        zero_gradients(self.trainable)
         return result
-
-    def _reset_telemetry(self) -> None:
-        for layer in self.moe_layers.values():
-            layer.reset_telemetry()
-        for part in self.model_parts:
-            part.aux_loss_value.zero_()
 
     def _figures(self, loss_sums: torch.Tensor, share: float) -> tuple[float, float, dict[int, torch.Tensor],
                                                                          dict | None, float]:
@@ -298,8 +256,10 @@ class Trainer:
             part.eval()
         loss = StepLoss(tokens_per_step=self.tokens_per_step, share=0.0, device=self.device)
         for batch_index in range(train.eval_steps):
-            forward_only(self.model_parts, self.parts.pipeline, self._batch(self.datasets.valid, batch_index),
-                         micro_batch_size=train.micro_batch_size, loss=loss)
+            batch = rank_batch(self.datasets.valid, batch_index, recipe=self.recipe, ctx=self.ctx,
+                               eod=self.datasets.eod)
+            forward_only(self.model_parts, self.trainable.pipeline, batch, micro_batch_size=train.micro_batch_size,
+                         loss=loss)
         for part in self.model_parts:
             part.train()
         # The last stage's tp rank 0 of each data-parallel slice holds a sum.
