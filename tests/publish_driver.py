@@ -59,7 +59,7 @@ def save(ckpt_dir: Path, step: int) -> None:
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.ones(2, 4)).sum().backward()
     optimizer.step()
-    save_checkpoint(ckpt_dir, model_parts=[model], optimizers=[optimizer],
+    save_checkpoint(ckpt_dir, chunks=[model], optimizers=[optimizer],
                     progress=Progress(step=step, consumed_samples=step), model_config={}, keep=None)
 
 

@@ -55,7 +55,7 @@ def trainer_step(recipe) -> dict:
     from moe_train.train.loop import Trainer
 
     trainer = Trainer(recipe, bootstrap(recipe, distinct_groups=True))  # groups named as measure names them
-    comm, flops = CommCounter(trainer.ctx.group_name), PhaseFlopCounter(LayerTracker(trainer.model_parts))
+    comm, flops = CommCounter(trainer.ctx.group_name), PhaseFlopCounter(LayerTracker(trainer.chunks))
     # The trainer's reduction of host figures (loss sums, MoE telemetry) goes through _all_reduce.
     telemetry = {"bytes": 0}
     all_reduce = trainer._all_reduce
