@@ -296,11 +296,11 @@ def test_dtensor_ops_are_counted_on_this_ranks_shards():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from moe_train.measure.comm import CommCounter, mesh_group_namer
     from moe_train.measure.dtensor import local_dtensor_ops
     from moe_train.measure.fake import fake_process_group
     from moe_train.measure.flops import PhaseFlopCounter
     from moe_train.measure.layers import LayerTracker
+    from moe_train.measure.traffic import CollectiveTraffic
 
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleDict()
@@ -308,7 +308,8 @@ def test_dtensor_ops_are_counted_on_this_ranks_shards():
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
         weight = distribute_tensor(torch.randn(8, 16), mesh, [Shard(0)])
         x = distribute_tensor(torch.randn(4, 16), mesh, [Replicate()])
-        flops, comm = PhaseFlopCounter(LayerTracker([model])), CommCounter(mesh_group_namer([mesh]))
+        names = {mesh.get_group("tp").group_name: "tp"}  # groups named by their mesh dimension
+        flops, comm = PhaseFlopCounter(LayerTracker([model])), CollectiveTraffic(lambda g: names[g.group_name])
         with local_dtensor_ops(), comm, flops:
             y = x @ weight.t()  # local [4, 16] x [16, 4]
             torch.linalg.vector_norm(weight).full_tensor()  # partial sums of squares, all-reduced

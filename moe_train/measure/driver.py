@@ -16,11 +16,11 @@ import torch
 
 from moe_train.config.schema import Recipe
 from moe_train.measure.activations import SavedTensorTracker
-from moe_train.measure.comm import CommCounter
 from moe_train.measure.dtensor import local_dtensor_ops
 from moe_train.measure.flops import PhaseFlopCounter
 from moe_train.measure.layers import LayerTracker
 from moe_train.measure.memory import LiveBytes, grad_bytes, optimizer_bytes, param_bytes
+from moe_train.measure.traffic import CollectiveTraffic
 from moe_train.parallel.bootstrap import bootstrap, shutdown
 from moe_train.parallel.context import ParallelContext
 from moe_train.train.batch import Batch, rank_batch
@@ -95,7 +95,7 @@ def measure_step(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
 
     layers = LayerTracker(chunks)
     saved = SavedTensorTracker(chunks, layers)
-    comm = CommCounter(ctx.group_name)
+    comm = CollectiveTraffic(ctx.group_name)
     flops = PhaseFlopCounter(layers)
     live = LiveBytes([t for chunk in chunks for t in (*chunk.parameters(), *chunk.buffers())])
     if ctx.device.type == "cuda":
