@@ -196,6 +196,50 @@ def test_fake_full_size_deepseek_v3_layers():
     assert report["peak_memory_bytes"] >= report["param_bytes"] + report["grad_bytes"] + report["optimizer_bytes"]
 
 
+DERIVED = {  # recipe, overrides, rank, micro-batches per step (more than the three samples together)
+    "no pipeline: dense, MoE and MTP layers": ("deepseek-v3-tiny", (), 0, 10),
+    "1f1b first stage": ("qwen3-moe-tiny", ("parallel.pp=2",), 0, 16),
+    "1f1b last stage": ("qwen3-moe-tiny", ("parallel.pp=2",), 1, 16),
+    "gpipe: its peak grows with the micro-batches": ("qwen3-moe-tiny", ("parallel.pp=2", "parallel.pp_schedule=gpipe"),
+                                                     0, 16),
+    "interleaved 1f1b": ("qwen3-moe-tiny", ("parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved_1f1b",
+                                            "model.num_layers=4"), 0, 28),
+}
+
+
+def test_derive_takes_affine_figures_on_and_refuses_the_rest():
+    from moe_train.measure.derive import NotAffine, derive, sample_counts
+
+    reports = [{"flops": {"total": 10 + 2 * m}, "peak": 7, "layers": [0, 3], "micro_batches": m} for m in (2, 3, 4)]
+    assert derive(reports, (2, 3, 4), 10) == {"flops": {"total": 30}, "peak": 7, "layers": [0, 3], "micro_batches": 10}
+    for bad in ({"peak": 9}, {"layers": [0]}, {"flops": {"total": 18, "recompute": 1}}):
+        with pytest.raises(NotAffine):
+            derive([*reports[:2], {**reports[2], **bad}], (2, 3, 4), 10)
+    assert sample_counts(load_recipe("qwen3-tiny"), 2048) == (2, 3, 4)
+    assert sample_counts(load_recipe("qwen3-tiny"), 9) is None  # walking all nine costs no more
+    interleaved = load_recipe("deepseek-v3", check_files=False)  # pp 8, vpp 2: steps of 24, 32 and 40
+    assert sample_counts(interleaved, 64) is None and sample_counts(interleaved, 2048) == (24, 32, 40)
+
+
+@pytest.mark.parametrize("case", DERIVED)
+def test_a_step_derived_from_a_few_micro_batches_equals_walking_them_all(case, capfd):
+    """Under --fake the step is measured at three micro-batch counts and taken on to the recipe's: every key of
+    the report equals the walk of every micro-batch, pipeline schedules (whose in-flight peak depends on the
+    interleaving) included."""
+    from moe_train.measure.driver import Target, measure
+
+    name, extra, rank, micro_batches = DERIVED[case]
+    world = 2 if extra else 1
+    recipe = load_recipe(name, [f"train.global_batch_size={micro_batches}", "train.micro_batch_size=1",
+                                f"launch.gpus_per_node={world}", *extra])
+    derived = measure(recipe, Target(fake=True, rank=rank))
+    said = capfd.readouterr().err
+    assert f"{micro_batches} micro-batches per step; measuring steps of" in said and "do not fix" not in said, said
+    walked = measure(recipe, Target(fake=True, rank=rank, every_micro_batch=True))
+    assert derived["micro_batches"] == micro_batches
+    assert derived == walked
+
+
 def test_measure_counts_what_the_trainer_runs_two_ranks(tmp_path):
     """On 2 gloo ranks: the comm counter on known collectives, exactly; then `measure_step` and the trainer's
     own `Trainer.train_step` under the same counters: the same FLOPs and FSDP2 traffic, the trainer adding

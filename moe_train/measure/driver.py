@@ -9,16 +9,19 @@ process at any world size, playing rank R with fake tensors and a fake process g
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import sys
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from moe_train.config.schema import Recipe
 from moe_train.measure.activations import SavedTensorTracker
+from moe_train.measure.derive import NotAffine, derive, sample_counts, with_micro_batches
 from moe_train.measure.dtensor import local_dtensor_ops
 from moe_train.measure.flops import PhaseFlopCounter
-from moe_train.measure.layers import LayerTracker
+from moe_train.measure.layers import LayerTracker, in_backward
 from moe_train.measure.memory import LiveBytes, grad_bytes, optimizer_bytes, param_bytes
 from moe_train.measure.traffic import CollectiveTraffic
 from moe_train.parallel.bootstrap import bootstrap, shutdown
@@ -31,11 +34,13 @@ from moe_train.train.step import apply_update, compute_gradients, zero_gradients
 
 @dataclass(frozen=True, kw_only=True)
 class Target:
-    """What to measure: which rank, which layers (None: all), fake or real."""
+    """What to measure: which rank, which layers (None: all), fake or real. `every_micro_batch`: walk all of the
+    step's micro-batches even where a few of them fix its figures (derive.py)."""
 
     rank: int = 0
     layers: tuple[int, ...] | None = None
     fake: bool = False
+    every_micro_batch: bool = False
 
 
 def _batch(recipe: Recipe, target: Target, ctx: ParallelContext) -> Batch:
@@ -80,7 +85,50 @@ def unmeasured_pipeline_warmup(*, fake: bool) -> Iterator[None]:
 
 
 def measure_step(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
-    """Run one step on this rank (every rank of the job calls it) and return the report dict."""
+    """Measure one step on this rank (every rank of the job calls it) and return the report dict: under
+    `--fake` from steps of a few micro-batches when they fix the step's figures (derive.py), else by walking
+    every micro-batch, with a line of progress on stderr now and then."""
+    train = recipe.train
+    micro_batches = train.global_batch_size // (train.micro_batch_size * ctx.size("dp"))
+    counts = sample_counts(recipe, micro_batches) if target.fake and not target.every_micro_batch else None
+    if counts is not None:
+        _say(ctx, target, f"measure: {micro_batches:,} micro-batches per step; measuring steps of "
+                          f"{', '.join(map(str, counts))} and deriving the step from them")
+        reports = [_walk(with_micro_batches(recipe, count, dp=ctx.size("dp")), target, ctx) for count in counts]
+        try:
+            return derive(reports, counts, micro_batches)
+        except NotAffine as reason:
+            _say(ctx, target, f"measure: the samples do not fix the step ({reason}); walking every micro-batch")
+    return _walk(recipe, target, ctx)
+
+
+def _say(ctx: ParallelContext, target: Target, line: str) -> None:
+    """A line on stderr from the reporting rank (stdout holds the report)."""
+    if ctx.rank == target.rank:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _progress(chunk: torch.nn.Module, micro_batches: int, say: Callable[[str], None], *,
+              every_s: float = 30.0) -> torch.utils.hooks.RemovableHandle:
+    """Every `every_s` seconds, at the start of a micro-batch's forward: how far the step is, and an estimate."""
+    start = time.perf_counter()
+    state = {"done": 0, "said": start}
+
+    def forward(module: torch.nn.Module, args: tuple) -> None:
+        if in_backward():
+            return
+        now = time.perf_counter()
+        if now - state["said"] >= every_s and state["done"]:
+            left = (now - start) / state["done"] * (micro_batches - state["done"])
+            say(f"measure: micro-batch {state['done'] + 1:,} of {micro_batches:,}, about {left:,.0f} s left")
+            state["said"] = now
+        state["done"] += 1
+
+    return chunk.register_forward_pre_hook(forward)
+
+
+def _walk(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
+    """One step of the recipe under every counter, all of its micro-batches."""
     torch.manual_seed(recipe.train.seed)
     trainable = build_training(recipe, ctx, weights="fake" if target.fake else "init", layers=target.layers)
     chunks = trainable.chunks
@@ -94,6 +142,7 @@ def measure_step(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
     trainable.optimizers[0].register_step_pre_hook(gradients_ready)
 
     layers = LayerTracker(chunks)
+    progress = _progress(chunks[0], micro_batches, lambda line: _say(ctx, target, line))
     saved = SavedTensorTracker(chunks, layers)
     comm = CollectiveTraffic(ctx.group_name)
     flops = PhaseFlopCounter(layers)
@@ -110,6 +159,7 @@ def measure_step(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
         apply_update(trainable, lr=lr_at(1, train=recipe.train))
         zero_gradients(trainable)
     layers.close()
+    progress.remove()
     peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else live.peak
     per_layer = saved.per_layer()
     return {
