@@ -231,7 +231,7 @@ def test_a_step_derived_from_a_few_micro_batches_equals_walking_them_all(case, c
     name, extra, rank, micro_batches = DERIVED[case]
     world = 2 if extra else 1
     recipe = load_recipe(name, [f"train.global_batch_size={micro_batches}", "train.micro_batch_size=1",
-                                f"launch.gpus_per_node={world}", *extra])
+                                "train.seq_length=32", f"launch.gpus_per_node={world}", *extra])
     derived = measure(recipe, Target(fake=True, rank=rank))
     said = capfd.readouterr().err
     assert f"{micro_batches} micro-batches per step; measuring steps of" in said and "do not fix" not in said, said
