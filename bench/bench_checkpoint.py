@@ -55,7 +55,7 @@ def worker(recipe_name: str, overrides: list[str], out: Path) -> None:
     from moe_train.checkpoint.save import save_checkpoint
     from moe_train.checkpoint.state import Progress, load_training_state
     from moe_train.config import load_recipe
-    from moe_train.launch.rundir import PREEMPT_FILE
+    from moe_train.run_files import PREEMPT_FILE
     from moe_train.train.loop import Trainer
 
     world = int(os.environ["WORLD_SIZE"])

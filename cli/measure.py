@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moe_train.config import Recipe, dump_recipe, unsupported
+from moe_train.run_files import RECIPE_FILE
 
 from .common import RecipeArgument, SetOption, fail, load_or_exit
 from .run import _free_port
@@ -54,7 +55,7 @@ def _problems(recipe: Recipe, *, fake: bool, rank: int, nproc: int | None, layer
 def _measure_with_torchrun(recipe: Recipe, *, rank: int, layers: tuple[int, ...] | None) -> dict:
     """Start every rank with torchrun on this machine; rank `rank` writes the report, read back here."""
     with tempfile.TemporaryDirectory(prefix="moe-train-measure-") as folder:
-        recipe_file, out = Path(folder) / "recipe.yaml", Path(folder) / "report.json"
+        recipe_file, out = Path(folder) / RECIPE_FILE, Path(folder) / "report.json"
         recipe_file.write_text(dump_recipe(recipe), encoding="utf-8")
         argv = [
             sys.executable, "-m", "torch.distributed.run",

@@ -14,6 +14,7 @@ import typer
 
 from moe_train.report.history import ReportError, load_histories
 from moe_train.report.summary import describe, summarize, sweep_table
+from moe_train.run_files import REPORT_DIR
 
 from .common import fail
 
@@ -40,7 +41,7 @@ def report(
     matplotlib.use("Agg")  # files only, never a window (login nodes have no display)
     from moe_train.report.write import write_report
 
-    out_dir = out if out is not None else run_dir / "report"
+    out_dir = out if out is not None else run_dir / REPORT_DIR
     try:
         histories, notes = load_histories(run_dir)
         if out_dir.exists() and not out_dir.is_dir():

@@ -16,8 +16,9 @@ from moe_train.checkpoint.manifest import sizes_only
 from moe_train.checkpoint.resume import start_point
 from moe_train.config import Recipe, unsupported
 from moe_train.launch.render import torchrun_argv
-from moe_train.launch.rundir import PREEMPT_FILE, prepare_run_dir, read_run_recipe
+from moe_train.launch.rundir import prepare_run_dir, read_run_recipe
 from moe_train.launch.shell import LaunchError
+from moe_train.run_files import PREEMPT_FILE
 
 from .common import SetOption, fail, load_or_exit
 

@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 from moe_train.config import Recipe, RecipeError, load_recipe
+from moe_train.config.mesh_shape import MeshShape, coords_text, format_coords
 from moe_train.parallel.bootstrap import LauncherEnv, LaunchMismatch, bootstrap, launcher_problems, shutdown
 from moe_train.parallel.context import ParallelContext
-from moe_train.parallel.mesh import MeshShape, coords_text, format_coords
 
 __all__ = ["LauncherEnv", "launcher_problems", "main"]
 

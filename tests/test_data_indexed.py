@@ -12,9 +12,9 @@ import pytest
 import torch
 import yaml
 
+from moe_train.config.data_files import read_index_header
 from moe_train.config.schema import Recipe
 from moe_train.data import DataError, build_datasets
-from moe_train.data.index_header import read_index_header
 from moe_train.data.indexed import IndexedDataset, IndexedDatasetWriter
 
 with warnings.catch_warnings():
@@ -163,7 +163,7 @@ def test_writer_leaves_nothing_on_failure(tmp_path):
 
 def test_header_reader_imports_neither_numpy_nor_torch():
     code = (
-        "import sys; from moe_train.data.index_header import read_index_header; from moe_train.data import DataError;"
+        "import sys; from moe_train.config.data_files import read_index_header; from moe_train.data import DataError;"
         "print(sorted(m for m in ('numpy', 'torch') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)

@@ -14,10 +14,10 @@ import pytest
 from processes import run_bounded
 
 from moe_train.config import load_recipe
+from moe_train.config.mesh_shape import MeshShape
 from moe_train.entry import LauncherEnv, launcher_problems
 from moe_train.launch.render import torchrun_argv
 from moe_train.launch.rundir import prepare_run_dir
-from moe_train.parallel.mesh import MeshShape
 
 REPO = Path(__file__).resolve().parents[1]
 ROW = re.compile(r"^\s+(\d+)\s+(\S+)\s+(\d+)\s+(pp \d+ dp \d+ cp \d+ tp \d+ \| edp \d+ ep \d+ etp \d+)$", re.M)

@@ -18,7 +18,7 @@ from processes import run_bounded
 
 from moe_train.config import load_recipe
 from moe_train.models.moe.router import Router, count_per_expert, even_topk_indices
-from moe_train.plan.flops import forward_flops_per_token
+from moe_train.plan.flop_count import forward_flops_per_token
 from moe_train.plan.params import attention_matrices, count_parameters, ffn_matrices
 
 REPO = Path(__file__).resolve().parents[1]

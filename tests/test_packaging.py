@@ -3,6 +3,7 @@ in agreement."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -34,6 +35,21 @@ def test_readme_has_two_setup_commands_and_ci_runs_the_test_one():
     assert len(commands) == 2
     assert all(command.startswith("pip install torch==2.13.0 && ") for command in commands)
     assert commands[1] in (ROOT / ".ci" / "run").read_text()
+
+
+def test_ci_runs_the_tests_in_a_new_environment(tmp_path):
+    """.ci/run's lines before the test command, run as CI runs them: the interpreter that then installs and runs
+    the tests lives in a new folder and sees none of this machine's packages (an older pytest left by an earlier
+    install must not decide the result)."""
+    script = (ROOT / ".ci" / "run").read_text()
+    setup = script[script.index("venv="):script.index("pip install torch==2.13.0")]
+    probe = 'python -c "import sys, importlib.util as u; print(sys.prefix); print(u.find_spec(\'pytest\') is None)"'
+    out = subprocess.run(["bash", "-euo", "pipefail", "-c", setup + probe], cwd=ROOT, capture_output=True, text=True,
+                         env={"PATH": os.environ["PATH"], "TMPDIR": str(tmp_path)}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    prefix, fresh = out.stdout.split()
+    assert Path(prefix).parent == tmp_path and fresh == "True", out.stdout
+    assert list(tmp_path.iterdir()) == [], "the environment is removed when the run ends"
 
 
 def test_plain_install_resolves_builtins_outside_the_repository(tmp_path):

@@ -15,17 +15,16 @@ from cli_helpers import assert_bad_input, run_cli
 from moe_train.config import load_recipe
 from moe_train.config.hardware import HARDWARE
 from moe_train.models import build_model
-from moe_train.plan.activations import (
-    ActivationLayout,
-    RecomputePolicy,
+from moe_train.plan.activation_memory import (
     head_activation_bytes,
     layer_activation_bytes,
-    layer_items,
     mtp_activation_bytes,
     other_activation_bytes,
 )
 from moe_train.plan.estimate import estimate, plan_json
-from moe_train.plan.layout import PlanLayout, in_flight
+from moe_train.plan.rank_layout import PlanLayout, in_flight
+from moe_train.plan.recompute_policy import RecomputePolicy
+from moe_train.plan.saved_tensors import ActivationLayout, layer_items
 
 BATCH, SEQ = 2, 128
 

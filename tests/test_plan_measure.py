@@ -4,7 +4,7 @@ activation bytes per layer, FLOPs per step by phase and bytes per `<group>/<op>`
 a pairwise sample of full-size single layers through `--fake`, and the same on real gloo layouts
 (tests/workers/measure_layouts.py, several cases per job), where `--fake` must also report what the real
 ranks measured. The recompute figures (what a policy keeps per layer, `flops.recompute`) come from the same
-formulas (moe_train/plan/activations.py, moe_train/plan/recompute.py; docs/parallel.md).
+formulas (moe_train/plan/saved_tensors.py, activation_memory.py, recompute_policy.py; docs/parallel.md).
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from test_measure import assert_same_step
 
 from moe_train.config import load_recipe
 from moe_train.config.hardware import HARDWARE
+from moe_train.config.mesh_shape import MeshShape
 from moe_train.measure.driver import Target, measure
 from moe_train.measure.versus_plan import Figure, against
-from moe_train.parallel.mesh import MeshShape
 from moe_train.plan.estimate import estimate, plan_json
-from moe_train.plan.layout import PlanLayout, in_flight
+from moe_train.plan.rank_layout import PlanLayout, in_flight
 
 # The planner's figures are hardware-independent; a GPU is needed only to plan at all.
 GPU = HARDWARE["h100"]

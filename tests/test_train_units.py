@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from moe_train.config import TrainConfig, load_recipe
 from moe_train.models import build_model
 from moe_train.models.moe.layer import router_entropy
-from moe_train.plan.flops import forward_flops_per_token, training_flops_per_token
+from moe_train.plan.flop_count import forward_flops_per_token, training_flops_per_token
 from moe_train.train.grad_norm import clip_grad_norm, host_norm
 from moe_train.train.metrics import expert_balance
 from moe_train.train.optimizer import build_optimizer

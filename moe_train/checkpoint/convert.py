@@ -17,10 +17,11 @@ from moe_train.checkpoint.resume import intact_checkpoint_at
 from moe_train.checkpoint.state import load_model_weights, read_model_config, save_model_weights
 from moe_train.config import ModelConfig, Recipe, TrainConfig, dump_recipe
 from moe_train.config.schema import CheckpointConfig
-from moe_train.train.build import build_whole_model
+from moe_train.models import build_model
+from moe_train.models.init import materialize
+from moe_train.run_files import RECIPE_FILE
 
 CHECKPOINT_DIR = "checkpoint"
-RECIPE_FILE = "recipe.yaml"
 
 
 def from_hf(hf_dir: Path, out_dir: Path) -> tuple[Path, Path]:
@@ -57,7 +58,8 @@ def to_hf(ckpt: Path, out_dir: Path) -> Path:
     if not (ckpt / MODEL_CONFIG).is_file():
         raise CheckpointError(f"{ckpt}: has no {MODEL_CONFIG} (the model section), so its model is unknown")
     model_cfg = ModelConfig.model_validate(read_model_config(ckpt))
-    model = build_whole_model(model_cfg, weights="empty")  # allocated, not initialised: the checkpoint fills it
+    model = build_model(model_cfg, device="meta")
+    materialize(model, device="cpu")  # allocated, not initialised: the checkpoint fills every tensor
     load_model_weights(ckpt, model, own=False)
     export_hf(model_cfg, model.state_dict(), out_dir)
     return ckpt

@@ -18,8 +18,8 @@ import shutil
 from pathlib import Path
 
 from moe_train.atomic import write_atomic
+from moe_train.run_files import LATEST
 
-LATEST = "latest"
 _PREFIX = "step-"
 _TMP_PREFIX = ".tmp-"
 MODEL_CONFIG = "model.json"

@@ -8,7 +8,12 @@ ranks and vpp chunks each, stage s runs on rank s % pp.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moe_train.config.schema import Recipe
 
 SYMBOLS = "EtmL"
 # No real layout comes near this (DeepSeek-V3: 61 layers in 32 stages); a typo such as t*99999999999 must be a
@@ -95,9 +100,12 @@ class StageContents:
     loss: bool
 
 
-def pipeline_stages(*, pp: int, vpp: int, layout: str | None, num_layers: int, mtp_layers: int) -> list[StageContents]:
+@functools.lru_cache(maxsize=512)
+def pipeline_stages(*, pp: int, vpp: int, layout: str | None, num_layers: int,
+                    mtp_layers: int) -> tuple[StageContents, ...]:
     """Every virtual stage of a (valid) pipeline, in order: the layout string's, or the even split. Layers are
-    dealt out in order, so each appears in exactly one stage."""
+    dealt out in order, so each appears in exactly one stage. Cached (and so a tuple): the planner's search asks
+    for the same few pipelines many times."""
     stages = parse_layout(layout) if layout is not None else even_layout(num_layers, pp * vpp, mtp_layers)
     out, next_layer, next_mtp = [], 0, 0
     for index, stage in enumerate(stages):
@@ -107,4 +115,10 @@ def pipeline_stages(*, pp: int, vpp: int, layout: str | None, num_layers: int, m
         ))
         next_layer += stage.layers
         next_mtp += stage.mtp
-    return out
+    return tuple(out)
+
+
+def stages_of(recipe: Recipe) -> tuple[StageContents, ...]:
+    """The virtual stages of a recipe's pipeline: what the engine builds, measure keeps and the plan counts."""
+    p, m = recipe.parallel, recipe.model
+    return pipeline_stages(pp=p.pp, vpp=p.vpp, layout=p.pp_layout, num_layers=m.num_layers, mtp_layers=m.mtp_layers)

@@ -11,7 +11,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .data_files import DataError, read_index_header
 from .hardware import HardwareError, hardware_table
+from .mesh_shape import expert_data_parallel_size, ranks_beside_dp, ranks_beside_edp, stage_ranks
 from .pp_layout import LayoutError, parse_layout
 from .schema import DEEPSEEK_ONLY_FIELDS, MLA_FIELDS, Recipe
 
@@ -123,7 +125,7 @@ def _moe(r: Recipe) -> list[Problem]:
 
 def _layout(r: Recipe) -> list[Problem]:
     p, m, launch, out = r.parallel, r.model, r.launch, []
-    dense = p.pp * p.cp * p.tp
+    dense = ranks_beside_dp(p)
     if p.dp is None and r.world_size % dense:
         out.append(
             _p("launch.gpus_per_node", f"world size {r.world_size} (nodes {launch.nodes} x gpus_per_node "
@@ -141,10 +143,10 @@ def _layout(r: Recipe) -> list[Problem]:
             if getattr(p, field) > 1:
                 out.append(_p(f"parallel.{field}", "expert parallelism needs a MoE model (model.moe)"))
     else:
-        if dp is not None and (dp * p.cp * p.tp) % (p.ep * p.etp):
+        if dp is not None and expert_data_parallel_size(dp, p) is None:
             out.append(
-                _p("parallel.ep", f"the expert mesh must fold onto the dense one: dp*cp*tp = {dp * p.cp * p.tp} is "
-                   f"not divisible by ep*etp = {p.ep * p.etp}")
+                _p("parallel.ep", f"the expert mesh must fold onto the dense one: dp*cp*tp = {stage_ranks(dp, p)} is "
+                   f"not divisible by ep*etp = {ranks_beside_edp(p)}")
             )
         if m.moe.num_experts % p.ep:
             out.append(_p("parallel.ep", f"{p.ep} must divide model.moe.num_experts {m.moe.num_experts}"))
@@ -323,9 +325,6 @@ def _data_shape(r: Recipe) -> list[Problem]:
 
 
 def _data_files(r: Recipe) -> list[Problem]:
-    from moe_train.data.errors import DataError
-    from moe_train.data.index_header import read_index_header
-
     d, out = r.data, _data_shape(r)
     if d.tokenizer != "byte" and not Path(d.tokenizer).is_file():
         out.append(_p("data.tokenizer", f"'byte' or a tokenizer.json file; {d.tokenizer} does not exist"))

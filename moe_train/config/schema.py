@@ -11,6 +11,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from moe_train.config.mesh_shape import (
+    data_parallel_size,
+    expert_data_parallel_size,
+    ranks_beside_dp,
+    ranks_beside_edp,
+    stage_ranks,
+)
+
 
 class Section(BaseModel):
     """Base of every recipe section: unknown keys are errors, values are immutable once resolved."""
@@ -280,35 +288,22 @@ class Recipe(Section):
         return self.launch.world_size
 
     def layout_dp(self) -> int | None:
-        """Data-parallel size: `parallel.dp` as written, else the world size over pp*cp*tp when that divides it.
-
-        None when the world size does not divide: the rules report that, and any dp guessed from it (a floor
-        division) would add problems the user does not have, such as a batch size that seems not to divide.
-        """
-        p = self.parallel
-        if p.dp is not None:
-            return p.dp
-        dense = p.pp * p.cp * p.tp
-        return None if self.world_size % dense else self.world_size // dense
+        """Data-parallel size (config/mesh_shape.py `data_parallel_size`): None when the world size does not
+        divide by pp*cp*tp (the rules report that)."""
+        return data_parallel_size(self.world_size, self.parallel)
 
     def layout_edp(self) -> int | None:
-        """Expert data-parallel size: the expert mesh folds onto the dense mesh's dp*cp*tp ranks per stage.
-
-        None when dp is undefined or ep*etp does not divide dp*cp*tp (the rules report which).
-        """
-        p, dp = self.parallel, self.layout_dp()
-        if dp is None or (dp * p.cp * p.tp) % (p.ep * p.etp):
-            return None
-        return dp * p.cp * p.tp // (p.ep * p.etp)
+        """Expert data-parallel size (config/mesh_shape.py `expert_data_parallel_size`): None when dp is undefined
+        or ep*etp does not divide dp*cp*tp (the rules report which)."""
+        return expert_data_parallel_size(self.layout_dp(), self.parallel)
 
     @property
     def dp(self) -> int:
         """`layout_dp()` of a recipe whose layout is valid (every loaded recipe): raises ValueError otherwise."""
         dp = self.layout_dp()
         if dp is None:
-            p = self.parallel
             raise ValueError(f"no data-parallel size: world size {self.world_size} is not divisible by pp*cp*tp = "
-                             f"{p.pp * p.cp * p.tp}")
+                             f"{ranks_beside_dp(self.parallel)}")
         return dp
 
     @property
@@ -316,9 +311,8 @@ class Recipe(Section):
         """`layout_edp()` of a recipe whose layout is valid (every loaded recipe): raises ValueError otherwise."""
         edp = self.layout_edp()
         if edp is None:
-            p = self.parallel
-            raise ValueError(f"no expert data-parallel size: dp*cp*tp = {self.dp * p.cp * p.tp} is not divisible by "
-                             f"ep*etp = {p.ep * p.etp}")
+            raise ValueError(f"no expert data-parallel size: dp*cp*tp = {stage_ranks(self.dp, self.parallel)} is not "
+                             f"divisible by ep*etp = {ranks_beside_edp(self.parallel)}")
         return edp
 
     def resolved_run_dir(self) -> str:

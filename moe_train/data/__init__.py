@@ -1,7 +1,7 @@
 """Megatron-format indexed datasets, sampling, blending, tokenizers and prepare.
 
-The public names below load lazily, so that `from moe_train.data.index_header import read_index_header` (and
-`DataError`) stay free of numpy and torch for the login-node `validate`.
+The public names below load lazily, so that `from moe_train.data import DataError` stays free of numpy and
+torch (DataError and the .idx header reader live in config/data_files.py, for the login-node `validate`).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from moe_train.data.errors import DataError
+from moe_train.config.data_files import DataError
 
 _LAZY = {
     "Datasets": "moe_train.data.datasets",
@@ -17,7 +17,6 @@ _LAZY = {
     "eod_id": "moe_train.data.datasets",
     "global_batch": "moe_train.data.batch",
     "position_ids": "moe_train.data.batch",
-    "read_index_header": "moe_train.data.index_header",
 }
 
 __all__ = ["DataError", *_LAZY]

@@ -18,7 +18,7 @@ import tempfile
 
 import numpy as np
 
-from moe_train.data.errors import DataError
+from moe_train.config.data_files import DataError
 from moe_train.data.indexed import IndexedDatasetWriter
 from moe_train.data.tokenizer import ByteTokenizer
 

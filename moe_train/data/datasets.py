@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from moe_train.config.data_files import DataError
 from moe_train.data.blend import BlendedSamples
 from moe_train.data.builtin import builtin_prefix
-from moe_train.data.errors import DataError
 from moe_train.data.gpt import GPTSamples, seeded_rng
 from moe_train.data.indexed import IndexedDataset
 from moe_train.data.mock import MockSamples

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe_train.data.errors import DataError
+from moe_train.config.data_files import DataError
 from moe_train.data.indexed import IndexedDataset
 
 

@@ -1,6 +1,6 @@
 """Megatron's indexed dataset (.bin + .idx, "MMIDIDX" version 1): a memory-mapped reader and a streaming writer.
 
-The .bin file is every sequence's tokens back to back; the .idx file (layout in index_header.py) says where each
+The .bin file is every sequence's tokens back to back; the .idx file (layout in config/data_files.py) says where each
 sequence starts and which sequences form a document. Data preprocessed for Megatron-LM reads here unchanged, and
 what the writer produces reads in Megatron-Core's own IndexedDataset. The reader checks the files' structure up
 front (sizes, pointers, document indices) so that a truncated or corrupt dataset fails before training, with a
@@ -16,13 +16,13 @@ from types import TracebackType
 
 import numpy as np
 
-from moe_train.data.errors import DataError
-from moe_train.data.index_header import (
+from moe_train.config.data_files import (
     DTYPE_CODES,
     HEADER_FORMAT,
     HEADER_SIZE,
     MAGIC,
     VERSION,
+    DataError,
     bin_path,
     idx_path,
     read_index_header,

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from moe_train.data.errors import DataError
+from moe_train.config.data_files import DataError
 from moe_train.data.indexed import IndexedDatasetWriter, dtype_for_vocab
 from moe_train.data.tokenizer import load_tokenizer
 

@@ -10,7 +10,7 @@ import json
 import os
 from typing import Protocol
 
-from moe_train.data.errors import DataError
+from moe_train.config.data_files import DataError
 
 
 class Tokenizer(Protocol):

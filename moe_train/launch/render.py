@@ -14,8 +14,8 @@ from pathlib import Path
 
 import moe_train
 from moe_train.config import Recipe
+from moe_train.run_files import COMPLETE_FILE, LOGS_DIR, PREEMPT_FILE, RECIPE_FILE
 
-from .rundir import COMPLETE_FILE, LOGS_DIR, PREEMPT_FILE, RECIPE_FILE
 from .shell import LaunchError, env_name_problems, one_line, sbatch_value, sh, sh_join, slurm_filename
 
 TEMPLATE = "job.sbatch.j2"

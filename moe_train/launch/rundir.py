@@ -19,17 +19,9 @@ import moe_train
 from moe_train.atomic import write_atomic
 from moe_train.config import Recipe, dump_recipe
 from moe_train.config.yaml_source import load_value
+from moe_train.run_files import CHECKPOINTS_DIR, LOGS_DIR, METRICS_FILE, RECIPE_FILE
 
 from .shell import LaunchError
-
-RECIPE_FILE = "recipe.yaml"
-LOGS_DIR = "logs"
-SCRIPT_FILE = "job.sbatch"
-PREFLIGHT_SCRIPT_FILE = "preflight.sbatch"
-SUBMISSIONS_FILE = "submissions.jsonl"
-COMPLETE_FILE = "COMPLETE"
-PREEMPT_FILE = "PREEMPT"
-METRICS_FILE = "metrics.jsonl"
 
 # Fields that may differ between two launches of the same run: where the recipe came from, how it was
 # written down, whether to resume, where this launch stops early, and the layout: how the same math is spread
@@ -126,7 +118,7 @@ def check_reusable(recipe: Recipe, run_dir: Path) -> None:
             shown = ", ".join(differing[:4]) + (f" and {len(differing) - 4} more" if len(differing) > 4 else "")
             raise LaunchError([f"{run_dir}: holds a different run (recipe.yaml differs in {shown}); "
                                "set another run_dir or remove the folder"])
-    elif (run_dir / "checkpoints").exists() or (run_dir / METRICS_FILE).exists():
+    elif (run_dir / CHECKPOINTS_DIR).exists() or (run_dir / METRICS_FILE).exists():
         raise LaunchError([f"{run_dir}: holds checkpoints or metrics but no recipe.yaml; set another run_dir"])
 
 

@@ -13,9 +13,9 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from .rundir import COMPLETE_FILE, METRICS_FILE, RECIPE_FILE, SUBMISSIONS_FILE
+from moe_train.run_files import CHECKPOINTS_DIR, COMPLETE_FILE, LOGS_DIR, METRICS_FILE, RECIPE_FILE, SUBMISSIONS_FILE
 
-SKIP_DIRS = {"checkpoints", "logs"}
+SKIP_DIRS = {CHECKPOINTS_DIR, LOGS_DIR}
 TAIL_BYTES = 65536
 
 

@@ -14,17 +14,10 @@ from pathlib import Path
 
 from moe_train.atomic import write_atomic
 from moe_train.config import Recipe, unsupported
+from moe_train.run_files import LOGS_DIR, PREFLIGHT_SCRIPT_FILE, SCRIPT_FILE, SUBMISSIONS_FILE
 
 from .render import render_sbatch
-from .rundir import (
-    LOGS_DIR,
-    PREFLIGHT_SCRIPT_FILE,
-    SCRIPT_FILE,
-    SUBMISSIONS_FILE,
-    check_reusable,
-    prepare_run_dir,
-    run_dir_path,
-)
+from .rundir import check_reusable, prepare_run_dir, run_dir_path
 from .shell import LaunchError
 
 

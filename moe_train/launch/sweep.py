@@ -19,9 +19,10 @@ from pathlib import Path
 
 from moe_train.atomic import write_atomic
 from moe_train.config import Recipe, RecipeError, load_recipe, parse_override
+from moe_train.run_files import LOGS_DIR
 
 from .render import check_renderable, render_array
-from .rundir import LOGS_DIR, check_reusable, run_dir_path, write_run_dir
+from .rundir import check_reusable, run_dir_path, write_run_dir
 from .shell import LaunchError
 from .submit import memory_problems, record_submission, sbatch, submittable_problems
 

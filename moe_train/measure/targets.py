@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from moe_train.config.pp_layout import pipeline_stages
+from moe_train.config.mesh_shape import MeshShape
+from moe_train.config.pp_layout import stages_of
 from moe_train.config.schema import Recipe
-from moe_train.parallel.mesh import MeshShape
 
 
 def rank_layers(recipe: Recipe, rank: int) -> tuple[int, ...]:
@@ -14,9 +14,7 @@ def rank_layers(recipe: Recipe, rank: int) -> tuple[int, ...]:
     if p.pp == 1:
         return tuple(range(m.num_layers + m.mtp_layers))
     pipeline_rank = MeshShape.from_recipe(recipe).dense_coords(rank)[0]
-    stages = pipeline_stages(pp=p.pp, vpp=p.vpp, layout=p.pp_layout, num_layers=m.num_layers,
-                             mtp_layers=m.mtp_layers)
-    return tuple(sorted(index for stage in stages if stage.rank == pipeline_rank
+    return tuple(sorted(index for stage in stages_of(recipe) if stage.rank == pipeline_rank
                         for index in (*stage.layers, *(m.num_layers + k for k in stage.mtp))))
 
 

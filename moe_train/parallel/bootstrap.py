@@ -15,8 +15,9 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from moe_train.config import RecipeError, unsupported
+from moe_train.config.mesh_shape import MeshShape
 from moe_train.parallel.context import ParallelContext
-from moe_train.parallel.mesh import MeshShape, build_meshes
+from moe_train.parallel.mesh import build_meshes
 
 if TYPE_CHECKING:
     from moe_train.config import Recipe

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from moe_train.parallel.mesh import DENSE_DIMS, EXPERT_DIMS, MeshShape
+from moe_train.config.mesh_shape import DENSE_DIMS, EXPERT_DIMS, MeshShape
 
 if TYPE_CHECKING:
     import torch

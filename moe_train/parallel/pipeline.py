@@ -34,17 +34,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_train.config.pp_layout import StageContents, pipeline_stages
+from moe_train.config.pp_layout import StageContents, stages_of
 from moe_train.models.model import LossTerms, Transformer, default_positions
 
 if TYPE_CHECKING:
     from moe_train.config import Recipe
     from moe_train.parallel.context import ParallelContext
-
-
-def stages_of(recipe: Recipe) -> list[StageContents]:
-    p, m = recipe.parallel, recipe.model
-    return pipeline_stages(pp=p.pp, vpp=p.vpp, layout=p.pp_layout, num_layers=m.num_layers, mtp_layers=m.mtp_layers)
 
 
 class StageChunk:

@@ -11,10 +11,8 @@ from dataclasses import dataclass, field
 from moe_train.config.hardware import Hardware
 from moe_train.config.schema import ModelConfig, Recipe
 
-from .activations import (
-    ActivationLayout,
+from .activation_memory import (
     chunk_activation_bytes,
-    expert_rows,
     full_recompute_bytes,
     head_activation_bytes,
     layer_activation_bytes,
@@ -23,11 +21,12 @@ from .activations import (
     other_activation_bytes,
 )
 from .assumptions import Assumptions
-from .comm import CommCounter, comm_time
-from .flops import forward_flops_per_token, layer_flops_by_region
-from .layout import Chunk, PlanLayout, in_flight, rank_chunks
+from .comm_bytes import CommBytes, comm_time
+from .flop_count import forward_flops_per_token, layer_flops_by_region
 from .params import RankParams, rank_params
-from .recompute import recompute_groups, saves_after_shared_experts
+from .rank_layout import Chunk, PlanLayout, in_flight, rank_chunks
+from .recompute_policy import RecomputePolicy, recompute_groups, saves_after_shared_experts
+from .saved_tensors import ActivationLayout, expert_rows
 
 PARAM_BYTES = {"bf16": 2, "fp8": 2, "fp32": 4}  # fp8 keeps bf16 weights; the GEMMs quantise on the fly
 MASTER_BYTES = 4
@@ -46,7 +45,7 @@ class RankPlan:
     activation_bytes_per_layer: dict[int, float]
     flops: dict[str, float]
     flops_split: dict[str, float]
-    comm: CommCounter
+    comm: CommBytes
     elementwise_bytes: float
     moe_sync: float  # seconds per step the host waits on MoE token counts
 
@@ -209,75 +208,106 @@ def _rank_flops(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk], a: Assu
             "total": 3 * forward + recompute}, split
 
 
-def _plan_rank(recipe: Recipe, layout: PlanLayout, hw: Hardware, a: Assumptions, rank: int,
-               chunks: list[Chunk], *, detail: bool = True) -> RankPlan:
-    m = recipe.model
-    lay = _activation_layout(recipe, layout, a)
-    params = rank_params(m, layout, chunks)
-    local = params.local
-    precision = recipe.train.precision
-    param_bytes = PARAM_BYTES[precision]
+def _plan_rank(recipe: Recipe, layout: PlanLayout, assumptions: Assumptions, rank: int, chunks: list[Chunk], *,
+               detail: bool = True) -> RankPlan:
+    """One pipeline rank's memory, FLOPs, communication and host waits; `detail` adds the bytes per layer."""
+    model = recipe.model
+    shapes = _activation_layout(recipe, layout, assumptions)
+    params = rank_params(model, layout, chunks)
+    param_bytes = PARAM_BYTES[recipe.train.precision]
+    activations, transient = _activation_bytes(model, shapes, layout, rank, chunks)
+    memory = {
+        "weights": MASTER_BYTES * params.local,
+        "grads": GRAD_BYTES * params.local,
+        "optimizer": ADAM_BYTES * params.local,
+        "activations": activations,
+        "buffers": _buffer_bytes(model, shapes, layout, assumptions, chunks, params, param_bytes, transient),
+    }
+    memory["total"] = sum(memory.values())
+    per_layer = _bytes_per_layer(model, shapes, layout.recompute, chunks) if detail else {}
+    flops, split = _rank_flops(model, layout, chunks, assumptions)
+    comm = CommBytes.for_rank(recipe, layout, shapes, chunks, params, param_bytes, assumptions)
+    return RankPlan(rank, params, memory, per_layer, flops, split, comm,
+                    _elementwise_bytes(model, shapes, layout, chunks, assumptions),
+                    _moe_sync(model, layout, chunks, assumptions))
 
-    per_layer: dict[int, float] = {}
-    activations = 0.0
-    transient = 0.0
+
+def _activation_bytes(model: ModelConfig, shapes: ActivationLayout, layout: PlanLayout, rank: int,
+                      chunks: list[Chunk]) -> tuple[float, float]:
+    """(bytes the rank keeps for backward at its peak: each chunk's, its head's and its MTP modules' times the
+    micro-batches in flight there, the shared storages once per micro-batch in flight; the largest transient
+    extra of a recomputed group's backward)."""
+    activations = transient = 0.0
     counts = in_flight(layout, rank)
     policy = layout.recompute
-    kind_bytes = {moe: layer_activation_bytes(m, lay, layer_index=m.num_layers if moe else 0, policy=policy)
-                  for moe in (False, True)}
-    mtp_index = m.num_layers  # MTP modules are numbered after the decoder layers, as measure numbers them
     for chunk, count in zip(chunks, counts, strict=False):
-        kept, extra = chunk_activation_bytes(m, lay, chunk, policy)
-        if detail:
-            if policy.granularity == "full":
-                per_layer.update(full_recompute_bytes(m, lay, chunk.layers, policy)[0])
-            else:
-                per_layer.update({index: kind_bytes[m.is_moe_layer(index)] for index in chunk.layers})
-            for _ in range(chunk.mtp):
-                per_layer[mtp_index] = mtp_module_bytes(m, lay, policy)
-                mtp_index += 1
+        kept, extra = chunk_activation_bytes(model, shapes, chunk, policy)
         activations += kept * count
         transient = max(transient, extra)
         if chunk.loss:
-            activations += head_activation_bytes(m, lay, vocab_parallel=True) * count
-        activations += chunk.mtp * mtp_activation_bytes(m, lay, layout.recompute) * count
-    activations += other_activation_bytes(m, lay) * max(counts)
+            activations += head_activation_bytes(model, shapes, vocab_parallel=True) * count
+        activations += chunk.mtp * mtp_activation_bytes(model, shapes, policy) * count
+    activations += other_activation_bytes(model, shapes) * max(counts)
+    return activations, transient
 
+
+def _bytes_per_layer(model: ModelConfig, shapes: ActivationLayout, policy: RecomputePolicy,
+                     chunks: list[Chunk]) -> dict[int, float]:
+    """{layer: bytes one micro-batch keeps for it}, MTP modules numbered after the decoder layers as measure
+    numbers them: what `measure` reports per layer."""
+    kind_bytes = {moe: layer_activation_bytes(model, shapes, layer_index=model.num_layers if moe else 0,
+                                              policy=policy) for moe in (False, True)}
+    per_layer: dict[int, float] = {}
+    mtp_index = model.num_layers
+    for chunk in chunks:
+        if policy.granularity == "full":
+            per_layer.update(full_recompute_bytes(model, shapes, chunk.layers, policy)[0])
+        else:
+            per_layer.update({index: kind_bytes[model.is_moe_layer(index)] for index in chunk.layers})
+        for _ in range(chunk.mtp):
+            per_layer[mtp_index] = mtp_module_bytes(model, shapes, policy)
+            mtp_index += 1
+    return per_layer
+
+
+def _buffer_bytes(model: ModelConfig, shapes: ActivationLayout, layout: PlanLayout, assumptions: Assumptions,
+                  chunks: list[Chunk], params: RankParams, param_bytes: int, recompute_transient: float) -> float:
+    """Memory beside weights, optimizer and saved activations: the runtime reserve, FSDP's unsharded units and
+    gradient buffers, and the largest transient (a MoE dispatch, the loss's logits, a recomputed group)."""
     stage = params.dense + params.experts
-    if (layout.pp > 1 or a.fsdp_once_per_step) and layout.micro_batches > 1:
+    if (layout.pp > 1 or assumptions.fsdp_once_per_step) and layout.micro_batches > 1:
         # the stage stays unsharded (parameter dtype) and accumulates unreduced fp32 gradients all step
         fsdp = param_bytes * stage + GRAD_BYTES * stage
     else:
-        fsdp = a.fsdp_prefetch_units * param_bytes * params.largest_unit + GRAD_BYTES * params.largest_unit
-        if not a.fsdp_reduce_every_micro_batch and layout.micro_batches > 1:
+        fsdp = (assumptions.fsdp_prefetch_units * param_bytes * params.largest_unit
+                + GRAD_BYTES * params.largest_unit)
+        if not assumptions.fsdp_reduce_every_micro_batch and layout.micro_batches > 1:
             fsdp += GRAD_BYTES * stage
     dispatch = 0.0
-    if m.moe is not None and any(c.moe_layers for c in chunks):
+    if model.moe is not None and any(c.moe_layers for c in chunks):
         # permuted tokens and the received rows of one layer, live during its dispatch and combine
-        dispatch = 2 * lay.act_bytes * expert_rows(m, lay) * m.hidden_size
+        dispatch = 2 * shapes.act_bytes * expert_rows(model, shapes) * model.hidden_size
     loss_transient = 0.0
     if any(c.loss for c in chunks):
-        loss_transient = (lay.act_bytes + 4) * lay.tokens * m.padded_vocab_size() / layout.tp
-    buffers = a.runtime_reserve_bytes + fsdp + max(dispatch, loss_transient, transient)
-    memory = {
-        "weights": MASTER_BYTES * local,
-        "grads": GRAD_BYTES * local,
-        "optimizer": ADAM_BYTES * local,
-        "activations": activations,
-        "buffers": buffers,
-    }
-    memory["total"] = sum(memory.values())
+        loss_transient = (shapes.act_bytes + 4) * shapes.tokens * model.padded_vocab_size() / layout.tp
+    return assumptions.runtime_reserve_bytes + fsdp + max(dispatch, loss_transient, recompute_transient)
 
-    flops, split = _rank_flops(m, layout, chunks, a)
-    comm = CommCounter.for_rank(recipe, layout, lay, chunks, params, param_bytes, a)
-    # memory-bound traffic: what the rank's layers would save without recompute, over every micro-batch
-    kinds = {moe: layer_activation_bytes(m, lay, layer_index=m.num_layers if moe else 0) for moe in (False, True)}
+
+def _elementwise_bytes(model: ModelConfig, shapes: ActivationLayout, layout: PlanLayout, chunks: list[Chunk],
+                       assumptions: Assumptions) -> float:
+    """Memory-bound traffic per step: what the rank's layers would save without recompute, over every
+    micro-batch, times the stated traffic per saved byte."""
+    kinds = {moe: layer_activation_bytes(model, shapes, layer_index=model.num_layers if moe else 0)
+             for moe in (False, True)}
     saved = sum(kinds[True] * c.moe_layers + kinds[False] * (len(c.layers) - c.moe_layers) for c in chunks)
-    elementwise = a.elementwise_traffic_per_saved_byte * saved * layout.micro_batches
+    return assumptions.elementwise_traffic_per_saved_byte * saved * layout.micro_batches
+
+
+def _moe_sync(model: ModelConfig, layout: PlanLayout, chunks: list[Chunk], assumptions: Assumptions) -> float:
+    """Seconds per step the host waits on MoE token counts: once per MoE forward (recompute runs it again)."""
     moe_forwards = 2 if layout.recompute.granularity == "full" or "moe" in layout.recompute.modules else 1
-    moe_layers = sum(c.moe_layers + c.mtp * (m.moe is not None) for c in chunks)
-    moe_sync = a.moe_sync_s * moe_layers * moe_forwards * layout.micro_batches
-    return RankPlan(rank, params, memory, per_layer, flops, split, comm, elementwise, moe_sync)
+    moe_layers = sum(c.moe_layers + c.mtp * (model.moe is not None) for c in chunks)
+    return assumptions.moe_sync_s * moe_layers * moe_forwards * layout.micro_batches
 
 
 def _time(plan_rank: RankPlan, layout: PlanLayout, hw: Hardware, a: Assumptions, precision: str,
@@ -317,14 +347,14 @@ def estimate(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None
     layout = PlanLayout.from_recipe(recipe)
     per_rank = rank_chunks(layout, m)
     indices = range(len(per_rank)) if every_rank else _candidate_ranks(per_rank)
-    ranks = [_plan_rank(recipe, layout, hardware, a, r, per_rank[r], detail=every_rank) for r in indices]
+    ranks = [_plan_rank(recipe, layout, a, r, per_rank[r], detail=every_rank) for r in indices]
     tokens = layout.global_batch * layout.seq_length
     model_flops = 3 * forward_flops_per_token(m, seq_length=layout.seq_length) * tokens
     # executed FLOPs of the whole step: every pipeline rank's, times the ranks of its stage
     if every_rank:
-        executed = sum(r.flops["total"] for r in ranks) * layout.dp * layout.cp * layout.tp
+        executed = sum(r.flops["total"] for r in ranks) * layout.ranks_per_stage
     else:  # the planned ranks stand for all (search ranks layouts; it does not report executed FLOPs)
-        executed = sum(r.flops["total"] for r in ranks) * layout.pp / len(ranks) * layout.dp * layout.cp * layout.tp
+        executed = sum(r.flops["total"] for r in ranks) * layout.pp / len(ranks) * layout.ranks_per_stage
     times = []
     for r in ranks:
         times.append(_time(r, layout, hardware, a, recipe.train.precision, r.params.local))

@@ -3,7 +3,7 @@
 Counts use the unpadded vocabulary, as published model cards do; `padded=True` counts what the engine
 allocates. `active` counts the parameters one token passes through (top-k routed experts, not all of them).
 The matrix counts (`attention_matrices`, `ffn_matrices`) are also what the FLOPs formula multiplies
-(moe_train/plan/flops.py): one multiply-add per weight per token.
+(moe_train/plan/flop_count.py): one multiply-add per weight per token.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from moe_train.config.schema import ModelConfig
 
-from .layout import Chunk, PlanLayout
+from .rank_layout import Chunk, PlanLayout
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-METRICS_FILE = "metrics.jsonl"
-COMPLETE_FILE = "COMPLETE"
+from moe_train.run_files import CHECKPOINTS_DIR, COMPLETE_FILE, LOGS_DIR, METRICS_FILE, REPORT_DIR
+
 # A run folder's own subfolders hold no points; the report's default output folder holds none either.
-NOT_POINTS = {"checkpoints", "logs", "report"}
+NOT_POINTS = {CHECKPOINTS_DIR, LOGS_DIR, REPORT_DIR}
 
 
 class ReportError(Exception):

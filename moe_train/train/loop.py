@@ -40,11 +40,11 @@ from moe_train.checkpoint.state import Progress, load_model_weights, load_traini
 from moe_train.config import RecipeError
 from moe_train.config.schema import Recipe
 from moe_train.data import build_datasets
-from moe_train.launch.rundir import COMPLETE_FILE, PREEMPT_FILE
 from moe_train.models.decoder import DecoderBlock
 from moe_train.models.moe import MoELayer, update_expert_bias
 from moe_train.parallel.context import ParallelContext
-from moe_train.plan.flops import training_flops_per_token
+from moe_train.plan.flop_count import training_flops_per_token
+from moe_train.run_files import COMPLETE_FILE, PREEMPT_FILE
 from moe_train.train.bad_steps import BadSteps, Rejection
 from moe_train.train.batch import rank_batch
 from moe_train.train.build import build_training

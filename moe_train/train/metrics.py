@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from moe_train.atomic import write_atomic
+from moe_train.run_files import METRICS_FILE
 
 
 def expert_balance(tokens_per_expert: torch.Tensor, dropped_fraction: float,
@@ -127,7 +128,7 @@ class MetricsLogger:
 
     def __init__(self, log_dir: Path, *, total_steps: int, start_step: int, tensorboard: bool) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.path = log_dir / "metrics.jsonl"
+        self.path = log_dir / METRICS_FILE
         _drop_records_after(self.path, start_step)
         self._file = self.path.open("a", encoding="utf-8")
         self._total = total_steps

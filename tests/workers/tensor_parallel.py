@@ -52,7 +52,8 @@ def layer_saved_bytes(recipe_name: str, overrides: list[str], *, world: int, lay
     from moe_train.models.init import init_weights, materialize
     from moe_train.parallel.bootstrap import bootstrap
     from moe_train.parallel.tensor import apply_tensor_parallel
-    from moe_train.plan.activations import ActivationLayout, layer_activation_bytes
+    from moe_train.plan.activation_memory import layer_activation_bytes
+    from moe_train.plan.saved_tensors import ActivationLayout
 
     recipe = load_recipe(recipe_name, [*overrides, f"launch.gpus_per_node={world}"])
     ctx = bootstrap(recipe)

@@ -1,4 +1,4 @@
-"""Bytes saved for backward by one micro-batch's forward of one layer, tensor by tensor (no torch).
+"""What one micro-batch's forward of one layer saves for backward, tensor by tensor, with no recompute (no torch).
 
 The list mirrors what our own modules save (moe_train/models), not a textbook layer: each `Saved` item is one
 storage that autograd keeps, found by reading the modules and checked against
@@ -34,11 +34,10 @@ from dataclasses import dataclass
 
 from moe_train.config.schema import ModelConfig
 
-from .recompute import recompute_groups
-
 FP32 = 4
 INT64 = 8
 INT32 = 4
+
 
 @dataclass(frozen=True)
 class Saved:
@@ -83,7 +82,7 @@ class ActivationLayout:
         return self.tokens / self.tp
 
 
-def _norm(region: str, prefix: str, tokens: float, width: float, a: int, *, fp32_input_width: float | None = None):
+def norm_items(region: str, prefix: str, tokens: float, width: float, a: int, *, fp32_input_width: float | None = None):
     """RMSNorm: fp32 input (copy), fp32 reciprocal rms per token, normalised value in the activation dtype."""
     return [
         Saved(region, f"{prefix}.input_fp32", FP32 * tokens * (fp32_input_width or width)),
@@ -119,11 +118,11 @@ def _attention(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
         # The latent projections are replicated over tp and run on the sequence region (sharded under SP); the
         # up projections after the all-gather keep only that shard (parallel/tensor.py).
         if cfg.q_lora_rank:
-            items += _norm("mla_latent", "q_a_layernorm", ts, cfg.q_lora_rank, a)
+            items += norm_items("mla_latent", "q_a_layernorm", ts, cfg.q_lora_rank, a)
             items.append(Saved("mla_latent", "q_b_proj.input", a * ts * cfg.q_lora_rank))
         kvl = cfg.kv_lora_rank
         # In fp32 the norm's input is a view of kv_a_proj's whole output (latent + rope key): that storage.
-        items += _norm("mla_latent", "kv_a_layernorm", ts, kvl, a, fp32_input_width=kvl + (r if a == FP32 else 0))
+        items += norm_items("mla_latent", "kv_a_layernorm", ts, kvl, a, fp32_input_width=kvl + (r if a == FP32 else 0))
         items.append(Saved("mla_latent", "kv_b_proj.input", a * ts * kvl))
         items += _rope_casts(cfg, lay, r)
         width = max(qk, v)
@@ -138,8 +137,8 @@ def _attention(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
         return items
     d, kv_heads = cfg.attention_head_dim, cfg.kv_heads / tp
     if cfg.qk_norm:
-        items += _norm("attention", "q_norm", t * heads, d, a)
-        items += _norm("attention", "k_norm", t * kv_heads, d, a)
+        items += norm_items("attention", "q_norm", t * heads, d, a)
+        items += norm_items("attention", "k_norm", t * kv_heads, d, a)
     items += _rope_casts(cfg, lay, d)
     items += [
         Saved("attention", "sdpa.q", a * t * heads * d),
@@ -224,203 +223,8 @@ def _moe(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
 def layer_items(cfg: ModelConfig, lay: ActivationLayout, *, layer_index: int) -> list[Saved]:
     """Every storage one micro-batch's forward of decoder layer `layer_index` saves, with no recompute."""
     a, ts, h = lay.act_bytes, lay.seq_tokens, cfg.hidden_size
-    items = _norm("input_layernorm", "input_layernorm", ts, h, a)
+    items = norm_items("input_layernorm", "input_layernorm", ts, h, a)
     items += _attention(cfg, lay)
-    items += _norm("post_attention_layernorm", "post_attention_layernorm", ts, h, a)
+    items += norm_items("post_attention_layernorm", "post_attention_layernorm", ts, h, a)
     items += _moe(cfg, lay) if cfg.is_moe_layer(layer_index) else _dense_mlp(cfg, lay)
     return items
-
-
-@dataclass(frozen=True)
-class RecomputePolicy:
-    """parallel.recompute as the planner reads it. `num_layers` counts per model chunk (Megatron-Core)."""
-
-    granularity: str = "none"
-    modules: tuple[str, ...] = ()
-    method: str = "uniform"
-    num_layers: int = 1
-
-    @classmethod
-    def from_config(cls, rc) -> RecomputePolicy:
-        modules = tuple(rc.modules) if rc.granularity == "selective" else ()
-        return cls(granularity=rc.granularity, modules=modules, method=rc.method, num_layers=rc.num_layers)
-
-
-# Recomputed regions (parallel/recompute.py) keep their inputs; what their outputs' consumers save stays too.
-SWIGLU = ("gate", "up", "silu", "down_input")
-
-
-def _without(items: list[Saved], names: set[str]) -> list[Saved]:
-    return [i for i in items if i.name not in names]
-
-
-def _layernorm_recomputed(items: list[Saved], lay: ActivationLayout, h: int) -> list[Saved]:
-    """Both pre-norms run again in backward: each keeps its input (the residual stream, a x Ts x h) instead of
-    its fp32 copy, rstd and normalised value. Their outputs stay where a consumer saved them (the next GEMM's
-    input, the router's fp32 copy): our checkpoint keeps a region's output like any tensor (Megatron-Core's
-    checkpoint-without-output discards those too)."""
-    kept = [i for i in items if i.region not in ("input_layernorm", "post_attention_layernorm")]
-    residual = lay.act_bytes * lay.seq_tokens * h
-    return [Saved("layernorm", "input_layernorm.input", residual), Saved("layernorm", "post_norm.input", residual),
-            *kept]
-
-
-def _mla_up_recomputed(items: list[Saved], cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
-    """MLA's up projections, rotary embeddings and attention run again: SDPA's q, k, v, output and logsumexp
-    go; the region keeps its inputs: the latents (already kept by the up projections), the rotary tables (in
-    bf16 the layer's casts, already an item) and the shared rope key: under SP the gathered key (a x T x r, a
-    storage of its own), without SP a view of kv_a_proj's output, which keeps that whole storage
-    (a x Ts x (kv_lora + r)) unless the fp32 kv norm already keeps it."""
-    a, r = lay.act_bytes, cfg.qk_rope_head_dim
-    dropped = {"sdpa.q", "sdpa.k", "sdpa.v", "sdpa.out", "sdpa.logsumexp"}  # the rotary casts are its inputs
-    out = _without(items, dropped)
-    if lay.sequence_parallel and lay.tp > 1:
-        out.append(Saved("mla_up_proj", "mla_up_proj.rope_key", a * lay.tokens * r))
-    elif a != FP32:
-        out.append(Saved("mla_up_proj", "kv_a_proj.output", a * lay.seq_tokens * (cfg.kv_lora_rank + r)))
-    return out
-
-
-def apply_selective(items: list[Saved], modules: tuple[str, ...], cfg: ModelConfig, lay: ActivationLayout):
-    """The items left when the `modules` of selective recompute run again in backward.
-
-    core_attn: SDPA keeps its inputs only (its output and logsumexp go). mla_up_proj: see `_mla_up_recomputed`.
-    mlp / shared_experts: the MLP keeps its input only (already an item). moe: the whole layer keeps its input,
-    the post-attention norm's output (a x Ts x h). moe_act: silu(gate) goes; gate and up are its inputs and the
-    product its output, kept by the down projection. layernorm: see `_layernorm_recomputed`.
-    """
-    names = set(modules)
-    out = list(items)
-    if cfg.family == "deepseek_v3" and "mla_up_proj" in names:
-        out = _mla_up_recomputed(out, cfg, lay)
-    elif "core_attn" in names:
-        out = _without(out, {"sdpa.out", "sdpa.logsumexp"})
-    moe_layer = any(i.region == "moe" for i in items)
-    if moe_layer and "moe" in names:
-        out = [i for i in out if i.region not in ("moe", "moe_act", "shared_experts", "shared_experts_input")]
-        out.append(Saved("moe", "moe.input", lay.act_bytes * lay.seq_tokens * cfg.hidden_size))
-    elif moe_layer:
-        if "moe_act" in names:
-            out = _without(out, {"experts.silu"})
-        if "shared_experts" in names:
-            out = _without(out, {f"shared_experts.{n}" for n in SWIGLU})
-    elif "mlp" in names:
-        out = _without(out, {f"mlp.{n}" for n in SWIGLU})
-    if "layernorm" in names:
-        out = _layernorm_recomputed(out, lay, cfg.hidden_size)
-    return out
-
-
-def layer_activation_bytes(
-    cfg: ModelConfig, lay: ActivationLayout, *, layer_index: int, policy: RecomputePolicy = RecomputePolicy()
-) -> float:
-    """Bytes one layer keeps for backward under a selective (or no) policy; full recompute is per chunk
-    (see `full_recompute_bytes`)."""
-    return _kind_bytes(cfg, lay, cfg.is_moe_layer(layer_index), policy)
-
-
-_KIND_CACHE: dict[tuple, tuple[ModelConfig, float]] = {}
-
-
-def _kind_bytes(cfg: ModelConfig, lay: ActivationLayout, moe_layer: bool, policy: RecomputePolicy) -> float:
-    """Layers of one kind (dense or MoE) save the same: computed once per kind (`plan --search` asks often).
-
-    Keyed by the model section's identity (hashing a pydantic model costs more than the formula); the entry
-    keeps the section alive so that its id cannot be reused by another."""
-    key = (id(cfg), lay, moe_layer, policy)
-    hit = _KIND_CACHE.get(key)
-    if hit is not None and hit[0] is cfg:
-        return hit[1]
-    index = cfg.first_k_dense if moe_layer else 0
-    items = layer_items(cfg, lay, layer_index=index)
-    if policy.granularity == "selective":
-        items = apply_selective(items, policy.modules, cfg, lay)
-    value = sum(i.bytes for i in items)
-    if len(_KIND_CACHE) > 8192:
-        _KIND_CACHE.clear()
-    _KIND_CACHE[key] = (cfg, value)
-    return value
-
-
-def layer_input_bytes(cfg: ModelConfig, lay: ActivationLayout) -> float:
-    """The residual-stream tensor entering a layer: all that full recompute keeps."""
-    return lay.act_bytes * lay.seq_tokens * cfg.hidden_size
-
-
-def full_recompute_bytes(cfg: ModelConfig, lay: ActivationLayout, layers: list[int],
-                         policy: RecomputePolicy) -> tuple[dict[int, float], float]:
-    """Under full recompute, ({layer: bytes it keeps}, the transient extra of the largest group's recomputed
-    forward) for a chunk's `layers`. A checkpointed group (`recompute_groups`) keeps only its input, counted for
-    its first layer; layers outside every group (block's after the first num_layers) keep everything."""
-    moe = {i: cfg.is_moe_layer(i) for i in layers}
-    kinds = {kind: _kind_bytes(cfg, lay, kind, RecomputePolicy()) for kind in set(moe.values())}
-    full = {i: kinds[moe[i]] for i in layers}
-    kept, transient = dict(full), 0.0
-    for group in recompute_groups(layers, policy):
-        transient = max(transient, sum(full[i] for i in group))
-        kept.update(dict.fromkeys(group, 0.0))
-        kept[group[0]] = layer_input_bytes(cfg, lay)
-    return kept, transient
-
-
-def chunk_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, chunk, policy: RecomputePolicy):
-    """(bytes kept for backward by one micro-batch's forward of a model chunk (`layout.Chunk`), the transient
-    extra while one recomputed group runs its backward)."""
-    layers = chunk.layers
-    if not layers:
-        return 0.0, 0.0
-    if policy.granularity != "full":
-        counts = {True: chunk.moe_layers, False: len(layers) - chunk.moe_layers}
-        return sum(_kind_bytes(cfg, lay, moe, policy) * n for moe, n in counts.items() if n), 0.0
-    kept, transient = full_recompute_bytes(cfg, lay, layers, policy)
-    return sum(kept.values()), transient
-
-
-def head_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, *, vocab_parallel: bool,
-                          final_norm: bool = True) -> float:
-    """Final norm (an MTP module's is its own: `mtp_items`), the head's input and the fp32 log-softmax of the
-    loss over the (tp-sharded) padded vocabulary, with the boolean mask of its padding columns (the loss masks
-    padding; the head is never sliced, models/model.py)."""
-    a, ts, h = lay.act_bytes, lay.seq_tokens, cfg.hidden_size
-    padded = cfg.padded_vocab_size()
-    vocab = padded / lay.tp if vocab_parallel and lay.tp > 1 else padded
-    mask = vocab if padded > cfg.vocab_size else 0
-    norm = FP32 * ts * h + FP32 * ts + a * ts * h if final_norm else 0
-    return norm + a * ts * h + FP32 * lay.tokens * vocab + mask
-
-
-def mtp_items(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) -> list[Saved]:
-    """One MTP module's saves (its head and loss aside): the embedding's norm, the hidden state's norm (whose
-    input, the main model's final norm output, the head keeps too: counted there in an fp32 run), the 2h -> h
-    projection's input, one decoder block of the last layer's kind (selective recompute applies, full does not:
-    MTP blocks are not part of the stack) and the final norm."""
-    a, ts, h = lay.act_bytes, lay.seq_tokens, cfg.hidden_size
-    hnorm = _norm("mtp", "hnorm", ts, h, a)
-    if a == FP32:
-        hnorm = hnorm[1:]
-    items = [*_norm("mtp", "enorm", ts, h, a), *hnorm, Saved("mtp", "eh_proj.input", a * ts * 2 * h)]
-    block = layer_items(cfg, lay, layer_index=cfg.num_layers)
-    if policy.granularity == "selective":
-        block = apply_selective(block, policy.modules, cfg, lay)
-    return [*items, *block, *_norm("mtp", "norm", ts, h, a)]
-
-
-def mtp_module_bytes(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) -> float:
-    """What `mtp_items` adds up to (computed once per model section, layout and policy, as `_kind_bytes`)."""
-    key = (id(cfg), lay, "mtp", policy)
-    hit = _KIND_CACHE.get(key)
-    if hit is None or hit[0] is not cfg:
-        hit = _KIND_CACHE[key] = (cfg, sum(i.bytes for i in mtp_items(cfg, lay, policy)))
-    return hit[1]
-
-
-def mtp_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) -> float:
-    """One MTP module with its own head loss over the (tp-sharded) vocabulary."""
-    return mtp_module_bytes(cfg, lay, policy) + head_activation_bytes(cfg, lay, vocab_parallel=True,
-                                                                      final_norm=False)
-
-
-def other_activation_bytes(cfg: ModelConfig, lay: ActivationLayout) -> float:
-    """Storages shared by every layer of one forward: the rotary tables (fp32 cos and sin)."""
-    rope_dim = cfg.qk_rope_head_dim if cfg.family == "deepseek_v3" else cfg.attention_head_dim
-    return 2 * FP32 * lay.position_batch * (lay.seq_length / lay.cp) * rope_dim / 2

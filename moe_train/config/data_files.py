@@ -1,7 +1,9 @@
-"""The header of a Megatron indexed dataset's .idx file, read with the standard library only.
+"""What the login half knows of data files: the data layer's one error type, and the header of a Megatron
+indexed dataset's .idx file, read with the standard library only.
 
-The login-node `validate` calls this to check data paths in well under a second, so this module imports
-neither torch nor numpy. Layout of the header (little endian), as Megatron-Core writes it:
+The login-node `validate` checks data paths with this in well under a second, so it imports neither torch nor
+numpy, and config/ never imports moe_train.data (the reader of the rest of the files, data/indexed.py, builds
+on this). Layout of the header (little endian), as Megatron-Core writes it:
 
     9 bytes  magic b"MMIDIDX\\x00\\x00"
     u64      version (1)
@@ -19,7 +21,13 @@ import os
 import struct
 from typing import NamedTuple
 
-from moe_train.data.errors import DataError
+
+class DataError(Exception):
+    """A problem with the recipe's data (missing, truncated or corrupt files, token ids beyond the vocab).
+
+    The message is one line and names the file or field, so that the CLI can print it as is and exit 2.
+    """
+
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1

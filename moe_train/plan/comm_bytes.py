@@ -35,7 +35,7 @@ micro-batch on this rank, Ts of them in the sequence region, Tm routed; a bytes 
 - pp: activations forward and their gradients backward, a Ts h per crossing of a stage boundary, sent by
   one side and received by the other; when the last stage keeps a copy of the embedding (MTP, tied head),
   an fp32 all-reduce of the embedding's gradient shard per step between it and the first stage (`embedding`).
-Recompute repeats a region's forward collectives up to its last saved tensor (recompute.py): not the exit of a
+Recompute repeats a region's forward collectives up to its last saved tensor (recompute_policy.py): not the exit of a
 dense MLP (or of a shared expert with nothing saved after it, or else the all-gather dispatcher's final
 reduce-scatter when nothing follows it), nor a MoE layer's final gather; a full-recompute group skips its last
 layer's only.
@@ -48,11 +48,11 @@ from dataclasses import dataclass, field
 from moe_train.config.hardware import Hardware
 from moe_train.config.schema import ModelConfig, Recipe
 
-from .activations import ActivationLayout
 from .assumptions import Assumptions
-from .layout import Chunk, PlanLayout, crosses_network, ranks_within_domain
 from .params import RankParams, fsdp_rows
-from .recompute import recompute_groups, saves_after_shared_experts
+from .rank_layout import Chunk, PlanLayout, crosses_network, ranks_within_domain
+from .recompute_policy import recompute_groups, saves_after_shared_experts
+from .saved_tensors import ActivationLayout
 
 INT64, FP32 = 8, 4
 
@@ -62,7 +62,10 @@ Collective = tuple[str, str, float]
 
 
 @dataclass
-class CommCounter:
+class CommBytes:
+    """The bytes one rank communicates per step by `<group>/<op>`: `payload` as measure counts it, `bus` for the
+    time model (the collective-benchmark factors above)."""
+
     payload: dict[str, float] = field(default_factory=dict)
     bus: dict[str, float] = field(default_factory=dict)
 
@@ -87,7 +90,7 @@ class CommCounter:
 
     @classmethod
     def for_rank(cls, recipe: Recipe, layout: PlanLayout, lay: ActivationLayout, chunks: list[Chunk],
-                 params: RankParams, param_bytes: int, a: Assumptions) -> CommCounter:
+                 params: RankParams, param_bytes: int, a: Assumptions) -> CommBytes:
         out = cls()
         m = recipe.model
         model = _CachedComm(_ModelComm(m, layout, lay))
@@ -348,7 +351,7 @@ def _minus(collectives: list[Collective], removed: list[Collective]) -> list[Col
     return out
 
 
-def _per_step(out: CommCounter, layout: PlanLayout, params: RankParams) -> None:
+def _per_step(out: CommBytes, layout: PlanLayout, params: RankParams) -> None:
     """Once per step: the replicated parameters' partial gradients summed over tp, and the gradient norm."""
     partial = sum(unit.count * fsdp_rows(t.shape[0], unit.shards)[0] * (t.numel // t.shape[0])
                   for unit in params.units for t in unit.tensors if t.partial)
@@ -370,7 +373,7 @@ def _per_step(out: CommCounter, layout: PlanLayout, params: RankParams) -> None:
     out.add("pp", "all_reduce", FP32, layout.pp)  # the stages' squared norms
 
 
-def _fsdp(out: CommCounter, recipe: Recipe, layout: PlanLayout, params: RankParams, param_bytes: int,
+def _fsdp(out: CommBytes, recipe: Recipe, layout: PlanLayout, params: RankParams, param_bytes: int,
           a: Assumptions) -> None:
     """FSDP2 over dp (dp_cp) for dense units and edp for experts: each unit's padded shard gathered per micro-batch
     (forward, and backward when resharding), its fp32 gradient reduce-scattered once per step."""
@@ -393,7 +396,7 @@ def _fsdp(out: CommCounter, recipe: Recipe, layout: PlanLayout, params: RankPara
         out.add(group, "reduce_scatter", FP32 * shard * unit.shards, unit.shards, reduces * unit.count)
 
 
-def comm_time(counter: CommCounter, layout: PlanLayout, hw: Hardware, a: Assumptions) -> dict[str, dict]:
+def comm_time(counter: CommBytes, layout: PlanLayout, hw: Hardware, a: Assumptions) -> dict[str, dict]:
     """Seconds per key on its link (bus bytes over the achieved bandwidth), and the part that overlap could
     hide behind compute (the caller caps the hidden total at the compute there is to hide behind)."""
     overlap = {"tp": a.tp_overlap, "ep": a.ep_overlap, "etp": a.ep_overlap, "ep_etp": a.ep_overlap,

@@ -1,5 +1,5 @@
-"""What activation recomputation runs again in backward (parallel/recompute.py), for the FLOPs and the
-collectives the planner counts (torch-free).
+"""How the planner reads `parallel.recompute` (RecomputePolicy) and what activation recomputation runs again
+in backward (parallel/recompute.py), for the memory, FLOPs and collectives the planner counts (torch-free).
 
 Non-reentrant checkpointing re-runs a region's forward until the last tensor the region saved for backward is
 back, then stops (early stop): whatever runs after that last save is not repeated. In a dense MLP that is the
@@ -9,12 +9,26 @@ saves after it) and, without sequence parallelism, the gather of the layer's tok
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from moe_train.config.schema import ModelConfig
 
-    from .activations import RecomputePolicy
+
+@dataclass(frozen=True)
+class RecomputePolicy:
+    """parallel.recompute as the planner reads it. `num_layers` counts per model chunk (Megatron-Core)."""
+
+    granularity: str = "none"
+    modules: tuple[str, ...] = ()
+    method: str = "uniform"
+    num_layers: int = 1
+
+    @classmethod
+    def from_config(cls, rc) -> RecomputePolicy:
+        modules = tuple(rc.modules) if rc.granularity == "selective" else ()
+        return cls(granularity=rc.granularity, modules=modules, method=rc.method, num_layers=rc.num_layers)
 
 
 def saves_after_shared_experts(m: ModelConfig) -> bool:

@@ -1,7 +1,7 @@
 """The parallel layout the planner reasons about: mesh sizes, what each pipeline rank holds, and which link
 each process group's traffic crosses.
 
-Ranks are numbered as moe_train/parallel/mesh.py numbers them (row-major, last dimension fastest): on the dense
+Ranks are numbered as config/mesh_shape.py numbers them (row-major, last dimension fastest): on the dense
 mesh (pp, dp, cp, tp) tp neighbours are adjacent ranks; on the expert mesh (pp, edp, ep, etp) etp neighbours
 are. A group whose members lie within one NVLink domain (`Hardware.nvlink_domain` consecutive ranks: a node,
 or a whole NVL72 rack) talks over NVLink; otherwise its traffic crosses the network.
@@ -12,22 +12,19 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from moe_train.config.pp_layout import StageContents, pipeline_stages
+from moe_train.config.mesh_shape import DENSE_DIMS, EXPERT_DIMS, MeshShape
+from moe_train.config.pp_layout import pipeline_stages
 from moe_train.config.schema import ModelConfig, Recipe
 
-from .activations import RecomputePolicy
+from .recompute_policy import RecomputePolicy
 
 
-@dataclass(frozen=True)
-class PlanLayout:
-    tp: int
-    pp: int
+@dataclass(frozen=True, kw_only=True)
+class PlanLayout(MeshShape):
+    """A candidate layout: the mesh shape (its sizes, world size and rank strides) and what the planner needs
+    beside it (virtual stages, batch, schedule, recompute)."""
+
     vpp: int
-    cp: int
-    dp: int
-    ep: int
-    etp: int
-    edp: int
     sequence_parallel: bool
     recompute: RecomputePolicy
     micro_batch: int
@@ -41,15 +38,11 @@ class PlanLayout:
     def from_recipe(cls, recipe: Recipe) -> PlanLayout:
         p, t = recipe.parallel, recipe.train
         return cls(
-            tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, dp=recipe.dp, ep=p.ep, etp=p.etp, edp=recipe.edp,
-            sequence_parallel=p.sequence_parallel, recompute=RecomputePolicy.from_config(p.recompute),
+            **vars(MeshShape.from_recipe(recipe)), vpp=p.vpp, sequence_parallel=p.sequence_parallel,
+            recompute=RecomputePolicy.from_config(p.recompute),
             micro_batch=t.micro_batch_size, global_batch=t.global_batch_size, seq_length=t.seq_length,
             pp_schedule=p.pp_schedule, pp_layout=p.pp_layout, experts_apart=p.experts_apart,
         )
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp * self.cp * self.tp
 
     @property
     def micro_batches(self) -> int:
@@ -73,17 +66,13 @@ def rank_chunks(layout: PlanLayout, cfg: ModelConfig) -> list[list[Chunk]]:
     """For each pipeline rank, its chunks in virtual order, with the global indices of their decoder layers
     (the engine's assignment: config/pp_layout.py `pipeline_stages`)."""
     per_rank: list[list[Chunk]] = [[] for _ in range(layout.pp)]
-    stages = _stages(layout.pp, layout.vpp, layout.pp_layout, cfg.num_layers, cfg.mtp_layers)
+    stages = pipeline_stages(pp=layout.pp, vpp=layout.vpp, layout=layout.pp_layout, num_layers=cfg.num_layers,
+                             mtp_layers=cfg.mtp_layers)
     for stage in stages:
         moe = sum(1 for index in stage.layers if cfg.is_moe_layer(index))
         per_rank[stage.rank].append(Chunk(stage.index, list(stage.layers), stage.embedding, len(stage.mtp),
                                           stage.loss, moe))
     return per_rank
-
-
-@functools.lru_cache(maxsize=512)
-def _stages(pp: int, vpp: int, layout: str | None, num_layers: int, mtp_layers: int) -> tuple[StageContents, ...]:
-    return tuple(pipeline_stages(pp=pp, vpp=vpp, layout=layout, num_layers=num_layers, mtp_layers=mtp_layers))
 
 
 def in_flight(layout: PlanLayout, rank: int) -> list[int]:
@@ -110,30 +99,18 @@ def in_flight(layout: PlanLayout, rank: int) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------- links
 
-DENSE_DIMS = ("pp", "dp", "cp", "tp")
-EXPERT_DIMS = ("pp", "edp", "ep", "etp")
-
-
 @functools.lru_cache(maxsize=4096)
 def group_span(layout: PlanLayout, group: str) -> tuple[int, int]:
     """(size, span in consecutive ranks) of a group named as measure names it (`dp`, `ep`, `dp_cp`, ...;
     `embedding`: a first-stage rank and its last-stage peer, as far apart as the pipeline spans)."""
     if group == "embedding":
         return 2, group_span(layout, "pp")[1]
-    sizes = {"pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "tp": layout.tp,
-             "edp": layout.edp, "ep": layout.ep, "etp": layout.etp}
     dims = group.split("_")
-    order = EXPERT_DIMS if any(d in ("edp", "ep", "etp") for d in dims) else DENSE_DIMS
-    stride = {}
-    running = 1
-    for dim in reversed(order):
-        stride[dim] = running
-        running *= sizes[dim]
-    size = 1
-    span = 1
+    stride = layout.strides(EXPERT_DIMS if any(d in EXPERT_DIMS[1:] for d in dims) else DENSE_DIMS)
+    size = span = 1
     for dim in dims:
-        size *= sizes[dim]
-        span = max(span, stride[dim] * sizes[dim])
+        size *= getattr(layout, dim)
+        span = max(span, stride[dim] * getattr(layout, dim))
     return size, span
 
 

@@ -1,0 +1,127 @@
+"""Bytes one rank keeps for backward, per layer, model chunk, head and MTP module, under the recipe's recompute
+policy (no torch): the saved items of plan/saved_tensors.py, less what selective recompute drops
+(plan/selective_recompute.py), or under full recompute only each checkpointed group's input.
+"""
+
+from __future__ import annotations
+
+from moe_train.config.schema import ModelConfig
+
+from .recompute_policy import RecomputePolicy, recompute_groups
+from .saved_tensors import FP32, ActivationLayout, Saved, layer_items, norm_items
+from .selective_recompute import apply_selective
+
+
+def layer_activation_bytes(
+    cfg: ModelConfig, lay: ActivationLayout, *, layer_index: int, policy: RecomputePolicy = RecomputePolicy()
+) -> float:
+    """Bytes one layer keeps for backward under a selective (or no) policy; full recompute is per chunk
+    (see `full_recompute_bytes`)."""
+    return _kind_bytes(cfg, lay, cfg.is_moe_layer(layer_index), policy)
+
+
+_KIND_CACHE: dict[tuple, tuple[ModelConfig, float]] = {}
+
+
+def _kind_bytes(cfg: ModelConfig, lay: ActivationLayout, moe_layer: bool, policy: RecomputePolicy) -> float:
+    """Layers of one kind (dense or MoE) save the same: computed once per kind (`plan --search` asks often).
+
+    Keyed by the model section's identity (hashing a pydantic model costs more than the formula); the entry
+    keeps the section alive so that its id cannot be reused by another."""
+    key = (id(cfg), lay, moe_layer, policy)
+    hit = _KIND_CACHE.get(key)
+    if hit is not None and hit[0] is cfg:
+        return hit[1]
+    index = cfg.first_k_dense if moe_layer else 0
+    items = layer_items(cfg, lay, layer_index=index)
+    if policy.granularity == "selective":
+        items = apply_selective(items, policy.modules, cfg, lay)
+    value = sum(i.bytes for i in items)
+    if len(_KIND_CACHE) > 8192:
+        _KIND_CACHE.clear()
+    _KIND_CACHE[key] = (cfg, value)
+    return value
+
+
+def layer_input_bytes(cfg: ModelConfig, lay: ActivationLayout) -> float:
+    """The residual-stream tensor entering a layer: all that full recompute keeps."""
+    return lay.act_bytes * lay.seq_tokens * cfg.hidden_size
+
+
+def full_recompute_bytes(cfg: ModelConfig, lay: ActivationLayout, layers: list[int],
+                         policy: RecomputePolicy) -> tuple[dict[int, float], float]:
+    """Under full recompute, ({layer: bytes it keeps}, the transient extra of the largest group's recomputed
+    forward) for a chunk's `layers`. A checkpointed group (`recompute_groups`) keeps only its input, counted for
+    its first layer; layers outside every group (block's after the first num_layers) keep everything."""
+    moe = {i: cfg.is_moe_layer(i) for i in layers}
+    kinds = {kind: _kind_bytes(cfg, lay, kind, RecomputePolicy()) for kind in set(moe.values())}
+    full = {i: kinds[moe[i]] for i in layers}
+    kept, transient = dict(full), 0.0
+    for group in recompute_groups(layers, policy):
+        transient = max(transient, sum(full[i] for i in group))
+        kept.update(dict.fromkeys(group, 0.0))
+        kept[group[0]] = layer_input_bytes(cfg, lay)
+    return kept, transient
+
+
+def chunk_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, chunk, policy: RecomputePolicy):
+    """(bytes kept for backward by one micro-batch's forward of a model chunk (`rank_layout.Chunk`), the transient
+    extra while one recomputed group runs its backward)."""
+    layers = chunk.layers
+    if not layers:
+        return 0.0, 0.0
+    if policy.granularity != "full":
+        counts = {True: chunk.moe_layers, False: len(layers) - chunk.moe_layers}
+        return sum(_kind_bytes(cfg, lay, moe, policy) * n for moe, n in counts.items() if n), 0.0
+    kept, transient = full_recompute_bytes(cfg, lay, layers, policy)
+    return sum(kept.values()), transient
+
+
+def head_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, *, vocab_parallel: bool,
+                          final_norm: bool = True) -> float:
+    """Final norm (an MTP module's is its own: `mtp_items`), the head's input and the fp32 log-softmax of the
+    loss over the (tp-sharded) padded vocabulary, with the boolean mask of its padding columns (the loss masks
+    padding; the head is never sliced, models/model.py)."""
+    a, ts, h = lay.act_bytes, lay.seq_tokens, cfg.hidden_size
+    padded = cfg.padded_vocab_size()
+    vocab = padded / lay.tp if vocab_parallel and lay.tp > 1 else padded
+    mask = vocab if padded > cfg.vocab_size else 0
+    norm = FP32 * ts * h + FP32 * ts + a * ts * h if final_norm else 0
+    return norm + a * ts * h + FP32 * lay.tokens * vocab + mask
+
+
+def mtp_items(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) -> list[Saved]:
+    """One MTP module's saves (its head and loss aside): the embedding's norm, the hidden state's norm (whose
+    input, the main model's final norm output, the head keeps too: counted there in an fp32 run), the 2h -> h
+    projection's input, one decoder block of the last layer's kind (selective recompute applies, full does not:
+    MTP blocks are not part of the stack) and the final norm."""
+    a, ts, h = lay.act_bytes, lay.seq_tokens, cfg.hidden_size
+    hnorm = norm_items("mtp", "hnorm", ts, h, a)
+    if a == FP32:
+        hnorm = hnorm[1:]
+    items = [*norm_items("mtp", "enorm", ts, h, a), *hnorm, Saved("mtp", "eh_proj.input", a * ts * 2 * h)]
+    block = layer_items(cfg, lay, layer_index=cfg.num_layers)
+    if policy.granularity == "selective":
+        block = apply_selective(block, policy.modules, cfg, lay)
+    return [*items, *block, *norm_items("mtp", "norm", ts, h, a)]
+
+
+def mtp_module_bytes(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) -> float:
+    """What `mtp_items` adds up to (computed once per model section, layout and policy, as `_kind_bytes`)."""
+    key = (id(cfg), lay, "mtp", policy)
+    hit = _KIND_CACHE.get(key)
+    if hit is None or hit[0] is not cfg:
+        hit = _KIND_CACHE[key] = (cfg, sum(i.bytes for i in mtp_items(cfg, lay, policy)))
+    return hit[1]
+
+
+def mtp_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) -> float:
+    """One MTP module with its own head loss over the (tp-sharded) vocabulary."""
+    return mtp_module_bytes(cfg, lay, policy) + head_activation_bytes(cfg, lay, vocab_parallel=True,
+                                                                      final_norm=False)
+
+
+def other_activation_bytes(cfg: ModelConfig, lay: ActivationLayout) -> float:
+    """Storages shared by every layer of one forward: the rotary tables (fp32 cos and sin)."""
+    rope_dim = cfg.qk_rope_head_dim if cfg.family == "deepseek_v3" else cfg.attention_head_dim
+    return 2 * FP32 * lay.position_batch * (lay.seq_length / lay.cp) * rope_dim / 2

@@ -1,0 +1,72 @@
+"""What selective recompute leaves saved: the items of plan/saved_tensors.py that go when a module runs again
+in backward, and what the recomputed region keeps instead (its inputs), module by module (no torch)."""
+
+from __future__ import annotations
+
+from moe_train.config.schema import ModelConfig
+
+from .saved_tensors import FP32, ActivationLayout, Saved
+
+# Recomputed regions (parallel/recompute.py) keep their inputs; what their outputs' consumers save stays too.
+SWIGLU = ("gate", "up", "silu", "down_input")
+
+
+def _without(items: list[Saved], names: set[str]) -> list[Saved]:
+    return [i for i in items if i.name not in names]
+
+
+def _layernorm_recomputed(items: list[Saved], lay: ActivationLayout, h: int) -> list[Saved]:
+    """Both pre-norms run again in backward: each keeps its input (the residual stream, a x Ts x h) instead of
+    its fp32 copy, rstd and normalised value. Their outputs stay where a consumer saved them (the next GEMM's
+    input, the router's fp32 copy): our checkpoint keeps a region's output like any tensor (Megatron-Core's
+    checkpoint-without-output discards those too)."""
+    kept = [i for i in items if i.region not in ("input_layernorm", "post_attention_layernorm")]
+    residual = lay.act_bytes * lay.seq_tokens * h
+    return [Saved("layernorm", "input_layernorm.input", residual), Saved("layernorm", "post_norm.input", residual),
+            *kept]
+
+
+def _mla_up_recomputed(items: list[Saved], cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
+    """MLA's up projections, rotary embeddings and attention run again: SDPA's q, k, v, output and logsumexp
+    go; the region keeps its inputs: the latents (already kept by the up projections), the rotary tables (in
+    bf16 the layer's casts, already an item) and the shared rope key: under SP the gathered key (a x T x r, a
+    storage of its own), without SP a view of kv_a_proj's output, which keeps that whole storage
+    (a x Ts x (kv_lora + r)) unless the fp32 kv norm already keeps it."""
+    a, r = lay.act_bytes, cfg.qk_rope_head_dim
+    dropped = {"sdpa.q", "sdpa.k", "sdpa.v", "sdpa.out", "sdpa.logsumexp"}  # the rotary casts are its inputs
+    out = _without(items, dropped)
+    if lay.sequence_parallel and lay.tp > 1:
+        out.append(Saved("mla_up_proj", "mla_up_proj.rope_key", a * lay.tokens * r))
+    elif a != FP32:
+        out.append(Saved("mla_up_proj", "kv_a_proj.output", a * lay.seq_tokens * (cfg.kv_lora_rank + r)))
+    return out
+
+
+def apply_selective(items: list[Saved], modules: tuple[str, ...], cfg: ModelConfig, lay: ActivationLayout):
+    """The items left when the `modules` of selective recompute run again in backward.
+
+    core_attn: SDPA keeps its inputs only (its output and logsumexp go). mla_up_proj: see `_mla_up_recomputed`.
+    mlp / shared_experts: the MLP keeps its input only (already an item). moe: the whole layer keeps its input,
+    the post-attention norm's output (a x Ts x h). moe_act: silu(gate) goes; gate and up are its inputs and the
+    product its output, kept by the down projection. layernorm: see `_layernorm_recomputed`.
+    """
+    names = set(modules)
+    out = list(items)
+    if cfg.family == "deepseek_v3" and "mla_up_proj" in names:
+        out = _mla_up_recomputed(out, cfg, lay)
+    elif "core_attn" in names:
+        out = _without(out, {"sdpa.out", "sdpa.logsumexp"})
+    moe_layer = any(i.region == "moe" for i in items)
+    if moe_layer and "moe" in names:
+        out = [i for i in out if i.region not in ("moe", "moe_act", "shared_experts", "shared_experts_input")]
+        out.append(Saved("moe", "moe.input", lay.act_bytes * lay.seq_tokens * cfg.hidden_size))
+    elif moe_layer:
+        if "moe_act" in names:
+            out = _without(out, {"experts.silu"})
+        if "shared_experts" in names:
+            out = _without(out, {f"shared_experts.{n}" for n in SWIGLU})
+    elif "mlp" in names:
+        out = _without(out, {f"mlp.{n}" for n in SWIGLU})
+    if "layernorm" in names:
+        out = _layernorm_recomputed(out, lay, cfg.hidden_size)
+    return out
