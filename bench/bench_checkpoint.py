@@ -11,7 +11,14 @@ notice -> the trainer's return (that step, the agreement, the save) and -> torch
 latter also in step times. Configurations run in turn, `--rounds` times; medians are printed side by side with
 the load average before and after.
 
-    python bench/bench_checkpoint.py [--rounds 1] [--models moe,dense] [--worlds 1,2,4]
+Async vs sync (`checkpoint.async_save`): what one save costs training, in seconds of training time. Steps are
+timed alone (`--cost-steps` of them; their median is the baseline), then after a synchronous save (cost = its
+stall: training waits for all of it), then after a background save: cost = the stall until `save` returns
+(staging to host memory) + the slowdown of the steps that overlap the write (each step's time over the
+baseline, summed; on 2 cores the writer and the step compete) + any wait left when the write outlasts
+`--cost-steps` steps. The last column is that cost as a share of the synchronous one.
+
+    python bench/bench_checkpoint.py [--rounds 1] [--models moe,dense] [--worlds 1,2,4] [--cost-steps 6]
 """
 
 from __future__ import annotations
@@ -49,7 +56,44 @@ def _timed(fn):
     return time.perf_counter() - start, result
 
 
-def worker(recipe_name: str, overrides: list[str], out: Path) -> None:
+def _step_times(trainer, first: int, count: int, until=None) -> list[float]:
+    """Seconds of each of `count` training steps from step `first` (every rank in step: barriers around each);
+    with `until`, stop early once it returns True after a step."""
+    times = []
+    for step in range(first, first + count):
+        seconds, _ = _timed(lambda step=step: trainer.train_step(step))
+        times.append(seconds)
+        if until is not None and until():
+            break
+    return times
+
+
+def save_costs(trainer, ckpt_dir: Path, model_config: dict, steps: int) -> dict:
+    """Sync vs background save, in training seconds lost (the module docstring's definitions)."""
+    from moe_train.checkpoint.async_save import Checkpointer
+    from moe_train.checkpoint.state import Progress
+
+    checkpointer = Checkpointer(ckpt_dir, keep=None)
+
+    def save(step: int, background: bool) -> None:
+        checkpointer.save(chunks=trainer.chunks, optimizers=trainer.optimizers,
+                          progress=Progress(step=step, consumed_samples=trainer.progress.consumed_samples),
+                          model_config=model_config, background=background)
+
+    _step_times(trainer, 2, 2)  # warm
+    _timed(lambda: (save(10, True), checkpointer.wait()))  # the background path's one-off set-up (its group)
+    baseline = statistics.median(_step_times(trainer, 4, steps))
+    sync_s, _ = _timed(lambda: save(11, False))
+    stall_s, _ = _timed(lambda: save(12, True))
+    overlapped = _step_times(trainer, 4 + steps, steps, until=lambda: not checkpointer.in_flight)
+    left_s, _ = _timed(checkpointer.wait)
+    slowdown_s = sum(max(0.0, t - baseline) for t in overlapped)
+    return {"baseline_step_s": baseline, "sync_cost_s": sync_s, "async_stall_s": stall_s,
+            "async_slowdown_s": slowdown_s, "async_wait_s": left_s, "overlapped_steps": len(overlapped),
+            "async_cost_s": stall_s + slowdown_s + left_s}
+
+
+def worker(recipe_name: str, overrides: list[str], out: Path, cost_steps: int) -> None:
     """On every rank of the job: time the checkpoint steps, then train until the notice stops the run."""
     from moe_train.checkpoint.collective import agreed_start_point, write_manifest
     from moe_train.checkpoint.save import save_checkpoint
@@ -80,6 +124,9 @@ def worker(recipe_name: str, overrides: list[str], out: Path) -> None:
               "load_s": load_s, "bytes": sum(p.stat().st_size for p in path.iterdir()),
               # DTensors count their full shape
               "params": sum(p.numel() for part in trainer.chunks for p in part.parameters())}
+    if cost_steps:
+        record.update(save_costs(trainer, ckpt_dir, model_config, cost_steps))
+        trainer.progress = Progress(step=1, consumed_samples=recipe.train.global_batch_size)
     if trainer.ctx.logs:
         notice = Path(recipe.resolved_run_dir()) / PREEMPT_FILE
 
@@ -101,11 +148,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(model: str, world: int, run_dir: Path) -> dict:
+def run(model: str, world: int, run_dir: Path, cost_steps: int) -> dict:
     recipe, overrides = MODELS[model]
     out = run_dir / "bench.json"
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", __file__, "--worker", recipe, str(out),
+            "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", __file__, "--worker", recipe, str(out), str(cost_steps),
             *[*overrides, *COMMON, f"run_dir={run_dir}"]]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     subprocess.run(argv, env=env, check=True, capture_output=True, text=True)
@@ -128,11 +175,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--models", default="moe,dense")
     parser.add_argument("--worlds", default="1,2,4")
+    parser.add_argument("--cost-steps", type=int, default=6, help="steps timed per phase of async vs sync; 0: skip")
     parser.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        recipe, out, *overrides = args.worker
-        worker(recipe, overrides, Path(out))
+        recipe, out, cost_steps, *overrides = args.worker
+        worker(recipe, overrides, Path(out), int(cost_steps))
         return
     worlds = [int(w) for w in args.worlds.split(",")]
     print(f"load average before: {load_average()} ({os.cpu_count()} cores)")
@@ -142,7 +190,7 @@ def main() -> None:
             for model in args.models.split(","):
                 for world in worlds:
                     run_dir = Path(tmp) / f"{model}-{world}-{round_index}"
-                    results.setdefault((model, world), []).append(run(model, world, run_dir))
+                    results.setdefault((model, world), []).append(run(model, world, run_dir, args.cost_steps))
     print(f"load average after:  {load_average()}")
     header = (f"{'model':<24}{'ranks':>6}{'size MB':>9}{'1st save':>9}{'save s':>8}{'manifest':>9}{'MB/s':>7}"
               f"{'verify s':>9}{'load s':>8}{'load/save':>10}{'notice->stop':>13}{'->exit s':>9}{'in steps':>9}")
@@ -160,6 +208,18 @@ def main() -> None:
           "manifest: the checksums' share of it; MB/s: checkpoint bytes / save time. notice->stop: the notice, "
           "written as a step starts, to train() returning with the checkpoint saved; ->exit: to torchrun's exit; "
           "in steps: ->exit in median step times.")
+    if not args.cost_steps:
+        return
+    print(f"\n{'model':<24}{'ranks':>6}{'step s':>8}{'sync s':>8}{'async stall':>12}{'slowdown':>9}{'wait':>6}"
+          f"{'steps':>6}{'async s':>8}{'async/sync':>11}")
+    for (model, world), runs in results.items():
+        m = {key: statistics.median(r[key] for r in runs) for key in runs[0] if not key.endswith("_at")}
+        name = f"{MODELS[model][0]} ({m['params'] / 1e6:.0f}M)"
+        print(f"{name:<24}{world:>6}{m['baseline_step_s']:>8.2f}{m['sync_cost_s']:>8.2f}{m['async_stall_s']:>12.2f}"
+              f"{m['async_slowdown_s']:>9.2f}{m['async_wait_s']:>6.2f}{m['overlapped_steps']:>6.0f}"
+              f"{m['async_cost_s']:>8.2f}{m['async_cost_s'] / m['sync_cost_s']:>11.0%}")
+    print("step s: a step without a save (median); sync s: a synchronous save's stall; async: stall (staging) + "
+          "slowdown of the overlapping steps + wait left = async s.")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ def prepare(
     inputs: Annotated[
         list[str],
         typer.Argument(
-            help="Input files: .jsonl (one JSON document per line) or .txt (one document per file).",
+            help="Inputs: .jsonl (one JSON document per line), .txt (one document per file), .parquet (one per "
+            "row) or a folder written by datasets' save_to_disk (one per row).",
             metavar="INPUT",
             show_default=False,
         ),
@@ -26,7 +27,9 @@ def prepare(
         str, typer.Option("--output", "-o", help="Output prefix: writes PREFIX.bin and PREFIX.idx.", show_default=False)
     ],
     tokenizer: Annotated[str, typer.Option(help="'byte' or the path of a tokenizer.json.")] = "byte",
-    text_field: Annotated[str, typer.Option(help="The JSON field holding the text (.jsonl inputs).")] = "text",
+    text_field: Annotated[str, typer.Option(
+        "--text-field", "--text-column", help="The JSON field (.jsonl) or column (parquet, datasets) holding the text.")
+    ] = "text",
     append_eod: Annotated[bool, typer.Option(help="End every document with the tokenizer's EOD token.")] = True,
 ) -> None:
     """Tokenize INPUT files into PREFIX.bin/.idx, readable by moe-train and Megatron-LM alike.
@@ -36,6 +39,8 @@ def prepare(
         moe-train data prepare corpus.jsonl -o data/corpus
 
         moe-train data prepare shard-*.jsonl -o data/web --tokenizer tokenizer.json --text-field content
+
+        moe-train data prepare train-*.parquet hf-saved/train -o data/mix --text-column body
 
     Then in a recipe: data: {source: indexed, paths: \\[data/corpus], tokenizer: tokenizer.json}.
     """

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
+
+import moe_train
 
 from .convert import convert_app
 from .data import data_app
@@ -22,12 +26,27 @@ app = typer.Typer(
     name="moe-train",
     help="Pretraining launcher and training engine for dense and Mixture-of-Experts LLMs.",
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
 )
 
 # In the order of a user's journey: pick and check a recipe, train it here or on SLURM, then data and conversion.
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"moe-train {moe_train.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """Pretraining launcher and training engine for dense and Mixture-of-Experts LLMs."""
+
+
 app.add_typer(recipes_app, name="recipes")
 app.command()(validate)
 app.command()(schema)

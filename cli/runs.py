@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from moe_train.launch.runs import collect, format_runs
+from moe_train.launch.runs import collect, failure_lines, runs_table
 
 from .common import fail
 
@@ -17,8 +17,9 @@ def runs(
         Path, typer.Argument(help="Folder searched for run folders (any folder holding a recipe.yaml).")
     ] = Path("runs"),
 ) -> None:
-    """List the runs under ROOT: status (complete, running or queued with the job id, stopped, submitted, new),
-    last step and loss from metrics.jsonl. Sweep points are listed as runs of their own.
+    """List the runs under ROOT: status (complete, running or queued with the job id, failed, stopped, submitted,
+    new), last step, loss and tokens/s from metrics.jsonl, and the time since the latest launch; a failed run's
+    reason below the table. Sweep points are listed as runs of their own.
 
     Examples:
 
@@ -32,4 +33,11 @@ def runs(
     if not statuses:
         print(f"no runs under {root}")
         return
-    print(format_runs(statuses, root))
+    from rich.console import Console
+
+    console = Console()
+    # Off a terminal (pipes, SLURM logs, tests) rich would wrap at 80 columns: lines stay whole instead.
+    console = console if console.is_terminal else Console(width=10_000, no_color=True)
+    console.print(runs_table(statuses, root), crop=False)
+    for line in failure_lines(statuses, root):
+        console.print(line, markup=False, highlight=False, crop=False)

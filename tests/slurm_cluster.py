@@ -1,4 +1,11 @@
-"""A real one-node SLURM cluster for the tests: munged, slurmctld and slurmd started from a temporary folder.
+"""A real two-node SLURM cluster for the tests: munged, slurmctld and two slurmd started from a temporary folder.
+
+The two nodes are two slurmd daemons on this machine (`slurmd -N NAME`, each on its own port), so jobs of
+`launch.nodes: 2` really run one srun task on each node and torchrun rendezvous across them. Each node offers
+this machine's CPUs (2 here, so both nodes together claim the cores twice): CPU launches ask for
+`--cpus-per-task=gpus_per_node`, and the one-node jobs of two ranks must still fit one node. Each node
+name resolves to this machine (the host's own name and `localhost`; NodeAddr=127.0.0.1), as the batch script's
+rendezvous host (the first node of the allocation) must. One-node jobs land on either node.
 
 Why real daemons: the batch scripts we render depend on sbatch parsing #SBATCH lines, signals reaching the
 batch shell, `scontrol requeue` and job arrays; stand-ins would only test our assumptions about them. The
@@ -104,6 +111,9 @@ def _skip_reason() -> str | None:
     missing = [b for b in BINARIES if shutil.which(b) is None and not Path("/usr/sbin", b).exists()]
     if missing:
         return f"SLURM/munge binaries missing ({', '.join(missing)}); install with: {INSTALL_HINT}"
+    if node_names() is None:
+        return (f"two SLURM nodes on this machine need two names for it in /etc/hosts: its host name and one of "
+                f"{', '.join(SECOND_NODE_NAMES)}")
     return None
 
 
@@ -111,9 +121,31 @@ def _binary(name: str) -> str:
     return shutil.which(name) or str(Path("/usr/sbin", name))
 
 
-def start_cluster(root: Path) -> SlurmCluster:
-    """Write slurm.conf under `root`, start munged, slurmctld and slurmd, and wait for the node to be idle."""
+# Names that /etc/hosts often maps to the loopback besides the host's own. `localhost` itself cannot be one: SLURM
+# reads a NodeHostname of localhost as this host's name, and two nodes may not share a NodeHostname.
+SECOND_NODE_NAMES = ("runsc", "localhost4", "ip6-localhost", "localhost.localdomain")
+
+
+def _loopback(name: str) -> bool:
+    try:
+        return socket.gethostbyname(name).startswith("127.")
+    except OSError:
+        return False
+
+
+def node_names() -> list[str] | None:
+    """Two names that resolve to this machine, sorted as SLURM lists them: the host's own and another of
+    SECOND_NODE_NAMES; None when /etc/hosts has no second one."""
     host = socket.gethostname().split(".")[0]
+    second = next((name for name in SECOND_NODE_NAMES if name != host and _loopback(name)), None)
+    return sorted([host, second]) if second is not None and _loopback(host) else None
+
+
+def start_cluster(root: Path) -> SlurmCluster:
+    """Write slurm.conf under `root`, start munged, slurmctld and one slurmd per node, and wait until both nodes
+    are idle."""
+    host = socket.gethostname().split(".")[0]
+    nodes = node_names()
     # munged wants every folder above its socket world-executable; pytest's tmp folders are 0700.
     run = Path(tempfile.mkdtemp(prefix="moetrain-slurm-run-"))
     state = root / "state"
@@ -127,7 +159,10 @@ def start_cluster(root: Path) -> SlurmCluster:
     socket_path = run / "munge.socket.2"
     subprocess.run([_binary("mungekey"), "--create", f"--keyfile={key}", "--force"], check=True,
                    capture_output=True)
-    ctld_port, slurmd_port = _free_port(), _free_port()
+    ctld_port = _free_port()
+    node_lines = [f"NodeName={name} NodeAddr=127.0.0.1 NodeHostname={name} Port={_free_port()} "
+                  f"CPUs={os.cpu_count()} State=UNKNOWN"
+                  for name in nodes]
     conf = root / "slurm.conf"
     conf.write_text(
         "\n".join(
@@ -135,18 +170,18 @@ def start_cluster(root: Path) -> SlurmCluster:
                 "ClusterName=moetrain-test",
                 f"SlurmctldHost={host}",
                 f"SlurmctldPort={ctld_port}",
-                f"SlurmdPort={slurmd_port}",
                 "SlurmUser=root",
                 "SlurmdUser=root",
                 "AuthType=auth/munge",
                 "CredType=cred/munge",
                 f"AuthInfo=socket={socket_path},cred_expire=10",
                 f"StateSaveLocation={state}",
-                f"SlurmdSpoolDir={spool}",
+                f"SlurmdSpoolDir={spool}/%n",
                 f"SlurmctldPidFile={run}/slurmctld.pid",
-                f"SlurmdPidFile={run}/slurmd.pid",
+                f"SlurmdPidFile={run}/slurmd-%n.pid",
                 f"SlurmctldLogFile={root}/slurmctld.log",
-                f"SlurmdLogFile={root}/slurmd.log",
+                f"SlurmdLogFile={root}/slurmd-%n.log",
+                "SlurmdParameters=config_overrides",  # the nodes as configured (they share this machine's cores)
                 "ProctrackType=proctrack/linuxproc",
                 "TaskPlugin=task/none",
                 "JobAcctGatherType=jobacct_gather/none",
@@ -160,8 +195,8 @@ def start_cluster(root: Path) -> SlurmCluster:
                 "SelectTypeParameters=CR_Core",
                 "ReturnToService=2",
                 "KillWait=5",
-                f"NodeName={host} CPUs={os.cpu_count()} State=UNKNOWN",
-                f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP",
+                *node_lines,
+                f"PartitionName=debug Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE State=UP",
                 "",
             ]
         )
@@ -181,14 +216,17 @@ def start_cluster(root: Path) -> SlurmCluster:
         _wait_for(lambda: socket_path.exists(), 10, "munged socket", cluster, root)
         cluster.procs.append(subprocess.Popen([_binary("slurmctld"), "-D", "-f", str(conf)], env=env, stdout=out,
                                               stderr=out))
-        cluster.procs.append(subprocess.Popen([_binary("slurmd"), "-D", "-f", str(conf)], env=env, stdout=out,
-                                              stderr=out))
+        for name in nodes:
+            (spool / name).mkdir(exist_ok=True)
+            cluster.procs.append(subprocess.Popen([_binary("slurmd"), "-D", "-N", name, "-f", str(conf)], env=env,
+                                                  stdout=out, stderr=out))
 
         def idle() -> bool:
-            r = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True, timeout=10)
-            return r.stdout.strip() == "idle"
+            r = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], env=env, capture_output=True, text=True,
+                               timeout=10)
+            return sorted(r.stdout.split()) == sorted([*nodes, "idle", "idle"])
 
-        _wait_for(idle, 30, "node idle", cluster, root)
+        _wait_for(idle, 30, "both nodes idle", cluster, root)
     except BaseException:
         cluster.stop()
         raise
@@ -216,7 +254,7 @@ def _wait_for(predicate, timeout: float, what: str, cluster: SlurmCluster, root:
 
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
-    """A running one-node cluster for the whole session, stopped by PID at the end."""
+    """A running two-node cluster for the whole session, stopped by PID at the end."""
     reason = _skip_reason()
     if reason and os.environ.get(REQUIRE_ENV) == "1":
         pytest.fail(f"{REQUIRE_ENV}=1 (set by .ci/run on a machine that can run SLURM) but {reason}")

@@ -216,3 +216,36 @@ def test_a_save_killed_before_or_as_its_manifest_is_written_is_never_resumed_fro
                     progress=Progress(step=2, consumed_samples=2), model_config={}, keep=None)
     assert resumed_progress(tmp_path) == Progress(step=2, consumed_samples=2) and not partial.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-0000001", "step-0000002"]
+
+
+# A background save of step 2 (checkpoint.async_save): the pauses in order. `staged` is the main thread's (training
+# goes on while DCP writes); the rest are the background thread's, after the write.
+ASYNC_EVENTS = ["staged", "manifest .tmp-step-0000002", "replace tmp:manifest.json manifest.json",
+                "replace .tmp-step-0000002 step-0000002", "replace tmp:latest latest"]
+
+
+@pytest.mark.parametrize("kill_at", [*ASYNC_EVENTS, None])
+def test_a_background_save_killed_at_any_point_never_leaves_latest_naming_it_incomplete(
+        tmp_path: Path, kill_at: str | None) -> None:
+    """SIGKILL while the state is staged and the write runs, before the manifest, as it lands, after the rename and
+    after `latest` moved: `latest` names a complete checkpoint every time, and it is step 2 (as staged, not as
+    trained on afterwards) only once `latest` moved."""
+    model, optimizer = model_and_optimizer()  # what the driver trains and stages too
+    save_checkpoint(tmp_path, chunks=[model], optimizers=[optimizer],
+                    progress=Progress(step=1, consumed_samples=1), model_config={}, keep=None)
+    events = run_driver("async_save", str(tmp_path), "2", kill_at=kill_at)
+    assert events[:len(ASYNC_EVENTS)] == ASYNC_EVENTS[:len(events)] and "staged" in events
+    assert is_complete(latest_checkpoint(tmp_path))
+    moved = kill_at in (None, ASYNC_EVENTS[-1])
+    assert resumed_progress(tmp_path) == (Progress(step=2, consumed_samples=2) if moved else
+                                          Progress(step=1, consumed_samples=1))
+    if moved:
+        restored, restored_optimizer = model_and_optimizer()
+        with torch.no_grad():
+            restored.weight.zero_()
+        load_training_state(latest_checkpoint(tmp_path), chunks=[restored], optimizers=[restored_optimizer])
+        assert torch.equal(restored.weight, model.weight)  # the staged weights, not the ones changed after staging
+    save_checkpoint(tmp_path, chunks=[model], optimizers=[optimizer],
+                    progress=Progress(step=2, consumed_samples=22), model_config={}, keep=None)
+    assert resumed_progress(tmp_path) == Progress(step=2, consumed_samples=22)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-0000001", "step-0000002"]

@@ -38,6 +38,11 @@ BF16 = ["train.micro_batch_size=2", "train.precision=bf16"]
 # bf16 compute differs between layouts only through the order of fp32 reductions and per-rank batch shapes
 # (parameters stay fp32, gradients are reduced in fp32): losses within 1e-3, parameters within 1e-3 + 1e-2 rel.
 BF16_TOLERANCE = {"loss": 1e-3, "rtol": 1e-2, "atol": 1e-3}
+# The router's entropy is a float of bf16 logits, as the loss is, so it gets the loss's tolerance: on a CPU with
+# native bf16 kernels (avx512_bf16) DP2 and one process differ by 2.5e-6 relative. The load figures are ratios of
+# counts: one of a layer's 512 assignments sent elsewhere moves two experts' shares by 1/512, 1.6% of a mean share,
+# so a changed routing still fails.
+BF16_DP_TOLERANCE = {**BF16_TOLERANCE, "balance_rel": 1e-3}
 
 
 def case(case_id: str, recipe: str, overrides: list[str], **extra) -> dict:
@@ -85,7 +90,7 @@ def test_fsdp2_dp2_equals_single_process(tmp_path: Path) -> None:
             for key, value in plain.items():
                 assert torch.equal(source["initial"][key], value), f"{name} at {label}: {key}"
     want = reference(tmp_path / "bf16", "qwen3-moe-tiny", BF16)
-    assert_same_run(records["bf16-qwen3-moe-tiny"], want, **BF16_TOLERANCE)
+    assert_same_run(records["bf16-qwen3-moe-tiny"], want, **BF16_DP_TOLERANCE)
 
     # Stop at step 2 and resume under FSDP2 at DP=2: bitwise the uninterrupted run, losses and state.
     resumed, straight = records["resume-qwen3-moe-tiny"], records["straight-qwen3-moe-tiny"]

@@ -22,7 +22,6 @@ import transformers  # the test extra installs it: a missing one is an error, ne
 from moe_train.checkpoint.hf import HFConversionError, export_hf, import_hf  # noqa: E402
 from moe_train.config.schema import ModelConfig  # noqa: E402
 from moe_train.models import build_model  # noqa: E402
-from moe_train.models.moe.aux_loss import set_aux_loss_scale  # noqa: E402
 
 TOL = 1e-4
 
@@ -354,11 +353,8 @@ def test_gradients_match_transformers(case, tmp_path):
     if with_aux:
         loss = loss + reference.config.router_aux_loss_coef * out.aux_loss
     loss.backward()
-    set_aux_loss_scale(1.0 if with_aux else 0.0)
-    try:
-        F.cross_entropy(model(ids).flatten(0, 1), labels.flatten()).backward()
-    finally:
-        set_aux_loss_scale(1.0)
+    model.balancing.start_step(scale=1.0 if with_aux else 0.0)
+    F.cross_entropy(model(ids).flatten(0, 1), labels.flatten()).backward()
     theirs = {name: param.grad for name, param in reference.named_parameters()}
     for name in [name for name in theirs if name.endswith(".mlp.experts.gate_up_proj")]:  # ours: gate_proj, up_proj
         prefix = name.removesuffix("gate_up_proj")

@@ -302,11 +302,8 @@ def test_even_routing_spreads_every_token_over_distinct_experts():
     torch.nn.init.zeros_(router.expert_bias)
     x = torch.randn(32, 128)
     assert not torch.equal(router(x).topk_indices, even_topk_indices(32, 4, 16, device=x.device))
-    Router.force_even_routing = True
-    try:
-        routing = router(x)
-    finally:
-        Router.force_even_routing = False
+    router.even_routing = True
+    routing = router(x)
     assert torch.equal(routing.topk_indices, even_topk_indices(32, 4, 16, device=x.device))
     assert torch.equal(routing.topk_weights * 0 + 1, torch.ones(32, 4))
     assert routing.topk_weights.requires_grad  # the scores of the chosen experts still carry the gradient

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from moe_train.config.schema import ModelConfig, MoEConfig, RopeConfig, RouterConfig, YarnScaling
 from moe_train.models import build_model
 from moe_train.models.attention import document_mask
-from moe_train.models.moe.aux_loss import seq_aux_loss, set_aux_loss_scale
+from moe_train.models.moe.aux_loss import seq_aux_loss
 from moe_train.models.norm import RMSNorm
 
 QWEN3 = ModelConfig(family="qwen3", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
@@ -252,13 +252,11 @@ def aux_gradients(model, tokens, labels=None) -> dict[str, torch.Tensor]:
 def reference_routing(model, batches, labels=None) -> dict[int, list]:
     """Routing of each batch's forward with attached gradients scaled to 0, so that differentiating a loss
     written out on the captured scores is not mixed with the attached losses of the layers it passes through."""
-    set_aux_loss_scale(0.0)
-    try:
-        routing = capture_routing(model)
-        for tokens in batches:
-            model(tokens, labels=labels if labels is not None else tokens)
-    finally:
-        set_aux_loss_scale(1.0)
+    model.balancing.start_step(scale=0.0)
+    routing = capture_routing(model)
+    for tokens in batches:
+        model(tokens, labels=labels if labels is not None else tokens)
+    model.balancing.start_step(scale=1.0)
     for module in moe_layers(model).values():
         module.router._forward_hooks.clear()
         module.reset_telemetry()

@@ -13,7 +13,6 @@ from moe_train.models.moe import (
     MoELayer,
     global_aux_loss,
     seq_aux_loss,
-    switch_aux_loss,
     update_expert_bias,
     z_loss,
 )
@@ -237,7 +236,7 @@ def test_deepseek_v3_moe_block_matches_transformers(groups: tuple[int, int]):
     assert (out - expected).abs().max().item() < 1e-5
 
 
-def test_switch_aux_loss_equals_transformers_over_layers():
+def test_global_aux_loss_over_all_layers_equals_transformers():
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     generator = torch.Generator().manual_seed(6)
@@ -250,7 +249,8 @@ def test_switch_aux_loss_equals_transformers_over_layers():
         probs.append(routing.scores)
         indices.append(routing.topk_indices)
     expected = load_balancing_loss_func(tuple(logits), num_experts=8, top_k=2)
-    ours = switch_aux_loss(torch.cat(probs), torch.cat(indices), num_experts=8)
+    rows = torch.cat(probs).shape[0]
+    ours = global_aux_loss(torch.cat(probs), count_per_expert(torch.cat(indices), 8), rows)
     assert abs(ours.item() - expected.item()) < 1e-6
     ours.backward()  # the gradient reaches every layer's router through the probabilities
     assert all(layer.router.weight.grad.abs().sum() > 0 for layer in layers)
@@ -259,11 +259,10 @@ def test_switch_aux_loss_equals_transformers_over_layers():
 # ---------------------------------------------------------------------------------------------- aux losses
 
 
-def test_switch_and_global_aux_loss_by_hand():
+def test_global_aux_loss_by_hand():
     # T=2, E=2, K=1: both tokens to expert 0. f = [1, 0], P = [0.7, 0.3] -> 2 * 0.7 = 1.4.
     probs = torch.tensor([[0.8, 0.2], [0.6, 0.4]])
-    indices = torch.tensor([[0], [0]])
-    assert math.isclose(switch_aux_loss(probs, indices, num_experts=2).item(), 1.4, rel_tol=1e-6)
+    assert math.isclose(global_aux_loss(probs, torch.tensor([2, 0]), 2).item(), 1.4, rel_tol=1e-6)
     # Counted over a larger set (4 tokens, loads [1, 3]): f = [0.25, 0.75] -> 2 * (0.175 + 0.225) = 0.8.
     assert math.isclose(global_aux_loss(probs, torch.tensor([1, 3]), 4).item(), 0.8, rel_tol=1e-6)
 

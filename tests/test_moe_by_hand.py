@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_train.models.moe.aux_loss import global_aux_loss, seq_aux_loss, switch_aux_loss, z_loss
+from moe_train.models.moe.aux_loss import global_aux_loss, seq_aux_loss, z_loss
 from moe_train.models.moe.capacity import capacity_keep_mask, expert_capacity
 
 FAST = settings(max_examples=80, deadline=None)
@@ -64,15 +64,12 @@ def test_expert_capacity_is_the_ceiling_of_the_fair_share(tokens: int, top_k: in
 
 @FAST
 @given(routings(), st.integers(0, 5))
-def test_switch_and_global_aux_loss_by_hand(case, extra_tokens: int) -> None:
+def test_global_aux_loss_by_hand(case, extra_tokens: int) -> None:
     """E * sum_e (count_e / N) * mean_t probs[t, e], with the counts over N >= T tokens."""
     num_experts, indices, _, rng = case
     tokens = indices.shape[0]
     probs = rng.dirichlet(np.ones(num_experts), size=tokens)
     counts = [int((indices == e).sum()) for e in range(num_experts)]
-    local = num_experts * sum(counts[e] / tokens * probs[:, e].mean() for e in range(num_experts))
-    got = switch_aux_loss(torch.tensor(probs), torch.tensor(indices), num_experts).item()
-    assert math.isclose(got, local, rel_tol=1e-5, abs_tol=1e-7)
     wider = [c + int(rng.integers(0, 3)) for c in counts]
     total = tokens + extra_tokens
     expected = num_experts * sum(wider[e] / total * probs[:, e].mean() for e in range(num_experts))

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from cli_helpers import run_cli
 from processes import descendants, finish, start
 
 from moe_train.checkpoint.layout import latest_checkpoint
@@ -100,3 +101,16 @@ def test_a_rank_stuck_alive_ends_the_job_once_the_collective_timeout_passes(tmp_
     assert re.search(r"error: rank 0: \w+Error: .*[Tt]imed? ?out", done.stderr), done.stderr[-3000:]
     assert re.search(r"exitcode\s*: -9 .*\(SIGKILL\)", done.stderr), done.stderr[-3000:]  # the stuck rank
     assert not (run_dir / "COMPLETE").exists()
+    # Hangs explained (issue 24): before the timeout, rank 0 said where it waited, with its stack; the run
+    # folder keeps the report and the failure's reason line, which `moe-train runs` shows.
+    header = (r"hang report: rank 0, step (\d+): no collective for \d+ s, (in|after entering) \w+ on group \S+ "
+              r"#\d+ sizes \[")
+    match = re.search(header, done.stderr)
+    assert match and int(match.group(1)) >= 3, done.stderr[-3000:]
+    report = (run_dir / "logs" / "hang-rank0.txt").read_text()
+    assert re.match(header, report) and "(most recent call first)" in report and "in train_step" in report, report
+    reason = (run_dir / "FAILED").read_text()
+    assert reason.startswith("rank 0: ") and "(last collective: " in reason, reason
+    listed = run_cli("runs", str(tmp_path))
+    assert re.search(r"^run\s+failed\s", listed.stdout, re.M), listed.stdout
+    assert f"run: failed: {reason.strip()}" in listed.stdout

@@ -41,7 +41,7 @@ MODELS_MAY_USE_DISTRIBUTED = frozenset({
     "models/moe/dispatcher.py",  # the dispatcher extension point that parallelize replaces
     "models/moe/dispatch_alltoall.py",
     "models/moe/dispatch_allgather.py",
-    "models/moe/collectives.py",  # the dispatchers' autograd collectives
+    "models/moe/dispatch_collectives.py",  # the dispatchers' autograd collectives
     "models/moe/expert_group.py",  # the dispatchers' process group and its rank
     "models/moe/aux_loss.py",  # balancing-loss collectives: token counts over the sequence's ranks
     "models/moe/layer.py",  # global_aux_loss's token counts over tp and dp

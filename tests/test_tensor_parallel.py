@@ -17,6 +17,7 @@ import pytest
 import torch
 from multirank import run_ranks
 from test_data_parallel import BF16_TOLERANCE, SHRINK, STEPS, assert_same_run
+from test_gemm_site import block_gemms
 from workers.record import record_run
 from workers.tensor_parallel import force_expert
 
@@ -149,8 +150,18 @@ def _assert_activation_bytes_match(result: dict, tp: int) -> None:
             assert measured == formula, f"{case['id']} layer {layer}: saved {measured} bytes, formula {formula}"
 
 
+def _assert_gemms_through_the_site(result: dict, tp: int) -> None:
+    """Every GEMM of each layer's forward on rank 0 ran through models/linear.py, as many as on one process."""
+    for case in _activation_cases(tp):
+        cfg = load_recipe(case["recipe"], [*case["overrides"], f"launch.gpus_per_node={tp}"]).model
+        for layer, origins in result[case["id"].replace("bytes-", "gemms-", 1)].items():
+            assert "elsewhere" not in origins, f"{case['id']} layer {layer}: {origins}"
+            assert origins.count("site") == block_gemms(cfg, int(layer)), f"{case['id']} layer {layer}"
+
+
 def _load(saved: dict) -> dict:
-    return {key: torch.load(path, weights_only=True) for key, path in saved.items() if not key.startswith("bytes-")}
+    return {key: torch.load(path, weights_only=True) for key, path in saved.items()
+            if not key.startswith(("bytes-", "gemms-"))}
 
 
 def test_tensor_parallel_two_ranks_equals_single_process(tmp_path: Path) -> None:
@@ -161,6 +172,7 @@ def test_tensor_parallel_two_ranks_equals_single_process(tmp_path: Path) -> None
     result = run_ranks("tensor_parallel", 2, {"cases": cases, "activations": _activation_cases(2),
                                               "run_root": str(tmp_path / "w2")}, tmp_path, timeout=300)
     _assert_activation_bytes_match(result, 2)
+    _assert_gemms_through_the_site(result, 2)
     records = _load(result)
     cache: dict = {}
     _check_layouts(tmp_path, WORLD2, records, cache)

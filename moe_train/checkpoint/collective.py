@@ -37,32 +37,33 @@ def barrier() -> None:
         dist.barrier()
 
 
-def _broadcast(value=None):
+def _broadcast(value=None, group=None):
     """Rank 0's `value` on every rank."""
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
-def _gathered(items: list) -> list:
+def _gathered(items: list, group=None) -> list:
     """Every rank's `items`, concatenated in rank order, on every rank."""
     boxes: list = [None] * dist.get_world_size()
-    dist.all_gather_object(boxes, items)
+    dist.all_gather_object(boxes, items, group=group)
     return [item for box in boxes for item in box]
 
 
-def write_manifest(folder: Path) -> None:
+def write_manifest(folder: Path, group=None) -> None:
     """Hash the files a save put in `folder` (each rank its share) and have rank 0 write the manifest.
-    Every rank calls this after the save's files are all on disk."""
+    Every rank calls this after the save's files are all on disk. `group`: a process group of every rank
+    (default: the default group; a background save passes its own, so it never mixes with training's)."""
     rank, world = _world()
     if world == 1:
         manifest.write_manifest(folder, manifest.entries_for(folder, [name for name, _ in manifest.listing(folder)]))
         return
-    items = _broadcast(manifest.listing(folder) if rank == 0 else None)
-    entries = _gathered(manifest.entries_for(folder, manifest.share(items, rank, world)))
+    items = _broadcast(manifest.listing(folder) if rank == 0 else None, group)
+    entries = _gathered(manifest.entries_for(folder, manifest.share(items, rank, world)), group)
     if rank == 0:
         manifest.write_manifest(folder, entries)
-    dist.barrier()
+    dist.barrier(group=group)
 
 
 def _check_share(folder: Path, entries: list[manifest.FileEntry], rank: int, world: int) -> list[str]:

@@ -85,13 +85,18 @@ def _progress_tensors(progress: Progress) -> dict[str, torch.Tensor]:
     }
 
 
-def _write_files(path: Path, state: dict, model_config: dict | None) -> None:
-    """model.json (rank 0), the DCP state, then the manifest of them all; every rank calls this together."""
+def write_model_config(path: Path, model_config: dict | None) -> None:
+    """Rank 0 creates `path` and writes model.json there; every rank returns once it exists."""
     if collective.rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
         if model_config is not None:
             (path / MODEL_CONFIG).write_text(json.dumps(model_config, indent=1) + "\n", encoding="utf-8")
     collective.barrier()
+
+
+def _write_files(path: Path, state: dict, model_config: dict | None) -> None:
+    """model.json (rank 0), the DCP state, then the manifest of them all; every rank calls this together."""
+    write_model_config(path, model_config)
     _dcp_save(state, path)
     collective.barrier()
     collective.write_manifest(path)
@@ -130,12 +135,20 @@ def save_training_state(
     together) have no state, and none is written: `get_state_dict` would create it by taking a step of lr 0,
     whose step count changes the next real update's bias correction (the resumed run would differ from the
     uninterrupted one)."""
+    _write_files(path, training_state(chunks=chunks, optimizers=optimizers, progress=progress),
+                 model_config)
+
+
+def training_state(
+    *, chunks: list[nn.Module], optimizers: list[torch.optim.Optimizer], progress: Progress
+) -> dict:
+    """The DCP state dict of a training checkpoint (the module docstring's keys); see save_training_state."""
     stepped = any(optimizer.state for optimizer in optimizers)
     model_sd, optim_state = _merged(_chunk_states(chunks, optimizers, with_optim=stepped))
     state = {"progress": _progress_tensors(progress), "rng": _rng_state(), "model": model_sd}
     if stepped:
         state["optim"] = {"state": optim_state}
-    _write_files(path, state, model_config)
+    return state
 
 
 def load_training_state(

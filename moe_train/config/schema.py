@@ -222,12 +222,21 @@ class CheckpointConfig(Section):
     keep: int | None = Field(2, ge=1, description="Newest checkpoints kept; null: all.")
     resume: str = Field("auto", description="auto | required | never | a checkpoint path.")
     init_from: str | None = Field(None, description="A model-only checkpoint (e.g. from convert from-hf).")
+    async_save: bool = Field(False, description="Write checkpoints in the background (the last one and a "
+                             "preemption's stay synchronous).")
+
+
+class WandbConfig(Section):
+    project: str = Field(description="The W&B project.")
+    mode: Literal["online", "offline", "disabled"] = Field(
+        "offline", description="offline: no network, files under {logging.dir}/wandb (`wandb sync` uploads them).")
 
 
 class LoggingConfig(Section):
     dir: str | None = Field(None, description="null: {run_dir}.")
     interval: int = Field(1, ge=1)
     tensorboard: bool = False
+    wandb: WandbConfig | None = Field(None, description="Weights & Biases logging beside metrics.jsonl.")
 
 
 # -------------------------------------------------------------------------------------------------- launch

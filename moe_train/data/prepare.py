@@ -1,10 +1,13 @@
-"""Tokenize .jsonl and .txt files into one Megatron indexed dataset, streaming (`moe-train data prepare`).
+"""Tokenize .jsonl, .txt, .parquet files and `datasets` folders into one Megatron indexed dataset, streaming
+(`moe-train data prepare`).
 
 Inputs:
 - `.jsonl`: one document per line, a JSON object whose `text_field` (default "text") holds the text; blank
   lines are skipped.
 - `.txt`: one document per file (a book, a source file). Long files are read and tokenized in pieces of whole
   lines, so memory stays bounded whatever the file size; the pieces join into one document.
+- `.parquet` and folders written by Hugging Face `datasets`' save_to_disk: one document per row, its
+  `text_field` column (data/sources_tables.py).
 
 Each document is one sequence and, with append_eod (the default, as Megatron's --append-eod), ends in the
 tokenizer's EOD. Empty documents are skipped and counted. Input is read in batches of about BATCH_BYTES and
@@ -21,10 +24,11 @@ from dataclasses import dataclass
 
 from moe_train.config.data_files import DataError
 from moe_train.data.indexed import IndexedDatasetWriter, dtype_for_vocab
+from moe_train.data.sources_tables import PARQUET_SUFFIX, dataset_texts, folder_bytes, is_dataset_folder, parquet_texts
 from moe_train.data.tokenizer import load_tokenizer
 
 BATCH_BYTES = 1 << 20
-SUFFIXES = (".jsonl", ".txt")
+SUFFIXES = (".jsonl", ".txt", PARQUET_SUFFIX)
 
 
 @dataclass(frozen=True)
@@ -51,13 +55,30 @@ class _Piece:
 def check_inputs(inputs: Sequence[str]) -> int:
     """Raise DataError for a missing or unsupported input; return the inputs' total size in bytes."""
     if not inputs:
-        raise DataError("INPUT: give at least one .jsonl or .txt file")
+        raise DataError("INPUT: give at least one .jsonl, .txt or .parquet file or datasets folder")
     for path in inputs:
+        if is_dataset_folder(path):
+            continue
+        if os.path.isdir(path):
+            raise DataError(f"{path}: a folder but not one written by datasets' save_to_disk (no state.json)")
         if not path.endswith(SUFFIXES):
-            raise DataError(f"{path}: unsupported input (expected a .jsonl or .txt file)")
+            raise DataError(f"{path}: unsupported input (expected a .jsonl, .txt or .parquet file or a datasets "
+                            "folder)")
         if not os.path.isfile(path):
             raise DataError(f"{path}: input file not found")
-    return sum(os.path.getsize(path) for path in inputs)
+    return sum(_input_bytes(path) for path in inputs)
+
+
+def _input_bytes(path: str) -> int:
+    return folder_bytes(path) if os.path.isdir(path) else os.path.getsize(path)
+
+
+def _pieces(path: str, text_field: str) -> Iterator[tuple[_Piece, int]]:
+    if os.path.isdir(path):
+        return ((_Piece(text, True), done) for text, done in dataset_texts(path, text_field))
+    if path.endswith(PARQUET_SUFFIX):
+        return ((_Piece(text, True), done) for text, done in parquet_texts(path, text_field))
+    return _jsonl_pieces(path, text_field) if path.endswith(".jsonl") else _txt_pieces(path)
 
 
 def prepare(
@@ -77,7 +98,7 @@ def prepare(
     done_before, empty = 0, 0
     with IndexedDatasetWriter(output_prefix, dtype_for_vocab(tok.vocab_size)) as writer:
         for path in inputs:
-            pieces = _jsonl_pieces(path, text_field) if path.endswith(".jsonl") else _txt_pieces(path)
+            pieces = _pieces(path, text_field)
             document_tokens = 0
             for batch, done in _batches(pieces):
                 for piece, ids in zip(batch, tok.encode_batch([p.text for p in batch]), strict=True):
@@ -92,7 +113,7 @@ def prepare(
                         empty += 1
                     document_tokens = 0
                 on_progress(done_before + done)
-            done_before += os.path.getsize(path)
+            done_before += _input_bytes(path)
         documents, tokens = writer.num_documents, writer.num_tokens
     return PrepareSummary(documents, empty, tokens, total_bytes, time.perf_counter() - started)
 

@@ -37,6 +37,8 @@ IGNORED_FIELDS: tuple[tuple[str, ...], ...] = (
     ("parallel",),
     ("launch",),
     ("train", "micro_batch_size"),
+    ("checkpoint", "async_save"),  # how checkpoints are written and where metrics are mirrored, not the run
+    ("logging", "wandb"),
 )
 
 

@@ -38,7 +38,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import _CheckpointFrame
 
-from moe_train.measure.layers import LayerTracker, in_backward
+from moe_train.measure.layers import LayerTracker
+from moe_train.models.autograd_phase import in_backward
 
 OTHER = "other"
 

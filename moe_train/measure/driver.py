@@ -40,6 +40,7 @@ class Target:
     rank: int = 0
     layers: tuple[int, ...] | None = None
     fake: bool = False
+    even_routing: bool = False  # route by the even spread (always, when fake: fake tensors have no values)
     every_micro_batch: bool = False
 
 
@@ -132,6 +133,8 @@ def _walk(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
     torch.manual_seed(recipe.train.seed)
     trainable = build_training(recipe, ctx, weights="fake" if target.fake else "init", layers=target.layers)
     chunks = trainable.chunks
+    for chunk in chunks:
+        chunk.set_even_routing(target.fake or target.even_routing)
     batch = _batch(recipe, target, ctx)
     micro_batches = len(batch.inputs) // recipe.train.micro_batch_size
     grads: dict[str, int] = {}
@@ -196,7 +199,7 @@ def measure(recipe: Recipe, target: Target) -> dict:
             return measure_step(recipe, target, ctx)
         finally:
             shutdown(ctx)
-    from moe_train.measure.fake import even_routing, fake_process_group, fake_tensors
+    from moe_train.measure.fake import fake_process_group, fake_tensors
 
     if torch.distributed.is_initialized():
         raise RuntimeError("--fake plays one rank of its own fake process group; this process already has one")
@@ -206,5 +209,5 @@ def measure(recipe: Recipe, target: Target) -> dict:
     with fake_process_group(rank=target.rank, world_size=recipe.world_size):
         ctx = bootstrap(on_cpu, distinct_groups=True)
         torch.set_num_threads(threads)
-        with even_routing(), fake_tensors():
+        with fake_tensors():
             return measure_step(on_cpu, target, ctx)

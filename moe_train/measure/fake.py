@@ -4,7 +4,8 @@ Tensors are FakeTensors on the CPU device (FakeTensorMode: shapes, dtypes and st
 chosen are the CPU ones (SDPA's flash kernel for CPU, not a math fallback that would store s x s scores).
 The process group is torch's fake backend at the recipe's world size, this process playing one rank: every
 collective returns at once with outputs of the right shape, and the comm counter sees it as on a real run.
-MoE routing is forced to an even spread (`Router.force_even_routing`), since fake tensors have no values.
+MoE routing is forced to an even spread (`Router.even_routing`, set by measure_step), since fake tensors have no
+values.
 The meshes are built on the fake process group before fake mode starts (their rank tables are real).
 """
 
@@ -21,7 +22,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_train.measure.dtensor import on_dtensors
-from moe_train.models.moe.router import Router
 
 
 class CpuKernelShapes(TorchDispatchMode):
@@ -59,16 +59,6 @@ def fake_process_group(*, rank: int, world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def even_routing() -> Iterator[None]:
-    previous = Router.force_even_routing
-    Router.force_even_routing = True
-    try:
-        yield
-    finally:
-        Router.force_even_routing = previous
 
 
 @contextlib.contextmanager

@@ -3,8 +3,8 @@
 The FLOP counter and the saved-tensor tracker both attribute work to a layer and a phase. Layers are the
 model's `layers[i]` and its MTP modules (index num_layers + k, the index their decoder block carries); a
 forward pre-hook pushes the index and an always-called forward hook pops it. An op is a recomputation while
-activation checkpointing runs a region again in backward (`parallel.recompute.in_recomputation`: checkpoint's
-recompute context), whether the region is a whole group of layers or one module inside a layer.
+activation checkpointing runs a region again in backward (`models.autograd_phase.in_recomputation`:
+checkpoint's recompute context), whether the region is a whole group of layers or one module inside a layer.
 """
 
 from __future__ import annotations
@@ -12,15 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import partial
 
-import torch
 from torch import nn
 
-from moe_train.parallel.recompute import in_recomputation
-
-
-def in_backward() -> bool:
-    """True while the autograd engine runs a backward pass on this thread (recomputation included)."""
-    return torch._C._current_graph_task_id() != -1
+from moe_train.models.autograd_phase import in_backward, in_recomputation
 
 
 def tracked_layers(model: nn.Module) -> dict[int, nn.Module]:

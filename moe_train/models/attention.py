@@ -14,6 +14,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from moe_train.config.schema import ModelConfig
+from moe_train.models.linear import Linear
 from moe_train.models.norm import RMSNorm
 from moe_train.models.rope import apply_rotary
 
@@ -56,10 +57,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         heads, kv_heads, self.head_dim = cfg.num_attention_heads, cfg.kv_heads, cfg.attention_head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, heads * self.head_dim, bias=False)
+        self.k_proj = Linear(cfg.hidden_size, kv_heads * self.head_dim, bias=False)
+        self.v_proj = Linear(cfg.hidden_size, kv_heads * self.head_dim, bias=False)
+        self.o_proj = Linear(heads * self.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.core_attention = CoreAttention()

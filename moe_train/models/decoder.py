@@ -10,6 +10,7 @@ from moe_train.models.attention import Attention
 from moe_train.models.mla import MLA
 from moe_train.models.mlp import MLP
 from moe_train.models.moe import MoELayer
+from moe_train.models.moe.aux_loss import StepBalancing
 from moe_train.models.moe.layer import RoutingRecords
 from moe_train.models.norm import RMSNorm
 
@@ -21,7 +22,8 @@ class DecoderBlock(nn.Module):
     checkpoint keys map onto ours by prefix alone, except inside the MoE layer.
     """
 
-    def __init__(self, cfg: ModelConfig, *, layer_index: int) -> None:
+    def __init__(self, cfg: ModelConfig, *, layer_index: int, balancing: StepBalancing | None = None) -> None:
+        """balancing: the model's StepBalancing, shared by its MoE layers (a block alone has its own)."""
         super().__init__()
         self.layer_index = layer_index
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
@@ -29,7 +31,7 @@ class DecoderBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.is_moe = cfg.is_moe_layer(layer_index)
         if self.is_moe:
-            self.mlp = MoELayer(hidden_size=cfg.hidden_size, moe=cfg.moe)
+            self.mlp = MoELayer(hidden_size=cfg.hidden_size, moe=cfg.moe, balancing=balancing)
         else:
             self.mlp = MLP(hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size)
 

@@ -10,14 +10,13 @@ mscale_all_dim)^2. SDPA's fused kernels need one head size for q, k and v, so th
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moe_train.config.schema import ModelConfig
 from moe_train.models.attention import CoreAttention
+from moe_train.models.linear import Linear
 from moe_train.models.norm import RMSNorm
 from moe_train.models.rope import apply_rotary, yarn_mscale
 
@@ -34,20 +33,20 @@ class MLA(nn.Module):
         qk_dim = self.nope_dim + self.rope_dim
         hidden = cfg.hidden_size
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, heads * qk_dim, bias=False)
+            self.q_proj = Linear(hidden, heads * qk_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(hidden, cfg.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, heads * qk_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=False)
+            self.q_b_proj = Linear(cfg.q_lora_rank, heads * qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=False)
+        self.kv_b_proj = Linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = Linear(heads * self.v_dim, hidden, bias=False)
 
         self.core_attention = CoreAttention()
-        # The shared rope key enters the heads' region here: tensor parallelism sets this to a gather of the
-        # sequence (or a copy whose gradient is summed over ranks); identity on one device.
-        self.rope_key_to_heads: Callable[[torch.Tensor], torch.Tensor] = _identity
+        # Extension point: the shared rope key enters the heads' region here. Tensor parallelism replaces it by
+        # the region's entry (a gather of the sequence, or a copy whose gradient is summed over ranks).
+        self.rope_key_to_heads: nn.Module = nn.Identity()
 
         self.scale = qk_dim**-0.5
         yarn = cfg.rope.scaling
@@ -86,7 +85,3 @@ class MLA(nn.Module):
             q, k = F.pad(q, (0, -pad)), F.pad(k, (0, -pad))
         out = self.core_attention(q, k, v, mask, scale=self.scale)[..., : self.v_dim]
         return out.transpose(1, 2).reshape(b, s, -1)
-
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x

@@ -6,15 +6,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_train.models.linear import Linear
+
 
 class MLP(nn.Module):
     """down(silu(gate(x)) * up(x)); names match transformers' checkpoints (gate_proj, up_proj, down_proj)."""
 
     def __init__(self, *, hidden_size: int, ffn_hidden_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
-        self.down_proj = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, ffn_hidden_size, bias=False)
+        self.up_proj = Linear(hidden_size, ffn_hidden_size, bias=False)
+        self.down_proj = Linear(ffn_hidden_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -20,9 +20,11 @@ from torch import nn
 from moe_train.config.schema import ModelConfig
 from moe_train.models.attention import document_ids, document_mask
 from moe_train.models.decoder import DecoderBlock
+from moe_train.models.linear import Linear
 from moe_train.models.loss import IGNORE_INDEX, LanguageModelLoss
-from moe_train.models.moe.aux_loss import global_aux_loss
+from moe_train.models.moe.aux_loss import StepBalancing, global_aux_loss
 from moe_train.models.moe.layer import RoutingRecord, RoutingRecords
+from moe_train.models.moe.router import Router
 from moe_train.models.mtp import MTPModule
 from moe_train.models.norm import RMSNorm
 from moe_train.models.rope import RotaryEmbedding
@@ -37,6 +39,12 @@ class LossTerms(NamedTuple):
 
 
 class Transformer(nn.Module):
+    """Every family's model. Its GEMMs run through models/linear.py. Extension points, the only things
+    `moe_train.parallel.parallelize` replaces besides parameters (docs/interfaces.md, "Extension points"):
+    `lm_loss` (the loss object: vocabulary-parallel under tp), `run_layers` (how the decoder stack runs:
+    recomputed groups under full recomputation), each MoE layer's `dispatcher`, `token_group` and
+    `balance_group`, each MLA's `rope_key_to_heads`; `balancing` is what the step sets (`start_step`)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -44,12 +52,17 @@ class Transformer(nn.Module):
         rope_dim = cfg.qk_rope_head_dim if cfg.family == "deepseek_v3" else cfg.attention_head_dim
         self.embed_tokens = nn.Embedding(padded_vocab, cfg.hidden_size)
         self.rope = RotaryEmbedding(dim=rope_dim, rope=cfg.rope)
+        # What the balancing losses of all MoE layers share over a step: the step sets it (`start_step`).
+        self.balancing = StepBalancing()
         # A dict keyed by layer index keeps parameter names stable when a pipeline stage drops other layers.
-        self.layers = nn.ModuleDict({str(i): DecoderBlock(cfg, layer_index=i) for i in range(cfg.num_layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): DecoderBlock(cfg, layer_index=i, balancing=self.balancing) for i in range(cfg.num_layers)}
+        )
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, padded_vocab, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, padded_vocab, bias=False)
         self.mtp = nn.ModuleDict(
-            {str(k): MTPModule(cfg, layer_index=cfg.num_layers + k) for k in range(cfg.mtp_layers)}
+            {str(k): MTPModule(cfg, layer_index=cfg.num_layers + k, balancing=self.balancing)
+             for k in range(cfg.mtp_layers)}
         )
         # all_layers_aux_loss's weighted value, summed over the forwards of a step (telemetry, like the layers').
         self.register_buffer("aux_loss_value", torch.zeros((), dtype=torch.float64), persistent=False)
@@ -64,6 +77,13 @@ class Transformer(nn.Module):
         pipeline stage may hold neither, or (the first) only the embedding."""
         if self.cfg.tie_embeddings and self.lm_head is not None and self.embed_tokens is not None:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def set_even_routing(self, even: bool) -> None:
+        """Route every token by the even round-robin spread instead of its scores (`Router.even_routing`):
+        `moe-train measure` on tensors without values."""
+        for module in self.modules():
+            if isinstance(module, Router):
+                module.even_routing = even
 
     def forward(
         self,

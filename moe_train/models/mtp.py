@@ -14,17 +14,19 @@ from torch import nn
 
 from moe_train.config.schema import ModelConfig
 from moe_train.models.decoder import DecoderBlock
+from moe_train.models.linear import Linear
+from moe_train.models.moe.aux_loss import StepBalancing
 from moe_train.models.moe.layer import RoutingRecords
 from moe_train.models.norm import RMSNorm
 
 
 class MTPModule(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, layer_index: int) -> None:
+    def __init__(self, cfg: ModelConfig, *, layer_index: int, balancing: StepBalancing | None = None) -> None:
         super().__init__()
         self.enorm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.hnorm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.block = DecoderBlock(cfg, layer_index=layer_index)
+        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.block = DecoderBlock(cfg, layer_index=layer_index, balancing=balancing)
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
 
     def forward(

@@ -5,7 +5,7 @@ six elementwise ops one by one, broadcasts over the normalised dimension include
 backward ten times its forward (the four norms of a qwen3-moe-tiny layer, q/k norms over head_dim 16 among
 them, were ~15% of the default run's step). The forward and what it keeps for backward are unchanged: the fp32
 input, the fp32 reciprocal rms per token and the normalised value in the activation dtype
-(moe_train/plan/activations.py counts those bytes).
+(moe_train/plan/saved_tensors.py counts those bytes).
 """
 
 from __future__ import annotations

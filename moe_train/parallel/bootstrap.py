@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moe_train.config import RecipeError, unsupported
@@ -39,7 +40,8 @@ class LauncherEnv:
         self.local_world_size = int(env.get("LOCAL_WORLD_SIZE", 1))
         nodes = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
         self.slurm_nodes = int(nodes) if nodes else None
-        self.host = socket.gethostname()
+        # SLURM's name for the node (several nodes may share a machine, as in the test cluster), else the host's.
+        self.host = env.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def launcher_problems(recipe: Recipe, env: LauncherEnv) -> list[str]:
@@ -95,6 +97,10 @@ def bootstrap(recipe: Recipe, *, preflight: bool = False, env: LauncherEnv | Non
     created = not dist.is_initialized()
     if created:
         timeout = timedelta(minutes=recipe.launch.timeout_minutes)
+        if backend == "nccl":  # read when the NCCL group is created: a hang's collectives land in the run folder
+            from moe_train.train.hang_report import enable_flight_recorder
+
+            enable_flight_recorder(Path(recipe.resolved_run_dir()) / "logs")
         if env.under_launcher:
             dist.init_process_group(backend, timeout=timeout)
         else:

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+
+from moe_train.models.linear import linear, linear_input_grad, linear_weight_grad
 
 Group = dist.ProcessGroup
 
@@ -154,21 +155,21 @@ def gather_replicated(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
 
 
 class _ColumnLinearSavingShard(torch.autograd.Function):
-    """F.linear(full, weight) where `full` = all-gather of `shard`: keeps `shard` (not `full`) for backward."""
+    """linear(full, weight) where `full` = all-gather of `shard`: keeps `shard` (not `full`) for backward."""
 
     @staticmethod
     def forward(ctx, full: torch.Tensor, weight: torch.Tensor, shard: torch.Tensor, dim: int,
                 group: Group) -> torch.Tensor:
         ctx.save_for_backward(shard, weight)
         ctx.dim, ctx.group = dim, group
-        return F.linear(full, weight)
+        return linear(full, weight)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         shard, weight = ctx.saved_tensors
         full = _all_gather(shard, ctx.dim, ctx.group)
-        grad_input = grad.matmul(weight)
-        grad_weight = grad.reshape(-1, grad.shape[-1]).t().matmul(full.reshape(-1, full.shape[-1]))
+        grad_input = linear_input_grad(grad, weight)
+        grad_weight = linear_weight_grad(grad, full)
         return grad_input, grad_weight.to(weight.dtype), None, None, None
 
 

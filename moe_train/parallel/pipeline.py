@@ -82,7 +82,10 @@ def keep_layers(model: Transformer, *, layers: Iterable[int], mtp: Iterable[int]
 
 
 def _cut(model: Transformer, stage: StageContents) -> Transformer:
-    """`model` (meta) reduced to what `stage` holds, with the stage's forward."""
+    """`model` (meta) reduced to what `stage` holds, with the stage's forward.
+
+    The chunk takes the stage's forward by a class swap (StageChunk first in the MRO), not a wrapper module: a
+    wrapper would prefix every parameter name, and checkpoints must hold the single-process model's names."""
     keep_layers(model, layers=stage.layers, mtp=stage.mtp)
     needs_embedding = stage.embedding or (stage.loss and (len(model.mtp) > 0 or model.cfg.tie_embeddings))
     if not needs_embedding:

@@ -12,24 +12,24 @@ backward, and run the region again in backward (torch.utils.checkpoint, non-reen
 
 A recomputed region gives the same numbers as its first run (the same ops on the same inputs; collectives of
 tensor parallelism run again on every rank in the same order). Nothing is counted twice: MoE telemetry and
-the balancing-loss collectives are skipped while recomputing (`models.moe.layer.in_recompute`), and the
+the balancing-loss collectives are skipped while recomputing (`models.autograd_phase.in_recomputation`), and the
 gradient attached in the first forward is the one the backward uses. Non-reentrant checkpointing does not
 re-run a region's last op (its output is already known): docs/parallel.md counts the recompute FLOPs so.
-`in_recomputation()` tells code that runs inside a region whether this is the recomputation (checkpoint's
-recompute context, entered only then): `moe-train measure` books those FLOPs to `recompute`.
+Checkpoint's recompute context marks the rerun (`models.autograd_phase.recomputation`), so code inside a region
+can tell (`in_recomputation`): `moe-train measure` books those FLOPs to `recompute`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from moe_train.models.autograd_phase import recomputation
 from moe_train.models.decoder import DecoderBlock
 from moe_train.models.mla import MLA
 from moe_train.models.model import run_layers
@@ -39,26 +39,9 @@ if TYPE_CHECKING:
     from moe_train.models.model import Transformer
 
 
-_state = threading.local()
-
-
-def in_recomputation() -> bool:
-    """Whether a checkpointed region is running again (in backward) on this thread."""
-    return getattr(_state, "depth", 0) > 0
-
-
-@contextlib.contextmanager
-def _recomputing() -> Iterator[None]:
-    _state.depth = getattr(_state, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _state.depth -= 1
-
-
 def _contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """checkpoint's (forward, recomputation) contexts: only the recomputation is marked."""
-    return contextlib.nullcontext(), _recomputing()
+    return contextlib.nullcontext(), recomputation()
 
 
 def recomputed(fn: Callable[..., torch.Tensor], *args, **kwargs) -> torch.Tensor:
@@ -77,6 +60,8 @@ def checkpointed(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
 
 
 def _recompute_forward(module: torch.nn.Module) -> None:
+    """Checkpoint `module`'s forward in place. Not torch's checkpoint_wrapper: a wrapper module would rename
+    every parameter below it (`_checkpoint_wrapped_module.`), and checkpoints keep the plain model's names."""
     module.forward = checkpointed(module.forward)
 
 

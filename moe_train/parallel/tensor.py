@@ -33,13 +33,12 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
-from moe_train.models.attention import Attention
 from moe_train.models.decoder import DecoderBlock
+from moe_train.models.linear import Linear, linear
 from moe_train.models.mla import MLA
 from moe_train.models.mlp import MLP
 from moe_train.models.moe import MoELayer
@@ -63,6 +62,7 @@ if TYPE_CHECKING:
 
 # Modules whose replicated parameters get a partial gradient on each tp rank carry this attribute (True).
 PARTIAL_GRADIENT = "tp_partial_gradient"
+SEQUENCE_SHARD = "tp_sequence_shard"  # on a sequence-gathered activation: this rank's slice of it
 SEQUENCE_DIM = -2  # of [b, s, h] activations, and of the [tokens, h] rows inside MoE layers
 
 
@@ -74,30 +74,28 @@ class Region:
     """Where activations enter a tensor-parallel region, for the column-parallel GEMMs that read them.
 
     `enter` runs once per forward of the region's module: under sequence parallelism it all-gathers the
-    sequence (its gradient is reduce-scattered once, however many GEMMs read the input) and remembers the
-    slice, so that each GEMM reading the gathered input keeps only the slice; otherwise a copy whose gradient
-    is all-reduced. Not a module: it holds no parameters and is shared by the GEMMs of one region.
+    sequence (its gradient is reduce-scattered once, however many GEMMs read the input), and the gathered
+    tensor carries its slice (`SEQUENCE_SHARD`), so that each GEMM reading it keeps only the slice for backward;
+    otherwise a copy whose gradient is all-reduced. Not a module: it holds no parameters and no state between
+    calls, and is shared by the GEMMs of one region.
     """
 
     def __init__(self, *, group: dist.ProcessGroup, sequence_parallel: bool) -> None:
         self.group = group
         self.sequence_parallel = sequence_parallel
-        self._gathered: tuple[torch.Tensor, torch.Tensor] | None = None  # (full, slice) during a forward
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
             return copy_to_region(x, self.group)
         full = gather_sequence(x, SEQUENCE_DIM, self.group)
-        self._gathered = (full, x)
+        setattr(full, SEQUENCE_SHARD, x)  # lives as long as the gathered tensor, on no module
         return full
 
-    def leave(self) -> None:
-        self._gathered = None
-
     def column(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self._gathered is not None and x is self._gathered[0]:
-            return column_linear_saving_shard(x, weight, self._gathered[1], dim=SEQUENCE_DIM, group=self.group)
-        return F.linear(x, weight)
+        shard = getattr(x, SEQUENCE_SHARD, None)
+        if shard is not None:
+            return column_linear_saving_shard(x, weight, shard, dim=SEQUENCE_DIM, group=self.group)
+        return linear(x, weight)
 
     def leave_region(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel GEMM's partial sums to the replicated value or this rank's sequence slice of it."""
@@ -106,31 +104,44 @@ class Region:
         return reduce_from_region(partial, self.group)
 
 
-class ColumnParallelLinear(nn.Linear):
-    """nn.Linear whose weight rows (output features) are sharded over tp; reads its input from `tp_region`,
+# ------------------------------------------------------------------------------------------------ the styles
+
+
+class ColumnParallelLinear(Linear):
+    """A Linear whose weight rows (output features) are sharded over tp; reads its input from `tp_region`,
     entering the region itself when `enters_region` (a GEMM alone in its region)."""
 
     tp_region: Region
     enters_region: bool
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = _local(self.weight)
-        if not self.enters_region:
-            return self.tp_region.column(x, weight)
-        full = self.tp_region.enter(x)
-        try:
-            return self.tp_region.column(full, weight)
-        finally:
-            self.tp_region.leave()
+        return self.tp_region.column(self.tp_region.enter(x) if self.enters_region else x, _local(self.weight))
 
 
-class RowParallelLinear(nn.Linear):
-    """nn.Linear whose weight columns (input features) are sharded over tp; ends its region."""
+class RowParallelLinear(Linear):
+    """A Linear whose weight columns (input features) are sharded over tp; ends its region."""
 
     tp_region: Region
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp_region.leave_region(F.linear(x, _local(self.weight)))
+        return self.tp_region.leave_region(linear(x, _local(self.weight)))
+
+
+class RegionEntry(nn.Module):
+    """What an activation that joins a region without a GEMM of its own goes through (MLA's shared rope key,
+    the model's `rope_key_to_heads`): the region's entry, a gather of the sequence or a copy."""
+
+    def __init__(self, region: Region) -> None:
+        super().__init__()
+        self.region = region
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.region.enter(x)
+
+
+# A module whose forward starts a region (attention, MLP) or routes a slice of the micro-batch (MoE) gets the
+# behaviour by a class swap, not a forward hook: selective recomputation checkpoints the module's own forward
+# (parallel/recompute.py), whose rerun must repeat these collectives; a hook would run outside it.
 
 
 class _EntersRegion:
@@ -139,11 +150,7 @@ class _EntersRegion:
     tp_region: Region
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
-        full = self.tp_region.enter(x)
-        try:
-            return super().forward(full, *args, **kwargs)
-        finally:
-            self.tp_region.leave()
+        return super().forward(self.tp_region.enter(x), *args, **kwargs)
 
 
 class _RoutesSlice:
@@ -168,95 +175,106 @@ def _swap_class(module: nn.Module, mixin: type) -> None:
     module.__class__ = _SUBCLASSES[key]
 
 
-def _shard_weight(linear: nn.Linear, mesh: DeviceMesh, dim: int) -> None:
-    if linear.bias is not None:
+# -------------------------------------------------------------------------------------------------- the plan
+#
+# Each module kind's submodules and the style each takes. COLUMN reads the input its module's region entered
+# once; COLUMN_ENTERING is alone in its region and enters it itself; ROW ends the region; ENTRY joins the
+# region without a GEMM. PARTIAL names the modules whose replicated parameters get a partial gradient on each
+# tp rank (summed by `reduce_replicated_gradients`): always, or only under sequence parallelism (computed on a
+# sequence slice); `name?` where a module of that kind may lack it.
+
+COLUMN, COLUMN_ENTERING, ROW, ENTRY = "column", "column_entering", "row", "entry"
+
+PLANS: dict[str, dict[str, str]] = {
+    "attention": {"q_proj": COLUMN, "k_proj": COLUMN, "v_proj": COLUMN, "o_proj": ROW},
+    "mla": {"q_proj|q_b_proj": COLUMN_ENTERING, "kv_b_proj": COLUMN_ENTERING, "rope_key_to_heads": ENTRY,
+            "o_proj": ROW},
+    "mlp": {"gate_proj": COLUMN, "up_proj": COLUMN, "down_proj": ROW},
+    "head": {"lm_head": COLUMN_ENTERING},  # by vocabulary, with the vocabulary-parallel loss
+}
+ENTERS_ONCE = ("attention", "mlp")  # the module's input enters its one region (the others: each GEMM its own)
+PARTIAL = {  # module kind: (always, under sequence parallelism)
+    "attention": (("q_norm?", "k_norm?"), ()),  # QK-norm: one weight shared by all heads, each rank some heads
+    "mla": ((), ("kv_a_proj_with_mqa", "kv_a_layernorm", "q_a_proj?", "q_a_layernorm?")),  # down projections
+    "moe": (("router",), ()),
+    "block": ((), ("input_layernorm", "post_attention_layernorm")),
+    "model": ((), ("norm?",)),  # a pipeline stage without the loss has no final norm
+    "mtp": ((), ("enorm", "hnorm", "eh_proj", "norm")),
+}
+
+
+def _shard_weight(module: Linear, mesh: DeviceMesh, dim: int) -> None:
+    if module.bias is not None:
         raise ValueError("tensor parallelism of a linear layer with a bias is not built")
-    linear.weight = nn.Parameter(distribute_tensor(linear.weight.data, mesh, [Shard(dim)]))
+    module.weight = nn.Parameter(distribute_tensor(module.weight.data, mesh, [Shard(dim)]))
 
 
 class _Planner:
-    """Applies the plan to one model; every name it is given must exist in the module it is resolved in."""
+    """Applies the plan to one model; every name it is given must exist in the module it is resolved in
+    (`a|b`: whichever of the two the module has)."""
 
     def __init__(self, *, mesh: DeviceMesh, sequence_parallel: bool) -> None:
         self.mesh = mesh
         self.group = mesh.get_group()
         self.sequence_parallel = sequence_parallel
 
-    def region(self) -> Region:
-        return Region(group=self.group, sequence_parallel=self.sequence_parallel)
+    def region(self, *, sequence_parallel: bool | None = None) -> Region:
+        sp = self.sequence_parallel if sequence_parallel is None else sequence_parallel
+        return Region(group=self.group, sequence_parallel=sp)
 
-    def column(self, parent: nn.Module, name: str, region: Region, *, enters: bool) -> None:
-        linear = _submodule(parent, name, nn.Linear)
-        _shard_weight(linear, self.mesh, 0)
-        linear.__class__ = ColumnParallelLinear
-        linear.tp_region, linear.enters_region = region, enters
+    def apply(self, kind: str, module: nn.Module, region: Region | None = None) -> None:
+        """`module`'s plan; `region`: the one its input enters (ENTERS_ONCE kinds; default a new one)."""
+        shared = region or self.region()
+        for names, style in PLANS[kind].items():
+            name = _present(module, names)
+            if style == ENTRY:
+                _submodule(module, name, nn.Module)  # the model declares the point (an identity by default)
+                setattr(module, name, RegionEntry(shared))
+                continue
+            target = _submodule(module, name, Linear)
+            _shard_weight(target, self.mesh, 1 if style == ROW else 0)
+            target.__class__ = RowParallelLinear if style == ROW else ColumnParallelLinear
+            target.tp_region = shared if kind in ENTERS_ONCE else self.region()
+            if style != ROW:
+                target.enters_region = style == COLUMN_ENTERING
+        if kind in ENTERS_ONCE:
+            module.tp_region = shared
+            _swap_class(module, _EntersRegion)
+        if kind in PARTIAL:
+            self.partial_gradient(kind, module)
 
-    def row(self, parent: nn.Module, name: str, region: Region) -> None:
-        linear = _submodule(parent, name, nn.Linear)
-        _shard_weight(linear, self.mesh, 1)
-        linear.__class__ = RowParallelLinear
-        linear.tp_region = region
-
-    def mlp(self, mlp: MLP, region: Region) -> None:
-        """gate/up column-wise, down row-wise, the input entering once."""
-        self.column(mlp, "gate_proj", region, enters=False)
-        self.column(mlp, "up_proj", region, enters=False)
-        self.row(mlp, "down_proj", region)
-        mlp.tp_region = region
-        _swap_class(mlp, _EntersRegion)
-
-    def partial_gradient(self, parent: nn.Module, *names: str) -> None:
-        for name in names:
-            setattr(_submodule(parent, name, nn.Module), PARTIAL_GRADIENT, True)
-
-    def attention(self, attn: Attention) -> None:
-        region = self.region()
-        for name in ("q_proj", "k_proj", "v_proj"):
-            self.column(attn, name, region, enters=False)
-        self.row(attn, "o_proj", region)
-        attn.tp_region = region
-        _swap_class(attn, _EntersRegion)
-        if attn.q_norm is not None:  # one weight shared by all heads, each rank holding some of them
-            self.partial_gradient(attn, "q_norm", "k_norm")
-
-    def mla(self, mla: MLA) -> None:
-        """q_b_proj (or q_proj) and kv_b_proj column-wise by heads, each entering its own region from its
-        latent; the shared rope key joins the heads' region; o_proj row-wise."""
-        query = "q_proj" if mla.q_lora_rank is None else "q_b_proj"
-        self.column(mla, query, self.region(), enters=True)
-        self.column(mla, "kv_b_proj", self.region(), enters=True)
-        self.row(mla, "o_proj", self.region())
-        group = self.group
-        if self.sequence_parallel:
-            mla.rope_key_to_heads = lambda k_rot: gather_sequence(k_rot, SEQUENCE_DIM, group)
-            down = ["kv_a_proj_with_mqa", "kv_a_layernorm"]
-            if mla.q_lora_rank is not None:
-                down += ["q_a_proj", "q_a_layernorm"]
-            self.partial_gradient(mla, *down)
-        else:
-            mla.rope_key_to_heads = lambda k_rot: copy_to_region(k_rot, group)
+    def partial_gradient(self, kind: str, module: nn.Module) -> None:
+        always, sliced = PARTIAL[kind]
+        for name in (*always, *(sliced if self.sequence_parallel else ())):
+            if name.endswith("?"):
+                name = name[:-1]
+                if getattr(module, name, None) is None:
+                    continue
+            setattr(_submodule(module, name, nn.Module), PARTIAL_GRADIENT, True)
 
     def moe(self, moe: MoELayer) -> None:
         moe.token_group = self.group
-        self.partial_gradient(moe, "router")
+        self.partial_gradient("moe", moe)
         if moe.shared_experts is not None:  # on the layer's token slice, whatever the mode
-            self.mlp(moe.shared_experts, Region(group=self.group, sequence_parallel=True))
+            self.apply("mlp", moe.shared_experts, self.region(sequence_parallel=True))
         if not self.sequence_parallel:
             moe.tp_group = self.group
             _swap_class(moe, _RoutesSlice)
 
     def block(self, block: DecoderBlock) -> None:
         attn = _submodule(block, "self_attn", nn.Module)
-        if isinstance(attn, MLA):
-            self.mla(attn)
-        else:
-            self.attention(attn)
+        self.apply("mla" if isinstance(attn, MLA) else "attention", attn)
         if block.is_moe:
             self.moe(_submodule(block, "mlp", MoELayer))
         else:
-            self.mlp(_submodule(block, "mlp", MLP), self.region())
-        if self.sequence_parallel:
-            self.partial_gradient(block, "input_layernorm", "post_attention_layernorm")
+            self.apply("mlp", _submodule(block, "mlp", MLP))
+        self.partial_gradient("block", block)
+
+
+def _present(parent: nn.Module, names: str) -> str:
+    """The first of `a|b` that `parent` has (or `a`, for `_submodule` to report)."""
+    options = names.split("|")
+    return next((name for name in options if getattr(parent, name, None) is not None), options[0])
 
 
 def _submodule(parent: nn.Module, name: str, kind: type) -> nn.Module:
@@ -279,18 +297,16 @@ def apply_tensor_parallel(model: Transformer, recipe: Recipe, ctx: ParallelConte
         parallelize_module(model, mesh, {"embed_tokens": RowwiseParallel(input_layouts=Replicate(),
                                                                           output_layouts=sequence)})
     if model.lm_head is not None:
-        planner.column(model, "lm_head", planner.region(), enters=True)
+        planner.apply("head", model)
         model.tie_weights()  # a tied head is the (now vocabulary-sharded) embedding again
         model.lm_loss = VocabParallelLoss(vocab_size=model.cfg.vocab_size,
                                           padded_vocab_size=model.cfg.padded_vocab_size(), group=planner.group)
     blocks = [*model.layers.values(), *(module.block for module in model.mtp.values())]
     for block in blocks:
         planner.block(block)
-    if sequence_parallel:
-        if model.norm is not None:
-            planner.partial_gradient(model, "norm")
-        for module in model.mtp.values():
-            planner.partial_gradient(module, "enorm", "hnorm", "eh_proj", "norm")
+    planner.partial_gradient("model", model)
+    for module in model.mtp.values():
+        planner.partial_gradient("mtp", module)
 
 
 @torch.no_grad()

@@ -9,8 +9,12 @@ the former for callers to map.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+from moe_train.run_files import FAILED_FILE
 
 if TYPE_CHECKING:
     from moe_train.config.schema import Recipe
@@ -51,6 +55,9 @@ def train_and_report(recipe: Recipe, ctx: ParallelContext | None = None) -> int:
     from moe_train.train.errors import TrainingError
 
     rank = ctx.rank if ctx is not None else LauncherEnv().rank  # errors may come before a context exists
+    failed = Path(recipe.resolved_run_dir()) / FAILED_FILE
+    if rank == 0:
+        failed.unlink(missing_ok=True)  # this attempt's outcome, not an earlier one's
     try:
         summary = run_from_recipe(recipe, ctx)
     except input_errors() as error:
@@ -59,14 +66,31 @@ def train_and_report(recipe: Recipe, ctx: ParallelContext | None = None) -> int:
         return 2
     except TrainingError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
-        return 1
+        return _failed(failed, str(error))
     except LaunchMismatch as error:
         print(f"error: rank {rank}: {error}", file=sys.stderr, flush=True)
-        return 1
+        return _failed(failed, f"rank {rank}: {error}")
     except Exception as error:  # a failed collective, out of memory...: one line naming the rank
         reason = str(error).splitlines()[0] if str(error) else ""
         print(f"error: rank {rank}: {type(error).__name__}: {reason}", file=sys.stderr, flush=True)
-        return 1
+        line = f"rank {rank}: {type(error).__name__}: {reason}"
+        from moe_train.train.hang_report import last_collective
+
+        if (collective := last_collective()) is not None:
+            print(f"note: rank {rank}: the last collective it entered: {collective}", file=sys.stderr, flush=True)
+            line += f" (last collective: {collective})"
+        return _failed(failed, line)
     if summary.logs:
         print(summary.describe(total_steps=recipe.train.steps), flush=True)
     return 0
+
+
+def _failed(path: Path, reason: str) -> int:
+    """Record a runtime failure's reason line in the run folder (`moe-train runs` shows it); exit code 1.
+    Several failing ranks each write theirs; the last one written stays."""
+    from moe_train.atomic import write_atomic
+
+    if path.parent.is_dir():
+        with contextlib.suppress(OSError):  # a read-only or vanished folder must not hide the error itself
+            write_atomic(path, reason + "\n")
+    return 1

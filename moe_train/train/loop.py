@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moe_train.checkpoint.async_save import Checkpointer
 from moe_train.checkpoint.collective import agreed_start_point
-from moe_train.checkpoint.save import save_checkpoint
 from moe_train.checkpoint.state import Progress, load_model_weights, load_training_state
 from moe_train.config import RecipeError
 from moe_train.config.schema import Recipe
@@ -50,6 +50,7 @@ from moe_train.train.batch import rank_batch
 from moe_train.train.build import build_training
 from moe_train.train.errors import TrainingError
 from moe_train.train.grad_norm import host_norm
+from moe_train.train.hang_report import HangWatch
 from moe_train.train.metrics import MetricsLogger, eval_record, expert_balance, train_record
 from moe_train.train.peak import peak_flops
 from moe_train.train.schedule import lr_at
@@ -133,6 +134,8 @@ class Trainer:
         if recipe.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
             raise RecipeError(["logging.tensorboard: TensorBoard events need the tensorboard package "
                                "(pip install tensorboard)"])
+        if recipe.logging.wandb is not None and importlib.util.find_spec("wandb") is None:
+            raise RecipeError(["logging.wandb: W&B logging needs the wandb package (pip install wandb)"])
         if ctx is None:
             from moe_train.parallel.bootstrap import bootstrap
 
@@ -143,6 +146,10 @@ class Trainer:
         torch.manual_seed(train.seed)
         self.run_dir = Path(recipe.resolved_run_dir())
         self.ckpt_dir = Path(recipe.checkpoint_dir())
+        self.checkpointer = Checkpointer(self.ckpt_dir, keep=recipe.checkpoint.keep)
+        self.hang_watch = HangWatch(rank=self.rank, timeout_s=recipe.launch.timeout_minutes * 60,
+                                    step=lambda: self.progress.step + 1, log_dir=self.run_dir / "logs") \
+            if ctx.world_size > 1 else None
         self.datasets = build_datasets(recipe)
         if train.eval_interval is not None and self.datasets.valid is None:
             raise RecipeError(["train.eval_interval: evaluation needs a validation split (data.valid_fraction > 0)"])
@@ -279,17 +286,18 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ the loop
 
-    def _save(self, logger: MetricsLogger | None) -> Path:
-        path = save_checkpoint(
-            self.ckpt_dir,
+    def _save(self, logger: MetricsLogger | None, *, background: bool = False) -> Path:
+        """Save this step; `background` (interval saves, with checkpoint.async_save) returns once it is staged."""
+        background = background and self.recipe.checkpoint.async_save
+        path = self.checkpointer.save(
             chunks=self.chunks,
             optimizers=self.optimizers,
             progress=self.progress,
             model_config=self.recipe.model.model_dump(mode="json"),
-            keep=self.recipe.checkpoint.keep,
+            background=background,
         )
         if logger is not None:
-            logger.message(f"checkpoint saved: {path}")
+            logger.message(f"checkpoint {'staged, writing in the background' if background else 'saved'}: {path}")
         return path
 
     def _memory_bytes(self) -> int:
@@ -308,6 +316,8 @@ class Trainer:
                 total_steps=train.steps,
                 start_step=self.progress.step,
                 tensorboard=recipe.logging.tensorboard,
+                wandb=recipe.logging.wandb,
+                run_config=recipe.model_dump(mode="json"),
             )
             logger.message(f"data: {self.datasets.description}")
             for note in self.start.notes:
@@ -423,13 +433,16 @@ class Trainer:
         """Every checkpoint.interval steps; the last step's checkpoint is `_finish`'s."""
         interval = self.recipe.checkpoint.interval
         if interval and step % interval == 0 and step != last:
-            tally.saved(step, self._save(logger))
+            tally.saved(step, self._save(logger, background=True))
 
     def _finish(self, logger: MetricsLogger | None, status: str | None, tally: RunTally, *,
                 start_time: float) -> Summary:
         """Save the step the run stops at (unless saved already), mark a complete run COMPLETE, summarise."""
         if tally.saved_step != self.progress.step:
             tally.saved(self.progress.step, self._save(logger))
+        self.checkpointer.close()  # the last checkpoint is on disk, and `latest` names it, before the run ends
+        if self.hang_watch is not None:
+            self.hang_watch.stop()
         if status is None:
             status = "complete" if self.progress.step >= self.recipe.train.steps else "exited"
         if status == "complete" and self.ctx.logs:

@@ -1,4 +1,4 @@
-"""Training metrics: metrics.jsonl (the contract), the console display and optional TensorBoard events.
+"""Training metrics: metrics.jsonl (the contract), the console display and optional TensorBoard events and W&B.
 
 metrics.jsonl is written by the one rank that holds the loss, one JSON object per line, flushed per line so a
 killed run keeps everything it logged. The record's keys are built here and only here (`train_record`,
@@ -16,7 +16,9 @@ from typing import Any
 import torch
 
 from moe_train.atomic import write_atomic
+from moe_train.config.schema import WandbConfig
 from moe_train.run_files import METRICS_FILE
+from moe_train.train.wandb_log import WandbLog
 
 
 def expert_balance(tokens_per_expert: torch.Tensor, dropped_fraction: float,
@@ -126,7 +128,8 @@ def _drop_records_after(path: Path, step: int) -> None:
 class MetricsLogger:
     """Appends records to metrics.jsonl and shows them on the console (and TensorBoard when asked)."""
 
-    def __init__(self, log_dir: Path, *, total_steps: int, start_step: int, tensorboard: bool) -> None:
+    def __init__(self, log_dir: Path, *, total_steps: int, start_step: int, tensorboard: bool,
+                 wandb: WandbConfig | None = None, run_config: dict[str, Any] | None = None) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.path = log_dir / METRICS_FILE
         _drop_records_after(self.path, start_step)
@@ -137,6 +140,7 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(log_dir))
+        self._wandb = None if wandb is None else WandbLog(wandb, log_dir, run_config=run_config)
         self._live = None
         if sys.stdout.isatty():
             # Two lines, so a narrow terminal squeezes neither: the bar, then the latest figures.
@@ -166,6 +170,8 @@ class MetricsLogger:
                 for key in ("load_max_over_mean", "load_cv", "dropped_fraction", "router_entropy"):
                     if key in stats:
                         self._tb.add_scalar(f"moe/{layer}/{key}", stats[key], step)
+        if self._wandb is not None:
+            self._wandb.train(record)
         if self._live is not None:
             self._progress.update(self._task, completed=step)
             self._status.plain = _summary_text(record)
@@ -176,6 +182,8 @@ class MetricsLogger:
         self._write(record)
         if self._tb is not None:
             self._tb.add_scalar("eval/loss", record["loss"], record["step"])
+        if self._wandb is not None:
+            self._wandb.eval(record)
         self.message(f"eval step {record['step']}  loss {record['loss']:.4f}")
 
     def message(self, text: str) -> None:
@@ -190,4 +198,6 @@ class MetricsLogger:
             self._live.stop()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close()
         self._file.close()

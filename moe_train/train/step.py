@@ -10,7 +10,7 @@ The optimised loss of a micro-batch is its cross-entropy summed over its tokens 
 batch's token count, plus its weighted MTP loss times its share 1 / (micro-batches x dp), so the gradients that
 accumulate over the step's micro-batches (and are summed over data-parallel ranks by FSDP2) are the global
 batch's, whatever the layout; balancing losses ride on the MoE layers' outputs at the scale
-`set_aux_loss_scale` gives them.
+each chunk's `balancing.start_step` gives them.
 
 Without pipeline parallelism this rank's single model runs the micro-batches one after another, FSDP2 reducing
 gradients in the last one's backward. With it, the schedule (parallel/pipeline.py) interleaves them over the
@@ -26,7 +26,6 @@ import torch
 
 from moe_train.models.model import LossTerms, Transformer
 from moe_train.models.moe import MoELayer
-from moe_train.models.moe.aux_loss import set_aux_loss_scale
 from moe_train.parallel.data_parallel import set_gradient_sync
 from moe_train.parallel.pipeline import Pipeline, sync_shared_gradients
 from moe_train.parallel.tensor import reduce_replicated_gradients
@@ -67,7 +66,8 @@ def forward_backward(
     loss: StepLoss,
 ) -> None:
     """Accumulate the step's gradients in the chunks' parameters (FSDP2 reduces them once, at the end)."""
-    set_aux_loss_scale(loss.share)
+    for chunk in chunks:
+        chunk.balancing.start_step(scale=loss.share)
     if pipeline is not None:
         pipeline.train(batch.inputs, batch.labels, batch.positions, loss)
         return

@@ -31,7 +31,6 @@ def main() -> None:
     reports = {}
     for case in spec["cases"]:
         recipe = load_recipe(case["recipe"], [*case["overrides"], f"launch.gpus_per_node={world}"])
-        Router.force_even_routing = case.get("even", True)
         ctx = bootstrap(recipe, distinct_groups=True)
         ep = ctx.size("ep")
         local = recipe.model.moe.num_experts // ep if recipe.model.moe is not None else 1
@@ -42,7 +41,7 @@ def main() -> None:
                 sent.append(torch.bincount(output.topk_indices.reshape(-1) // local, minlength=ep).tolist())
 
         handle = register_module_forward_hook(count)
-        report = measure_step(recipe, Target(), ctx)
+        report = measure_step(recipe, Target(even_routing=case.get("even", True)), ctx)
         handle.remove()
         every_rank = [None] * world
         dist.all_gather_object(every_rank, sent)
@@ -53,7 +52,6 @@ def main() -> None:
             reports[case["id"]] = {"report": report, "reports": every_report,
                                    "slots": {r: every_rank[r] for r in group},
                                    "ep_rank": ctx.coord("ep")}
-    Router.force_even_routing = False
     finish(reports, result_path, rank)
 
 

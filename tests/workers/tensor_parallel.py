@@ -39,8 +39,9 @@ def differing_across_ranks(state: dict) -> list[str]:
     return differing
 
 
-def layer_saved_bytes(recipe_name: str, overrides: list[str], *, world: int, layers: list[int]) -> dict:
-    """{layer index: (bytes this rank's forward of the layer saves for backward, the plan's formula)}.
+def layer_saved_bytes(recipe_name: str, overrides: list[str], *, world: int, layers: list[int]) -> tuple[dict, dict]:
+    """{layer index: (bytes this rank's forward of the layer saves for backward, the plan's formula)}, and
+    {layer index: where each GEMM of that forward came from} (test_gemm_site.GemmOrigins).
 
     The model is tensor-parallelised (no FSDP: its gathered weights would be saved storages to tell apart from
     activations); each storage counts once, parameters and the rotary tables every layer shares excluded."""
@@ -68,7 +69,9 @@ def layer_saved_bytes(recipe_name: str, overrides: list[str], *, world: int, lay
     params |= {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
     rows = seq // tp if recipe.parallel.sequence_parallel else seq
     torch.manual_seed(ctx.coord("tp"))
-    out = {}
+    from test_gemm_site import GemmOrigins
+
+    out, gemms = {}, {}
     for index in layers:
         x = torch.randn(train.micro_batch_size, rows, cfg.hidden_size, requires_grad=True)
         seen: dict[int, int] = {}
@@ -79,12 +82,13 @@ def layer_saved_bytes(recipe_name: str, overrides: list[str], *, world: int, lay
                 seen[storage.data_ptr()] = storage.nbytes()
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), GemmOrigins() as origins:
             model.layers[str(index)](x, cos, sin, None)
+        gemms[index] = origins.origins
         lay = ActivationLayout(micro_batch=train.micro_batch_size, seq_length=seq, act_bytes=4, tp=tp,
                                sequence_parallel=recipe.parallel.sequence_parallel)
         out[index] = (sum(seen.values()), layer_activation_bytes(cfg, lay, layer_index=index))
-    return out
+    return out, gemms
 
 
 def main() -> None:
@@ -94,9 +98,10 @@ def main() -> None:
     saved = {}
     Path(spec["run_root"]).mkdir(parents=True, exist_ok=True)
     for case in spec.get("activations", []):
-        measured = layer_saved_bytes(case["recipe"], case["overrides"], world=world, layers=case["layers"])
+        measured, gemms = layer_saved_bytes(case["recipe"], case["overrides"], world=world, layers=case["layers"])
         if rank == 0:
             saved[case["id"]] = measured
+            saved[case["id"].replace("bytes-", "gemms-", 1)] = gemms
     for case in spec["cases"]:
         prepare = force_expert(case["force_expert"]) if case.get("force_expert") is not None else None
         record = record_run(case["recipe"], case["overrides"], world=world, run_dir=Path(spec["run_root"]) / case["id"],

@@ -10,8 +10,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe_train.models.moe.router import count_per_expert
-
 
 def global_aux_loss(
     probs: torch.Tensor, tokens_per_expert: torch.Tensor, num_tokens: int | torch.Tensor
@@ -27,15 +25,6 @@ def global_aux_loss(
     load = tokens_per_expert.detach().to(torch.float32) / num_tokens
     importance = probs.float().sum(dim=0) / probs.shape[0]
     return torch.sum(load * importance) * num_experts
-
-
-def switch_aux_loss(probs: torch.Tensor, topk_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """transformers' `load_balancing_loss_func` (Qwen3-MoE): probs [T, E], topk_indices [T, K] -> scalar.
-
-    Given the concatenation of all layers' probs and indices it equals transformers' loss for the whole model.
-    """
-    counts = count_per_expert(topk_indices, num_experts)
-    return global_aux_loss(probs, counts, probs.shape[0])
 
 
 def seq_aux_loss(
@@ -83,36 +72,57 @@ def z_loss(logits: torch.Tensor, *, token_shards: int = 1) -> torch.Tensor:
 # A balancing loss is not added to the training loss: its gradient is attached to the MoE layer's output
 # (Megatron-Core's auto-scaler pattern), so it travels with the forward that produced it. Nothing is kept on
 # the module between the forward and the backward, so several micro-batches in flight (pipeline schedules), a
-# region recomputed in backward, or a stage that does not hold the loss cannot overwrite or lose it. The
-# trainer sets one scale per step (each micro-batch's share of the step's mean); the value at forward time is
-# captured with the forward.
-
-_scale = 1.0
+# region recomputed in backward, or a stage that does not hold the loss cannot overwrite or lose it. The step
+# sets one scale per step on each model chunk's `StepBalancing` (each micro-batch's share of the step's mean);
+# the value at forward time is captured with the forward.
 
 
-def set_aux_loss_scale(scale: float) -> None:
-    """The factor on balancing-loss gradients of the forwards that follow (the trainer: 1 / (micro-batches x
-    data-parallel ranks), the same share the language-model loss gives each micro-batch)."""
-    global _scale
-    _scale = scale
+class StepBalancing:
+    """What the balancing losses of one model chunk share over the forwards of a training step, owned by the model
+    (one object for all its MoE layers) and set by the step with `start_step`:
+
+    - `scale`, the factor on balancing-loss gradients (the step: 1 / (micro-batches x data-parallel ranks), the
+      share the language-model loss gives each micro-batch);
+    - global_aux_loss's running loads: each layer's tokens per expert (and token count) over the step's
+      micro-batches so far, which its loss of the next micro-batch counts over.
+
+    Explicit rather than module state, so no forward reads a value a previous step left behind.
+    """
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+        self._loads: dict[object, torch.Tensor] = {}
+
+    def start_step(self, *, scale: float) -> None:
+        """A new step: its gradient scale, and global_aux_loss's running loads back to zero."""
+        self.scale = scale
+        self._loads.clear()
+
+    def running_load(self, layer: object, totals: torch.Tensor) -> torch.Tensor:
+        """Add `totals` ([E + 1] int64: tokens per expert, then tokens) to `layer`'s running load of this step;
+        returns the sum so far."""
+        previous = self._loads.get(layer)
+        self._loads[layer] = totals if previous is None else previous + totals
+        return self._loads[layer]
 
 
 class _AttachLoss(torch.autograd.Function):
     """Identity on `out`; its backward also feeds `scale` as the gradient of the scalar `loss`."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-        ctx.scale = _scale
+    def forward(ctx, out: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
         return out.view_as(out)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device)
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
 
 
-def attach_loss(out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-    """`out` unchanged, with `loss` (a scalar computed from this forward alone) differentiated in its backward."""
-    return _AttachLoss.apply(out, loss)
+def attach_loss(out: torch.Tensor, loss: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """`out` unchanged, with `loss` (a scalar computed from this forward alone) differentiated in its backward,
+    its gradient `scale`."""
+    return _AttachLoss.apply(out, loss, scale)
 
 
 class ScoreGradient:
@@ -131,16 +141,17 @@ class _AttachScoreGradient(torch.autograd.Function):
     """Identity on `out`; its backward gives `scores` the gradient `holder` holds, times the step's scale."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, scores: torch.Tensor, holder: ScoreGradient) -> torch.Tensor:
-        ctx.scale, ctx.holder, ctx.rows = _scale, holder, scores.shape[0]
+    def forward(ctx, out: torch.Tensor, scores: torch.Tensor, holder: ScoreGradient, scale: float) -> torch.Tensor:
+        ctx.scale, ctx.holder, ctx.rows = scale, holder, scores.shape[0]
         return out.view_as(out)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         per_expert = ctx.holder.per_expert * ctx.scale
-        return grad, per_expert.to(torch.float32).expand(ctx.rows, -1), None
+        return grad, per_expert.to(torch.float32).expand(ctx.rows, -1), None, None
 
 
-def attach_score_gradient(out: torch.Tensor, scores: torch.Tensor, holder: ScoreGradient) -> torch.Tensor:
-    """`out` unchanged; its backward sends `holder`'s gradient to the router scores [T, E]."""
-    return _AttachScoreGradient.apply(out, scores, holder)
+def attach_score_gradient(out: torch.Tensor, scores: torch.Tensor, holder: ScoreGradient, *,
+                          scale: float) -> torch.Tensor:
+    """`out` unchanged; its backward sends `holder`'s gradient, times `scale`, to the router scores [T, E]."""
+    return _AttachScoreGradient.apply(out, scores, holder, scale)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moe_train.models.moe.collectives import all_gather_rows, reduce_scatter_rows
+from moe_train.models.moe.dispatch_collectives import all_gather_rows, reduce_scatter_rows
 from moe_train.models.moe.expert_group import ExpertShard
 from moe_train.models.moe.permute import Permutation, permute, unpermute, weighted_sum
 
@@ -46,7 +46,7 @@ class AllGatherDispatcher:
     per-token sums); backward "reduce_scatter" += G*T_max*H*b (hidden gradients), "all_gather" += T_max*H*4.
     `metadata_bytes["all_gather"]` counts the routing: 16 (token count, pad_to) + T_max*K*8 (expert ids) per dispatch
     and T_max*K*4 (fp32 weights) per combine; backward adds `metadata_bytes["reduce_scatter"]` G*T_max*K*4
-    (weight gradients). Neither is ever reset here: read differences, or `.clear()` them.
+    (weight gradients). Both restart at zero on `reset_counts` (the layer's `reset_telemetry`, once per step).
 
     With expert tensor parallelism, pass the ep x etp group (etp fastest) and `expert_tp_size`: the etp ranks
     of one ep coordinate get the same rows, their experts return partial sums (row-parallel down projection),
@@ -135,3 +135,7 @@ class AllGatherDispatcher:
         per_token = rows.new_zeros(shard.size * plan.max_tokens, rows.shape[1])
         per_token = per_token.index_add(0, plan.local_slots // top_k, rows)
         return reduce_scatter_rows(per_token, group=shard.group, sent_bytes=self.sent_bytes)[: plan.num_tokens]
+
+    def reset_counts(self) -> None:
+        self.sent_bytes.clear()
+        self.metadata_bytes.clear()

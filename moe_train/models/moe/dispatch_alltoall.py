@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_train.models.moe.collectives import all_to_all_rows
+from moe_train.models.moe.dispatch_collectives import all_to_all_rows
 from moe_train.models.moe.expert_group import ExpertShard
 from moe_train.models.moe.permute import Permutation, permute, unpermute, weighted_sum
 
@@ -43,7 +43,7 @@ class AllToAllDispatcher:
     `sent_bytes` (Counter) accumulates token rows sent to OTHER ranks x hidden x itemsize under "all_to_all",
     forward and backward: dispatch sends the rows, combine sends the expert outputs back, backward sends their
     gradients the other way. `metadata_bytes["all_to_all"]` counts the row-count exchange ((size-1) x
-    E_local x 8 per dispatch). Neither is ever reset here: read differences, or `.clear()` them.
+    E_local x 8 per dispatch). Both restart at zero on `reset_counts` (the layer's `reset_telemetry`, once per step).
     """
 
     def __init__(self, *, num_experts: int, group: dist.ProcessGroup | None = None):
@@ -115,3 +115,7 @@ class AllToAllDispatcher:
                 sent_bytes=self.sent_bytes,
             )
         return weighted_sum(unpermute(expert_out, plan.permutation), topk_weights)
+
+    def reset_counts(self) -> None:
+        self.sent_bytes.clear()
+        self.metadata_bytes.clear()

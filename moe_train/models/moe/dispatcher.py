@@ -26,7 +26,8 @@ from moe_train.models.moe.permute import Permutation, permute, unpermute, weight
 
 
 class TokenDispatcher(Protocol):
-    """What the MoE layer calls; `sent_bytes` is the token traffic this rank sent, per collective op."""
+    """What the MoE layer calls; `sent_bytes` is the token traffic this rank sent, per collective op, since the
+    last `reset_counts` (the layer's `reset_telemetry`, once per step)."""
 
     num_experts: int
     num_local_experts: int
@@ -43,6 +44,8 @@ class TokenDispatcher(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
 
     def combine(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, plan: Any) -> torch.Tensor: ...
+
+    def reset_counts(self) -> None: ...
 
 
 class LocalDispatcher:
@@ -72,6 +75,9 @@ class LocalDispatcher:
     def combine(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, plan: Permutation) -> torch.Tensor:
         """expert_out [N, H] -> [T, H] fp32: each token's sum of its experts' outputs times the routing weights."""
         return weighted_sum(unpermute(expert_out, plan), topk_weights)
+
+    def reset_counts(self) -> None:
+        self.sent_bytes.clear()
 
 
 DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}

@@ -6,8 +6,8 @@ down the middle would hand one rank all the gate rows and the other all the up r
 `<name>[e]`, so expert parallelism shards dim 0 and the initialisation can draw every expert by its own name.
 hf.py converts from and to transformers' per-expert and fused checkpoint layouts.
 
-One `torch._grouped_mm` per projection runs all experts at once; where it cannot run (dtype, device, strides)
-a loop of per-expert matmuls gives the same result.
+One grouped GEMM per projection (`models.linear.grouped_mm`) runs all experts at once; where it cannot run
+(dtype, device, strides) a loop of per-expert `models.linear.linear` gives the same result.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from moe_train.models.linear import expert_offsets, grouped_mm, linear
 
 _GROUPED_MM_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -82,10 +84,10 @@ class GroupedExperts(nn.Module):
 
     def _grouped(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         gate_proj, up_proj, down_proj = self.local_weights()
-        offsets = torch.cumsum(tokens_per_expert, 0).to(torch.int32)
-        gate = torch._grouped_mm(rows, gate_proj.transpose(-2, -1), offs=offsets)
-        up = torch._grouped_mm(rows, up_proj.transpose(-2, -1), offs=offsets)
-        out = torch._grouped_mm(self.activation(gate, up), down_proj.transpose(-2, -1), offs=offsets)
+        offsets = expert_offsets(tokens_per_expert)
+        gate = grouped_mm(rows, gate_proj, offsets)
+        up = grouped_mm(rows, up_proj, offsets)
+        out = grouped_mm(self.activation(gate, up), down_proj, offsets)
         if out.requires_grad:  # its backward rejects stride-0 gradients, which an out.sum() downstream gives
             out.register_hook(torch.Tensor.contiguous)
         return out
@@ -97,5 +99,5 @@ class GroupedExperts(nn.Module):
         chunks = torch.split(rows, tokens_per_expert.tolist())
         weights = zip(*(w.unbind(0) for w in self.local_weights()), strict=True)
         for chunk, (gate_proj, up_proj, down_proj) in zip(chunks, weights, strict=True):
-            outputs.append(F.linear(self.activation(F.linear(chunk, gate_proj), F.linear(chunk, up_proj)), down_proj))
+            outputs.append(linear(self.activation(linear(chunk, gate_proj), linear(chunk, up_proj)), down_proj))
         return torch.cat(outputs)

@@ -12,7 +12,8 @@ Token sets of the balancing losses (`router.load_balancing`, docs/interfaces.md)
 - aux_loss: per layer, over this forward's micro-batch (with its sequence/context shards: `token_group`);
 - seq_aux_loss: per layer, per sequence (DeepSeek-V3), averaged over the micro-batch's sequences;
 - global_aux_loss: per layer, loads over the micro-batches of the step so far, summed over the data-parallel
-  group (`balance_group`), Megatron-Core's definition;
+  group (`balance_group`), Megatron-Core's definition (the running loads: the model's `StepBalancing`, which
+  the step resets);
 - all_layers_aux_loss: transformers' Qwen3-MoE loss over every layer's tokens together; the model computes
   it from each layer's `records` entry once its forward ends (one pipeline stage only).
 """
@@ -26,19 +27,22 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_train.config.schema import MoEConfig
+from moe_train.models.autograd_phase import in_recomputation
 from moe_train.models.mlp import MLP
-from moe_train.models.moe.aux_loss import ScoreGradient, attach_loss, attach_score_gradient, seq_aux_loss, z_loss
+from moe_train.models.moe.aux_loss import (
+    ScoreGradient,
+    StepBalancing,
+    attach_loss,
+    attach_score_gradient,
+    seq_aux_loss,
+    z_loss,
+)
 from moe_train.models.moe.capacity import capacity_keep_mask, expert_capacity
 from moe_train.models.moe.dispatcher import LocalDispatcher
 from moe_train.models.moe.experts import GroupedExperts
 from moe_train.models.moe.router import Router, count_per_expert, even_counts
 
 SWITCH_LOSSES = ("aux_loss", "global_aux_loss", "all_layers_aux_loss")
-
-
-def in_recompute() -> bool:
-    """Whether this forward runs inside a backward pass, i.e. is an activation recomputation."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def router_entropy(scores: torch.Tensor) -> torch.Tensor:
@@ -67,11 +71,17 @@ class RoutingRecords:
 
 
 class MoELayer(nn.Module):
-    """A routed-expert FFN block (Qwen3-MoE, DeepSeek-V3) with the names of transformers' checkpoints."""
+    """A routed-expert FFN block (Qwen3-MoE, DeepSeek-V3) with the names of transformers' checkpoints.
 
-    def __init__(self, *, hidden_size: int, moe: MoEConfig):
+    Extension points `parallelize` sets (each documented in docs/interfaces.md): `dispatcher` (the layer's token
+    dispatcher, replaced by an expert-parallel one), `token_group` and `balance_group` (the ranks its balancing
+    losses count over). `balancing` is the model's `StepBalancing`, shared by its MoE layers.
+    """
+
+    def __init__(self, *, hidden_size: int, moe: MoEConfig, balancing: StepBalancing | None = None):
         super().__init__()
         self.moe = moe
+        self.balancing = StepBalancing() if balancing is None else balancing
         self.router = Router(hidden_size=hidden_size, moe=moe)
         self.experts = GroupedExperts(
             num_experts=moe.num_experts, hidden_size=hidden_size, ffn_hidden_size=moe.ffn_hidden_size
@@ -90,14 +100,13 @@ class MoELayer(nn.Module):
         self.register_buffer("assignments", torch.zeros((), dtype=torch.int64), persistent=False)
         self.register_buffer("aux_loss_value", torch.zeros((), dtype=torch.float64), persistent=False)
         self.register_buffer("router_entropy_sum", torch.zeros((), dtype=torch.float64), persistent=False)
-        # global_aux_loss: the step's running loads over the balance group (reset with the telemetry).
-        self.register_buffer("global_tokens_per_expert", torch.zeros(experts, dtype=torch.int64), persistent=False)
-        self.register_buffer("global_tokens", torch.zeros((), dtype=torch.int64), persistent=False)
 
     def reset_telemetry(self) -> None:
+        """Zero the step's telemetry, the dispatcher's byte counts included (the trainer: once per step)."""
         for buffer in (self.tokens_per_expert, self.dropped_assignments, self.assignments, self.aux_loss_value,
-                       self.router_entropy_sum, self.global_tokens_per_expert, self.global_tokens):
+                       self.router_entropy_sum):
             buffer.zero_()
+        self.dispatcher.reset_counts()
 
     def forward(self, hidden: torch.Tensor, records: RoutingRecords | None = None) -> torch.Tensor:
         """hidden [b, s, h] -> [b, s, h]. `records` collects this forward's routing for all_layers_aux_loss."""
@@ -122,7 +131,8 @@ class MoELayer(nn.Module):
                 policy=self.moe.drop_policy,
             )
         # Forced even routing (measure): every rank's counts follow from the shapes, no device read needed.
-        known = even_counts(tokens, top_k, self.moe.num_experts) if Router.force_even_routing and keep is None else None
+        even = self.router.even_routing and keep is None
+        known = even_counts(tokens, top_k, self.moe.num_experts) if even else None
         rows, rows_per_expert, plan = self.dispatcher.dispatch(
             x, routing.topk_indices, keep=keep, pad_to=capacity if self.moe.pad_to_capacity else None,
             host_counts=known,
@@ -133,7 +143,7 @@ class MoELayer(nn.Module):
             out = out + self.shared_experts(x)
 
         counts = count_per_expert(routing.topk_indices, self.moe.num_experts)
-        recomputing = in_recompute()
+        recomputing = in_recomputation()
         if not recomputing:
             with torch.no_grad():
                 self.tokens_per_expert += counts
@@ -161,7 +171,7 @@ class MoELayer(nn.Module):
             z = cfg.z_loss_coeff * z_loss(routing.logits, token_shards=shards)
             graph_loss = z if graph_loss is None else graph_loss + z
         if graph_loss is not None:
-            out = attach_loss(out, graph_loss)
+            out = attach_loss(out, graph_loss, scale=self.balancing.scale)
             value = value + graph_loss.detach()
         # all_layers_aux_loss needs the model's forward to collect every layer (a layer run alone has none).
         collected = cfg.load_balancing != "all_layers_aux_loss" or records is not None
@@ -178,7 +188,7 @@ class MoELayer(nn.Module):
                 if shards > 1:  # this rank's share of the set's mean
                     importance = importance / shards
                 value = value + cfg.aux_loss_coeff * experts * (load * importance).sum()
-            out = attach_score_gradient(out, routing.scores, holder)
+            out = attach_score_gradient(out, routing.scores, holder, scale=self.balancing.scale)
         if not recomputing:
             with torch.no_grad():
                 self.aux_loss_value += value.double()
@@ -193,7 +203,5 @@ class MoELayer(nn.Module):
         if kind == "global_aux_loss":
             if self.balance_group is not None:
                 dist.all_reduce(totals, group=self.balance_group)
-            self.global_tokens_per_expert += totals[:-1]
-            self.global_tokens += totals[-1]
-            totals = torch.cat([self.global_tokens_per_expert, self.global_tokens.view(1)])
+            totals = self.balancing.running_load(self, totals)
         return totals[:-1].float() / totals[-1].float()

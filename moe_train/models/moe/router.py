@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe_train.config.schema import MoEConfig
+from moe_train.models.linear import linear
 
 
 @dataclass
@@ -33,13 +33,12 @@ class Router(nn.Module):
     `expert_bias` only changes which experts are chosen, never the weights, and never receives a gradient: the
     trainer moves it with `update_expert_bias` after each optimizer step.
 
-    `force_even_routing` (class-wide, off in training) replaces the top-k choice by an even round-robin spread:
-    token t goes to experts (t*K + j) mod E, j < K. `moe-train measure --fake` sets it: fake tensors carry no
-    values to route on, and an even spread makes the expert loads and dispatch volumes defined. The weights
-    are still the scores of the chosen experts, so the forward and backward run the same operations.
+    `even_routing` (per router, off in training) replaces the top-k choice by an even round-robin spread:
+    token t goes to experts (t*K + j) mod E, j < K. `moe-train measure` sets it on the model it measures
+    (`Transformer.set_even_routing`): fake tensors carry no values to route on, and an even spread makes the
+    expert loads and dispatch volumes defined. The weights are still the scores of the chosen experts, so the
+    forward and backward run the same operations.
     """
-
-    force_even_routing: bool = False
 
     def __init__(self, *, hidden_size: int, moe: MoEConfig):
         super().__init__()
@@ -54,6 +53,7 @@ class Router(nn.Module):
         self.num_groups = groups if group_top_k < groups else None
         self.group_top_k = group_top_k
         self.scaling_factor = cfg.topk_scaling_factor
+        self.even_routing = False
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
         if cfg.expert_bias:
             # fp32 whatever the model dtype: updates of 1e-3 would vanish in bf16 next to scores near 1.
@@ -63,10 +63,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         """x [T, H] -> Routing."""
-        logits = F.linear(x.float(), self.weight.float())
+        logits = linear(x.float(), self.weight.float())
         scores = logits.softmax(dim=-1) if self.score_function == "softmax" else logits.sigmoid()
         with torch.no_grad():
-            if Router.force_even_routing:
+            if self.even_routing:
                 topk_indices = even_topk_indices(x.shape[0], self.top_k, self.num_experts, device=x.device)
             else:
                 choice = scores if self.expert_bias is None else scores + self.expert_bias

@@ -1,0 +1,105 @@
+"""Checkpoints that do not stop training (`checkpoint.async_save: true`).
+
+A save has two parts. Staging copies this rank's state (model, optimizer, progress, RNG) into host memory;
+training must wait for it, since the next step changes the tensors. Writing the copy to disk, hashing it into the
+manifest and publishing it (rename, `latest`, keep-K) does not need the live tensors, so it runs on a background
+thread while training goes on: DCP's `async_save` stages and starts the write, and this module's thread waits for
+the write, then does what `save.save_checkpoint` does after it (layout.publish, layout.prune).
+
+The background thread's collectives (DCP's plan and metadata exchange, the manifest's shared hashing, the final
+barrier) run on a dedicated gloo group: async_save needs a CPU-capable group, and the training group's
+collectives (NCCL on GPUs, or gloo on CPU) must never interleave with a thread's. Every rank runs the same
+sequence on that group, in the same order, so the ranks need not agree on when their threads run.
+
+What stays as with a synchronous save: `latest` moves only after the manifest is on disk (a SIGKILL at any point
+leaves `latest` naming a complete checkpoint; the unpublished `.tmp-` folder is removed by the next save), a
+second save first waits for the first, and the Trainer's last save and a preemption's are synchronous (they
+must be on disk before the job ends), waiting for a background one first.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from moe_train.checkpoint import collective
+from moe_train.checkpoint.layout import prune, publish, step_dir_name, tmp_dir
+from moe_train.checkpoint.save import save_checkpoint
+from moe_train.checkpoint.state import Progress, training_state, write_model_config
+
+
+class Checkpointer:
+    """A run's checkpoint writer: `save(..., background=True)` returns once the state is staged; anything else
+    is save_checkpoint, after the background save in flight (if any) is published. Every rank calls each method
+    together."""
+
+    def __init__(self, ckpt_dir: Path, *, keep: int | None) -> None:
+        self.ckpt_dir = ckpt_dir
+        self.keep = keep
+        self._group = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+
+    def save(self, *, chunks: list[nn.Module], optimizers: list[torch.optim.Optimizer], progress: Progress,
+             model_config: dict, background: bool = False) -> Path:
+        """Save `progress.step`; returns the checkpoint's final path (with background=True it is published
+        later: `wait()` returns once it is)."""
+        self.wait()
+        if not background:
+            return save_checkpoint(self.ckpt_dir, chunks=chunks, optimizers=optimizers, progress=progress,
+                                   model_config=model_config, keep=self.keep)
+        tmp = tmp_dir(self.ckpt_dir, progress.step)
+        if collective.rank() == 0:
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():  # left by a save that was killed midway
+                shutil.rmtree(tmp)
+        write_model_config(tmp, model_config)
+        state = training_state(chunks=chunks, optimizers=optimizers, progress=progress)
+        group = self._background_group()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group,
+                                     no_dist=not collective.distributed())
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._pending = self._executor.submit(self._publish, written, tmp, progress.step, group)
+        return self.ckpt_dir / step_dir_name(progress.step)
+
+    def wait(self) -> None:
+        """Block until the background save in flight (if any) is published; raises what it raised."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None and not self._pending.done()
+
+    def close(self) -> None:
+        self.wait()
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
+
+    def _background_group(self):
+        """The dedicated gloo group (created once, by every rank together); None without a process group."""
+        if self._group is None and collective.distributed():
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _publish(self, written: Future, tmp: Path, step: int, group) -> None:
+        """On the background thread: wait for DCP's write, hash the files, and publish like a synchronous save."""
+        written.result()
+        collective.write_manifest(tmp, group=group)
+        if collective.rank() == 0:
+            publish(tmp, step=step)
+            prune(self.ckpt_dir, keep=self.keep)
+        if group is not None:
+            dist.barrier(group=group)

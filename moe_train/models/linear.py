@@ -1,0 +1,49 @@
+"""The model's GEMM site: every matrix product with a weight runs through a function of this file.
+
+Attention projections, MLPs, shared experts, the router, MTP's projection and the head call `linear` (through
+the `Linear` module, or directly on a weight); the routed experts call `grouped_mm`; the tensor-parallel
+styles (parallel/tensor.py) call the same functions on their local shards, and the sequence-parallel column
+GEMM's hand-written backward calls `linear_input_grad` / `linear_weight_grad`. So a precision or kernel choice
+(FP8 with its scales, a chunked loss over the head) is made in one place, for every layout. No other module of
+models/ or parallel/ calls F.linear, matmul or a grouped GEMM (tests/test_gemm_site.py checks).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ weight [out, in]^T (+ bias) -> [..., out]."""
+    return F.linear(x, weight, bias)
+
+
+def linear_input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The gradient of `linear`'s input: grad [..., out] @ weight [out, in] -> [..., in]."""
+    return grad.matmul(weight)
+
+
+def linear_weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The gradient of `linear`'s weight: grad [..., out]^T @ x [..., in] -> [out, in], summed over the rows."""
+    return grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+
+
+def expert_offsets(tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """[E] int32 end row of each expert's rows: what `grouped_mm` takes (computed once per expert layer)."""
+    return torch.cumsum(tokens_per_expert, 0).to(torch.int32)
+
+
+def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """rows [N, in] sorted by expert (expert e's rows end at offsets[e]) @ weight [E, out, in]^T per expert ->
+    [N, out], all experts in one kernel (torch._grouped_mm; `GroupedExperts` falls back to `linear` per
+    expert where it cannot run)."""
+    return torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state-dict names) whose product runs through `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)

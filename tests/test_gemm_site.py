@@ -1,0 +1,121 @@
+"""Every GEMM of the model runs through one site, models/linear.py (`linear`, `grouped_mm` and the two
+gradient products), so a precision or kernel choice (FP8, a chunked loss over the head) is made in one place.
+
+Two checks: a source rule (no other module of models/ or parallel/ calls a matrix product or builds a plain
+nn.Linear), and a run: every matrix product a forward dispatches comes from the site (SDPA's score products
+excepted: they have no weight), and their number is the model's GEMM count written out from its config. The
+same run check holds per rank under tensor parallelism (tests/test_tensor_parallel.py's two-rank job).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import moe_train
+from moe_train.config import load_recipe
+from moe_train.models import build_model
+from moe_train.models.moe.experts import GroupedExperts, grouped_mm_supported
+
+PACKAGE = Path(moe_train.__file__).parent
+SITE = PACKAGE / "models" / "linear.py"
+PRODUCTS = {"matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "einsum", "_grouped_mm", "tensordot"}
+
+
+def _bypasses(path: Path) -> list[str]:
+    """`file:line what` for every matrix product or plain nn.Linear in the source of `path`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        what = None
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+            what = "@"
+        elif isinstance(node, ast.Attribute) and node.attr in PRODUCTS:
+            what = node.attr
+        elif isinstance(node, ast.Attribute) and node.attr == "linear" and (
+            isinstance(node.value, ast.Name) and node.value.id == "F" or
+            isinstance(node.value, ast.Attribute) and node.value.attr == "functional"
+        ):
+            what = "F.linear"
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "Linear" and (
+            isinstance(node.func.value, ast.Name) and node.func.value.id == "nn"
+        ):
+            what = "nn.Linear"
+        if what is not None:
+            found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {what}")
+    return found
+
+
+def test_no_module_of_models_or_parallel_multiplies_matrices_outside_the_site():
+    offenders = [hit for folder in ("models", "parallel") for path in sorted((PACKAGE / folder).rglob("*.py"))
+                 if path != SITE for hit in _bypasses(path)]
+    assert offenders == []
+    # The rule sees what it must: the site itself is full of products.
+    assert {hit.split()[-1] for hit in _bypasses(SITE)} >= {"F.linear", "matmul", "_grouped_mm"}
+
+
+GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+         torch.ops.aten.baddbmm.default, torch.ops.aten._grouped_mm.default}
+ATTENTION = PACKAGE / "models" / "attention.py"
+
+
+class GemmOrigins(TorchDispatchMode):
+    """For every GEMM dispatched in forward: whether the site's file is on the Python stack, or only SDPA's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.origins: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in GEMMS:
+            frame, files = sys._getframe(), set()
+            while frame is not None:
+                files.add(Path(frame.f_code.co_filename))
+                frame = frame.f_back
+            self.origins.append("site" if SITE in files else "attention" if ATTENTION in files else "elsewhere")
+        return func(*args, **(kwargs or {}))
+
+
+def block_gemms(cfg, index: int) -> int:
+    """Weight GEMMs of decoder block `index`'s forward, from the config alone (the same on every tp rank, each
+    on its shard): attention projections, then the MLP, or the router + 3 grouped expert products (+ shared)."""
+    if cfg.family == "deepseek_v3":
+        attention = (1 if cfg.q_lora_rank is None else 2) + 3  # q (or q_a, q_b), kv_a, kv_b, o
+    else:
+        attention = 4
+    if not cfg.is_moe_layer(index):
+        return attention + 3
+    shared = 3 if cfg.moe.shared_expert_ffn_hidden_size > 0 else 0
+    return attention + 1 + 3 + shared
+
+
+def expected_gemms(cfg) -> int:
+    """The model forward's weight GEMMs: every block, the head, and per MTP depth its projection, block and the
+    head again."""
+    layers = sum(block_gemms(cfg, i) for i in range(cfg.num_layers))
+    mtp = sum(1 + block_gemms(cfg, cfg.num_layers + k) + 1 for k in range(cfg.mtp_layers))
+    return layers + 1 + mtp
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny"])
+def test_every_forward_gemm_runs_through_the_site(name: str):
+    torch.set_num_threads(1)
+    cfg = load_recipe(name).model.model_copy(update={"num_layers": 2})
+    if cfg.family == "deepseek_v3":
+        cfg = cfg.model_copy(update={"mtp_layers": 1})
+    model = build_model(cfg, seed=0)
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):  # one grouped GEMM per projection, not one per expert
+            assert grouped_mm_supported(torch.float32, torch.device("cpu"), hidden_size=module.hidden_size,
+                                        ffn_hidden_size=module.ffn_hidden_size)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with GemmOrigins() as gemms:
+        terms = model(tokens, labels=tokens)
+    assert "elsewhere" not in gemms.origins
+    assert gemms.origins.count("site") == expected_gemms(cfg)
+    (terms.lm_sum + terms.mtp).backward()  # the site's products are differentiable as before
+    assert model.lm_head.weight.grad is not None
