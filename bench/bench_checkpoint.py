@@ -76,7 +76,7 @@ def save_costs(trainer, ckpt_dir: Path, model_config: dict, steps: int) -> dict:
     checkpointer = Checkpointer(ckpt_dir, keep=None)
 
     def save(step: int, background: bool) -> None:
-        checkpointer.save(model_parts=trainer.model_parts, optimizers=trainer.optimizers,
+        checkpointer.save(chunks=trainer.chunks, optimizers=trainer.optimizers,
                           progress=Progress(step=step, consumed_samples=trainer.progress.consumed_samples),
                           model_config=model_config, background=background)
 
@@ -110,7 +110,7 @@ def worker(recipe_name: str, overrides: list[str], out: Path, cost_steps: int) -
     ckpt_dir = Path(recipe.checkpoint_dir())
     model_config = recipe.model.model_dump(mode="json")
     def save(step: int):
-        return save_checkpoint(ckpt_dir, model_parts=trainer.model_parts, optimizers=trainer.optimizers,
+        return save_checkpoint(ckpt_dir, chunks=trainer.chunks, optimizers=trainer.optimizers,
                                progress=Progress(step=step, consumed_samples=trainer.progress.consumed_samples),
                                model_config=model_config, keep=None)
 
@@ -118,12 +118,12 @@ def worker(recipe_name: str, overrides: list[str], out: Path, cost_steps: int) -
     save_s, path = _timed(lambda: save(2))  # what every later save costs
     manifest_s, _ = _timed(lambda: write_manifest(path))
     verify_s, _ = _timed(lambda: agreed_start_point(ckpt_dir=ckpt_dir, resume="required", init_from=None))
-    load_s, _ = _timed(lambda: load_training_state(path, model_parts=trainer.model_parts,
+    load_s, _ = _timed(lambda: load_training_state(path, chunks=trainer.chunks,
                                                              optimizers=trainer.optimizers, own=True))
     record = {"first_save_s": first_save_s, "save_s": save_s, "manifest_s": manifest_s, "verify_s": verify_s,
               "load_s": load_s, "bytes": sum(p.stat().st_size for p in path.iterdir()),
               # DTensors count their full shape
-              "params": sum(p.numel() for part in trainer.model_parts for p in part.parameters())}
+              "params": sum(p.numel() for part in trainer.chunks for p in part.parameters())}
     if cost_steps:
         record.update(save_costs(trainer, ckpt_dir, model_config, cost_steps))
         trainer.progress = Progress(step=1, consumed_samples=recipe.train.global_batch_size)
@@ -135,7 +135,7 @@ def worker(recipe_name: str, overrides: list[str], out: Path, cost_steps: int) -
                 notice.write_text("preempt bench\n")
                 record["notice_at"] = time.time()
 
-        trainer.model_parts[0].register_forward_pre_hook(notify)
+        trainer.chunks[0].register_forward_pre_hook(notify)
     trainer.train()
     if trainer.ctx.logs:
         record["stopped_at"] = time.time()  # checkpoint saved, train() returned; process teardown follows

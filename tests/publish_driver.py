@@ -78,7 +78,7 @@ def save(ckpt_dir: Path, step: int) -> None:
     from moe_train.checkpoint.state import Progress
 
     model, optimizer = trained()
-    save_checkpoint(ckpt_dir, model_parts=[model], optimizers=[optimizer],
+    save_checkpoint(ckpt_dir, chunks=[model], optimizers=[optimizer],
                     progress=Progress(step=step, consumed_samples=step), model_config={}, keep=None)
 
 
@@ -91,7 +91,7 @@ def async_save(ckpt_dir: Path, step: int) -> None:
 
     model, optimizer = trained()
     checkpointer = Checkpointer(ckpt_dir, keep=None)
-    checkpointer.save(model_parts=[model], optimizers=[optimizer], progress=Progress(step=step, consumed_samples=step),
+    checkpointer.save(chunks=[model], optimizers=[optimizer], progress=Progress(step=step, consumed_samples=step),
                       model_config={}, background=True)
     with torch.no_grad():
         model.weight.add_(1.0)  # training goes on: the checkpoint must hold the staged values

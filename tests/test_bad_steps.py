@@ -39,7 +39,7 @@ def spike(t: Trainer, step: int, factor: float = 10.0) -> None:
             return output
         return type(output)(output.lm_sum * factor, output.mtp)
 
-    t.model_parts[0].register_forward_hook(hook)
+    t.chunks[0].register_forward_hook(hook)
 
 
 def test_the_window_judges_against_applied_steps_only() -> None:
@@ -64,7 +64,7 @@ def test_a_spike_is_skipped_and_counted_and_applies_nothing(tmp_path: Path) -> N
     states = {}
 
     def keep(optimizer, args, kwargs) -> None:  # after step N's update: what step N+1 starts from
-        states[t.progress.step] = {k: v.clone() for k, v in t.model_parts[0].state_dict().items()}
+        states[t.progress.step] = {k: v.clone() for k, v in t.chunks[0].state_dict().items()}
 
     t.optimizers[0].register_step_post_hook(keep)
     summary = t.train()

@@ -39,19 +39,19 @@ def small_model_and_optimizer(seed: int = 0):
 
 
 def save(ckpt_dir: Path, step: int, model, optimizer, keep: int | None = 2) -> Path:
-    return save_checkpoint(ckpt_dir, model_parts=[model], optimizers=[optimizer], progress=Progress(step=step),
+    return save_checkpoint(ckpt_dir, chunks=[model], optimizers=[optimizer], progress=Progress(step=step),
                            model_config={"family": "qwen3_moe"}, keep=keep)
 
 
 def test_training_state_round_trips_exactly(tmp_path: Path) -> None:
     recipe, model, optimizer = small_model_and_optimizer(seed=0)
     torch.manual_seed(7)
-    save_training_state(tmp_path / "ck", model_parts=[model], optimizers=[optimizer],
+    save_training_state(tmp_path / "ck", chunks=[model], optimizers=[optimizer],
                         progress=Progress(step=5, consumed_samples=40, skipped=1))
     expected_rng = torch.get_rng_state()
     _, other, other_optimizer = small_model_and_optimizer(seed=1)
     torch.manual_seed(99)
-    progress = load_training_state(tmp_path / "ck", model_parts=[other], optimizers=[other_optimizer])
+    progress = load_training_state(tmp_path / "ck", chunks=[other], optimizers=[other_optimizer])
     assert progress == Progress(step=5, consumed_samples=40, skipped=1)
     assert torch.equal(torch.get_rng_state(), expected_rng)
     for (name, a), b in zip(model.state_dict().items(), other.state_dict().values(), strict=True):
@@ -78,7 +78,7 @@ def test_a_save_killed_midway_is_never_latest(tmp_path: Path, killed: str) -> No
     _, model, optimizer = small_model_and_optimizer()
     good = save(tmp_path, 1, model, optimizer)
     partial = tmp_dir(tmp_path, 2)
-    save_training_state(partial, model_parts=[model], optimizers=[optimizer], progress=Progress(step=2))
+    save_training_state(partial, chunks=[model], optimizers=[optimizer], progress=Progress(step=2))
     if killed == "during_dcp_write":
         (partial / ".metadata").unlink()
         assert not is_complete(partial)
@@ -128,7 +128,7 @@ def test_model_only_checkpoint_loads_strictly(tmp_path: Path) -> None:
         load_model_weights(tmp_path / "weights", wider)
     _, model, optimizer = small_model_and_optimizer(seed=3)
     with pytest.raises(CheckpointError, match="a model-only checkpoint cannot be resumed; use it as checkpoint.init"):
-        load_training_state(tmp_path / "weights", model_parts=[model], optimizers=[optimizer])
+        load_training_state(tmp_path / "weights", chunks=[model], optimizers=[optimizer])
 
 
 def test_trainer_resume_required_without_checkpoint_is_an_input_error(tmp_path: Path) -> None:
@@ -143,13 +143,13 @@ def test_init_from_loads_weights_with_a_fresh_optimizer_at_step_zero(tmp_path: P
     trained.train()
     ckpt = latest_checkpoint(tmp_path / "a" / "checkpoints")
     model_only = tmp_path / "weights"
-    save_model_weights(model_only, trained.model_parts[0].state_dict())
+    save_model_weights(model_only, trained.chunks[0].state_dict())
     for init_from in (ckpt, model_only):  # a full checkpoint works as init_from too
         run_dir = tmp_path / f"b-{init_from.name}"
         target = Trainer(load_recipe("qwen3-tiny", [*SHRINK, "train.steps=2", f"run_dir={run_dir}",
                                                     f"checkpoint.init_from={init_from}"]))
         assert target.progress == Progress() and target.started_from == init_from
         assert not target.optimizers[0].state
-        trained_sd, target_sd = trained.model_parts[0].state_dict(), target.model_parts[0].state_dict()
+        trained_sd, target_sd = trained.chunks[0].state_dict(), target.chunks[0].state_dict()
         for (name, a), b in zip(trained_sd.items(), target_sd.values(), strict=True):
             assert torch.equal(a, b), name

@@ -51,7 +51,7 @@ def test_from_hf_init_from_train_to_hf(tmp_path: Path) -> None:
     assert trainer.started_from == ckpt and trainer.progress.step == 0
     with torch.no_grad():
         expected = hf(tokens).logits
-        ours = trainer.model_parts[0](tokens)
+        ours = trainer.chunks[0](tokens)
     assert expected.abs().mean() > 0.1  # O(1) logits: the comparison below means something
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
 
@@ -62,7 +62,7 @@ def test_from_hf_init_from_train_to_hf(tmp_path: Path) -> None:
     assert "step-0000002" in result.stdout
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
-        trained = trainer.model_parts[0](tokens)
+        trained = trainer.chunks[0](tokens)
         torch.testing.assert_close(exported(tokens).logits, trained, atol=1e-4, rtol=1e-4)
     assert (trained - expected).abs().max() > 1e-3  # the exported model is the trained one, not the original
 

@@ -36,7 +36,7 @@ def small() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def saved(ckpt_dir: Path, *steps: int) -> list[Path]:
     model, optimizer = small()
-    return [save_checkpoint(ckpt_dir, model_parts=[model], optimizers=[optimizer], progress=Progress(step=s),
+    return [save_checkpoint(ckpt_dir, chunks=[model], optimizers=[optimizer], progress=Progress(step=s),
                             model_config={"step": s}, keep=None) for s in steps]
 
 
@@ -156,8 +156,8 @@ def test_a_checkpoint_from_elsewhere_cannot_run_code_through_its_metadata(tmp_pa
     trainer.train()
     honest = tmp_path / "a" / "checkpoints" / "step-0000001"
     model = Trainer(load_recipe("qwen3-tiny", [*SHRINK, "train.steps=1", f"run_dir={tmp_path / 'b'}",
-                                              f"checkpoint.init_from={honest}"])).model_parts[0]
-    for (name, a), b in zip(trainer.model_parts[0].state_dict().items(), model.state_dict().values(), strict=True):
+                                              f"checkpoint.init_from={honest}"])).chunks[0]
+    for (name, a), b in zip(trainer.chunks[0].state_dict().items(), model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     crafted = tmp_path / "crafted"
     shutil.copytree(honest, crafted)

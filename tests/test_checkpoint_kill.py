@@ -41,7 +41,7 @@ def write_tmp(ckpt_dir: Path, step: int, consumed: int) -> Path:
     """A complete, unpublished save of `step`; `consumed` tells one save of a step from another."""
     model, optimizer = model_and_optimizer()
     tmp = tmp_dir(ckpt_dir, step)
-    save_training_state(tmp, model_parts=[model], optimizers=[optimizer],
+    save_training_state(tmp, chunks=[model], optimizers=[optimizer],
                         progress=Progress(step=step, consumed_samples=consumed))
     return tmp
 
@@ -59,7 +59,7 @@ def resumed_progress(ckpt_dir: Path) -> Progress | None:
     if start is None:
         return None
     model, optimizer = model_and_optimizer()
-    return load_training_state(start, model_parts=[model], optimizers=[optimizer])
+    return load_training_state(start, chunks=[model], optimizers=[optimizer])
 
 
 def step_folders(ckpt_dir: Path) -> dict[str, bool]:
@@ -106,7 +106,7 @@ def test_killed_between_writing_a_step_and_updating_latest(tmp_path: Path) -> No
     assert latest_checkpoint(tmp_path) == tmp_path / "step-0000001"  # step 2 was never named
     assert resumed_progress(tmp_path) == Progress(step=1, consumed_samples=1)
     model, optimizer = model_and_optimizer()  # the resumed run saves step 2 again
-    save_checkpoint(tmp_path, model_parts=[model], optimizers=[optimizer],
+    save_checkpoint(tmp_path, chunks=[model], optimizers=[optimizer],
                     progress=Progress(step=2, consumed_samples=22),
                     model_config={}, keep=2)
     assert resumed_progress(tmp_path) == Progress(step=2, consumed_samples=22)
@@ -135,7 +135,7 @@ def test_killed_while_saving_a_step_again(tmp_path: Path, kill_after: int) -> No
     expected = Progress(step=2, consumed_samples=20) if kill_after == 4 else Progress(step=1, consumed_samples=1)
     assert resumed_progress(tmp_path) == expected  # never the old step 2, never a fresh start
     model, optimizer = model_and_optimizer()
-    save_checkpoint(tmp_path, model_parts=[model], optimizers=[optimizer],
+    save_checkpoint(tmp_path, chunks=[model], optimizers=[optimizer],
                     progress=Progress(step=2, consumed_samples=21),
                     model_config={}, keep=2)
     assert resumed_progress(tmp_path) == Progress(step=2, consumed_samples=21)
@@ -166,7 +166,7 @@ def test_pruning_killed_midway_leaves_only_complete_steps(tmp_path: Path) -> Non
     assert step_folders(tmp_path) == {"step-0000003": True}  # step 1 gone, step 2 renamed out of the way
     assert resumed_progress(tmp_path) == Progress(step=3, consumed_samples=3)
     model, optimizer = model_and_optimizer()
-    save_checkpoint(tmp_path, model_parts=[model], optimizers=[optimizer], progress=Progress(step=4), model_config={},
+    save_checkpoint(tmp_path, chunks=[model], optimizers=[optimizer], progress=Progress(step=4), model_config={},
                     keep=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-0000004"]
 
@@ -174,7 +174,7 @@ def test_pruning_killed_midway_leaves_only_complete_steps(tmp_path: Path) -> Non
 def test_saving_a_step_again_replaces_it(tmp_path: Path) -> None:
     model, optimizer = model_and_optimizer()
     for consumed in (5, 6):
-        save_checkpoint(tmp_path, model_parts=[model], optimizers=[optimizer], model_config={"save": consumed}, keep=2,
+        save_checkpoint(tmp_path, chunks=[model], optimizers=[optimizer], model_config={"save": consumed}, keep=2,
                         progress=Progress(step=3, consumed_samples=consumed))
     assert resumed_progress(tmp_path) == Progress(step=3, consumed_samples=6)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-0000003"]
@@ -204,7 +204,7 @@ def test_a_save_killed_before_or_as_its_manifest_is_written_is_never_resumed_fro
     folder is still `.tmp-*`, so a resume continues from the earlier checkpoint, and saving the step again
     replaces what the kill left."""
     model, optimizer = model_and_optimizer()  # what the driver saves too
-    save_checkpoint(tmp_path, model_parts=[model], optimizers=[optimizer],
+    save_checkpoint(tmp_path, chunks=[model], optimizers=[optimizer],
                     progress=Progress(step=1, consumed_samples=1), model_config={}, keep=None)
     events = run_driver("save", str(tmp_path), "2", kill_at=kill_at)
     assert events[-1] == kill_at
@@ -212,7 +212,7 @@ def test_a_save_killed_before_or_as_its_manifest_is_written_is_never_resumed_fro
     assert is_complete(partial)  # DCP's part finished: only the manifest and the publishing are missing
     assert step_folders(tmp_path) == {"step-0000001": True}
     assert resumed_progress(tmp_path) == Progress(step=1, consumed_samples=1)
-    save_checkpoint(tmp_path, model_parts=[model], optimizers=[optimizer],
+    save_checkpoint(tmp_path, chunks=[model], optimizers=[optimizer],
                     progress=Progress(step=2, consumed_samples=2), model_config={}, keep=None)
     assert resumed_progress(tmp_path) == Progress(step=2, consumed_samples=2) and not partial.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-0000001", "step-0000002"]
@@ -231,7 +231,7 @@ def test_a_background_save_killed_at_any_point_never_leaves_latest_naming_it_inc
     after `latest` moved: `latest` names a complete checkpoint every time, and it is step 2 (as staged, not as
     trained on afterwards) only once `latest` moved."""
     model, optimizer = model_and_optimizer()  # what the driver trains and stages too
-    save_checkpoint(tmp_path, model_parts=[model], optimizers=[optimizer],
+    save_checkpoint(tmp_path, chunks=[model], optimizers=[optimizer],
                     progress=Progress(step=1, consumed_samples=1), model_config={}, keep=None)
     events = run_driver("async_save", str(tmp_path), "2", kill_at=kill_at)
     assert events[:len(ASYNC_EVENTS)] == ASYNC_EVENTS[:len(events)] and "staged" in events
@@ -243,9 +243,9 @@ def test_a_background_save_killed_at_any_point_never_leaves_latest_naming_it_inc
         restored, restored_optimizer = model_and_optimizer()
         with torch.no_grad():
             restored.weight.zero_()
-        load_training_state(latest_checkpoint(tmp_path), model_parts=[restored], optimizers=[restored_optimizer])
+        load_training_state(latest_checkpoint(tmp_path), chunks=[restored], optimizers=[restored_optimizer])
         assert torch.equal(restored.weight, model.weight)  # the staged weights, not the ones changed after staging
-    save_checkpoint(tmp_path, model_parts=[model], optimizers=[optimizer],
+    save_checkpoint(tmp_path, chunks=[model], optimizers=[optimizer],
                     progress=Progress(step=2, consumed_samples=22), model_config={}, keep=None)
     assert resumed_progress(tmp_path) == Progress(step=2, consumed_samples=22)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-0000001", "step-0000002"]

@@ -169,7 +169,7 @@ def test_deterministic_changes_no_cpu_number_and_continues_the_same_run(tmp_path
         try:
             assert torch.are_deterministic_algorithms_enabled() is flag
             t.train()
-            state = {k: v.detach().clone() for k, v in t.model_parts[0].state_dict().items()}
+            state = {k: v.detach().clone() for k, v in t.chunks[0].state_dict().items()}
             results[flag] = ([r for r in records(tmp_path / str(flag)) if r["kind"] == "train"], state)
         finally:
             if dist.is_initialized():

@@ -150,8 +150,8 @@ def fsdp_shard_elements(model: torch.nn.Module, dp: int) -> int:
 
 
 def test_fake_full_size_deepseek_v3_layers():
-    from moe_train.measure.driver import keep_layers
     from moe_train.models.model import Transformer
+    from moe_train.parallel.pipeline import keep_layers
 
     start = time.monotonic()
     args = [arg for item in DEEPSEEK_TODAY for arg in ("--set", item)]
@@ -168,7 +168,7 @@ def test_fake_full_size_deepseek_v3_layers():
     layers += ffn_matrices(cfg, moe_layer=True, active=False)
     with torch.device("meta"):
         model = Transformer(cfg)
-    keep_layers(model, (0, 3))
+    keep_layers(model, layers=(0, 3), mtp=())
     assert sum(p.numel() for p in model.parameters()) == 2 * cfg.padded_vocab_size() * cfg.hidden_size + (
         cfg.hidden_size + layers)
     # FSDP2 over dp = 256: fp32 shards; gradients the same; AdamW's two moments plus a step scalar per tensor.
@@ -194,6 +194,50 @@ def test_fake_full_size_deepseek_v3_layers():
     assert 34 <= per_element["0"] <= 340, per_element
     assert per_element["0"] < per_element["3"] <= 340, per_element  # routed rows: top-8 copies of each token
     assert report["peak_memory_bytes"] >= report["param_bytes"] + report["grad_bytes"] + report["optimizer_bytes"]
+
+
+DERIVED = {  # recipe, overrides, rank, micro-batches per step (more than the three samples together)
+    "no pipeline: dense, MoE and MTP layers": ("deepseek-v3-tiny", (), 0, 10),
+    "1f1b first stage": ("qwen3-moe-tiny", ("parallel.pp=2",), 0, 16),
+    "1f1b last stage": ("qwen3-moe-tiny", ("parallel.pp=2",), 1, 16),
+    "interleaved 1f1b": ("qwen3-moe-tiny", ("parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved_1f1b",
+                                            "model.num_layers=4"), 0, 28),
+}
+
+
+def test_derive_takes_affine_figures_on_and_refuses_the_rest():
+    from moe_train.measure.derive import NotAffine, derive, sample_counts
+
+    reports = [{"flops": {"total": 10 + 2 * m}, "peak": 7, "layers": [0, 3], "micro_batches": m} for m in (2, 3, 4)]
+    assert derive(reports, (2, 3, 4), 10) == {"flops": {"total": 30}, "peak": 7, "layers": [0, 3], "micro_batches": 10}
+    for bad in ({"peak": 9}, {"layers": [0]}, {"flops": {"total": 18, "recompute": 1}}):
+        with pytest.raises(NotAffine):
+            derive([*reports[:2], {**reports[2], **bad}], (2, 3, 4), 10)
+    assert sample_counts(load_recipe("qwen3-tiny"), 2048) == (2, 3, 4)
+    assert sample_counts(load_recipe("qwen3-tiny"), 9) is None  # walking all nine costs no more
+    gpipe = load_recipe("qwen3-tiny", ["parallel.pp=2", "parallel.pp_schedule=gpipe", "launch.gpus_per_node=2"])
+    assert sample_counts(gpipe, 2048) is None  # its growing peak may overtake another past the samples
+    interleaved = load_recipe("deepseek-v3", check_files=False)  # pp 8, vpp 2: steps of 24, 32 and 40
+    assert sample_counts(interleaved, 64) is None and sample_counts(interleaved, 2048) == (24, 32, 40)
+
+
+@pytest.mark.parametrize("case", DERIVED)
+def test_a_step_derived_from_a_few_micro_batches_equals_walking_them_all(case, capfd):
+    """Under --fake the step is measured at three micro-batch counts and taken on to the recipe's: every key of
+    the report equals the walk of every micro-batch, pipeline schedules (whose in-flight peak depends on the
+    interleaving) included."""
+    from moe_train.measure.driver import Target, measure
+
+    name, extra, rank, micro_batches = DERIVED[case]
+    world = 2 if extra else 1
+    recipe = load_recipe(name, [f"train.global_batch_size={micro_batches}", "train.micro_batch_size=1",
+                                "train.seq_length=32", f"launch.gpus_per_node={world}", *extra])
+    derived = measure(recipe, Target(fake=True, rank=rank))
+    said = capfd.readouterr().err
+    assert f"{micro_batches} micro-batches per step; measuring steps of" in said and "do not fix" not in said, said
+    walked = measure(recipe, Target(fake=True, rank=rank, every_micro_batch=True))
+    assert derived["micro_batches"] == micro_batches
+    assert derived == walked
 
 
 def test_measure_counts_what_the_trainer_runs_two_ranks(tmp_path):
@@ -293,11 +337,11 @@ def test_dtensor_ops_are_counted_on_this_ranks_shards():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from moe_train.measure.comm import CommCounter, mesh_group_namer
     from moe_train.measure.dtensor import local_dtensor_ops
     from moe_train.measure.fake import fake_process_group
     from moe_train.measure.flops import PhaseFlopCounter
     from moe_train.measure.layers import LayerTracker
+    from moe_train.measure.traffic import CollectiveTraffic
 
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleDict()
@@ -305,7 +349,8 @@ def test_dtensor_ops_are_counted_on_this_ranks_shards():
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
         weight = distribute_tensor(torch.randn(8, 16), mesh, [Shard(0)])
         x = distribute_tensor(torch.randn(4, 16), mesh, [Replicate()])
-        flops, comm = PhaseFlopCounter(LayerTracker([model])), CommCounter(mesh_group_namer([mesh]))
+        names = {mesh.get_group("tp").group_name: "tp"}  # groups named by their mesh dimension
+        flops, comm = PhaseFlopCounter(LayerTracker([model])), CollectiveTraffic(lambda g: names[g.group_name])
         with local_dtensor_ops(), comm, flops:
             y = x @ weight.t()  # local [4, 16] x [16, 4]
             torch.linalg.vector_norm(weight).full_tensor()  # partial sums of squares, all-reduced

@@ -21,7 +21,7 @@ from moe_train.config import load_recipe
 from moe_train.config.hardware import HARDWARE
 from moe_train.config.mesh_shape import MeshShape
 from moe_train.measure.driver import Target, measure
-from moe_train.measure.versus_plan import against, disagreements
+from moe_train.measure.versus_plan import Figure, against
 from moe_train.plan.estimate import estimate, plan_json
 from moe_train.plan.rank_layout import PlanLayout, in_flight
 
@@ -45,6 +45,18 @@ def recompute(policy: str) -> list[str]:
         return ["parallel.recompute.granularity=full", f"parallel.recompute.method={method}",
                 f"parallel.recompute.num_layers={layers}"]
     return ["parallel.recompute.granularity=selective", f"parallel.recompute.modules=[{policy.replace('+', ',')}]"]
+
+
+def disagreements(figures: list[Figure], *, tolerance: float) -> list[str]:
+    """One line per figure off by more than `tolerance` (parameter bytes: by anything at all)."""
+    out = []
+    for figure in figures:
+        allowed = 0.0 if figure.name == "param_bytes" else tolerance
+        if figure.relative_error > allowed:
+            out.append(f"{figure.name}: plan {figure.planned:,.0f}, measured {figure.measured:,.0f} "
+                       f"({(figure.planned - figure.measured) / figure.measured:+.2%})" if figure.measured else
+                       f"{figure.name}: plan {figure.planned:,.0f}, measured 0")
+    return out
 
 
 def plan_against_measure(recipe, report: dict, *, tolerance: float, plan: dict | None = None) -> list[str]:

@@ -201,15 +201,15 @@ def test_a_skipped_step_leaves_every_piece_of_state_unchanged(tmp_path: Path) ->
             return out
         return type(out)(*(term * float("nan") for term in out)) if isinstance(out, tuple) else out * float("nan")
 
-    t.model_parts[0].register_forward_hook(poison)
-    model_before = {k: whole(v) for k, v in t.model_parts[0].state_dict().items()}
+    t.chunks[0].register_forward_hook(poison)
+    model_before = {k: whole(v) for k, v in t.chunks[0].state_dict().items()}
     optimizer_before = t.optimizers[0].state_dict()
     moments_before = {i: {k: whole(v) for k, v in s.items()} for i, s in optimizer_before["state"].items()}
     groups_before = [{k: v for k, v in g.items() if k != "params"} for g in optimizer_before["param_groups"]]
 
     result = t.train_step(2)
     assert not result.finite and math.isnan(result.loss)
-    for key, value in t.model_parts[0].state_dict().items():
+    for key, value in t.chunks[0].state_dict().items():
         assert torch.equal(whole(value), model_before[key]), key
     after = t.optimizers[0].state_dict()
     assert [{k: v for k, v in g.items() if k != "params"} for g in after["param_groups"]] == groups_before
@@ -217,11 +217,11 @@ def test_a_skipped_step_leaves_every_piece_of_state_unchanged(tmp_path: Path) ->
     for index, state in after["state"].items():
         for key, value in state.items():
             assert torch.equal(whole(value), moments_before[index][key]), (index, key)
-    assert all(p.grad is None for p in t.model_parts[0].parameters())
+    assert all(p.grad is None for p in t.chunks[0].parameters())
 
     poisoned["on"] = False  # the same step again, finite this time, does train
     assert t.train_step(2).finite
-    assert any(not torch.equal(whole(v), model_before[k]) for k, v in t.model_parts[0].state_dict().items())
+    assert any(not torch.equal(whole(v), model_before[k]) for k, v in t.chunks[0].state_dict().items())
 
 
 # ----------------------------------------------------------------------------------------------- expert bias
@@ -271,14 +271,14 @@ def test_evaluate_is_the_mean_token_loss_of_the_validation_batches(tmp_path: Pat
                 "data.reset_at_eod=false")
     assert t.train_step(1).finite  # a trained model, not the initial one
     value = t.evaluate()
-    assert t.model_parts[0].training  # evaluation gives the model back in training mode
+    assert t.chunks[0].training  # evaluation gives the model back in training mode
 
     samples = torch.stack([torch.as_tensor(t.datasets.valid.sample(i), dtype=torch.int64) for i in range(8)])
     assert torch.equal(samples[:4], global_batch(t.datasets.valid, step=0, global_batch_size=4))
-    t.model_parts[0].eval()
+    t.chunks[0].eval()
     with torch.no_grad():
-        logits = t.model_parts[0](samples[:, :-1]).double()
-    t.model_parts[0].train()
+        logits = t.chunks[0](samples[:, :-1]).double()
+    t.chunks[0].train()
     log_probs = logits.log_softmax(-1).gather(-1, samples[:, 1:, None]).squeeze(-1)
     expected = -log_probs.mean().item()
     assert value == pytest.approx(expected, rel=1e-5)

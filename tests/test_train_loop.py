@@ -38,7 +38,7 @@ def poison(t: Trainer, steps: set[int]) -> None:
             return output
         return type(output)(*(term * float("nan") for term in output))
 
-    t.model_parts[0].register_forward_hook(hook)
+    t.chunks[0].register_forward_hook(hook)
 
 
 @pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny"])
@@ -90,13 +90,13 @@ def test_deepseek_mtp_loss_and_expert_bias_update(tmp_path: Path) -> None:
 def test_nonfinite_step_is_skipped_and_leaves_the_model_untouched(tmp_path: Path) -> None:
     t = trainer("qwen3-moe-tiny", tmp_path, "train.steps=2")
     poison(t, {1})
-    before = {k: v.clone() for k, v in t.model_parts[0].state_dict().items()}
+    before = {k: v.clone() for k, v in t.chunks[0].state_dict().items()}
     result = t.train_step(1)
     assert not result.finite
-    for key, value in t.model_parts[0].state_dict().items():
+    for key, value in t.chunks[0].state_dict().items():
         assert torch.equal(value, before[key]), key
     assert not t.optimizers[0].state  # Adam's moments never saw the poisoned gradients
-    assert all(p.grad is None for p in t.model_parts[0].parameters())
+    assert all(p.grad is None for p in t.chunks[0].parameters())
 
 
 def test_skip_counts_and_continues(tmp_path: Path) -> None:
@@ -143,7 +143,7 @@ def test_bf16_autocast_keeps_fp32_master_weights(tmp_path: Path) -> None:
     t.train()
     lines = [r for r in records(tmp_path / "bf16") if r["kind"] == "train"]
     assert lines[-1]["loss"] < lines[0]["loss"]
-    assert all(p.dtype == torch.float32 for p in t.model_parts[0].parameters())
+    assert all(p.dtype == torch.float32 for p in t.chunks[0].parameters())
     assert all(v.dtype == torch.float32 for s in t.optimizers[0].state.values() for k, v in s.items() if k != "step")
     # The same first step in fp32: close, but not equal (the forward really ran in bf16).
     fp32 = trainer("qwen3-moe-tiny", tmp_path / "fp32", "train.steps=3").train_step(1)
@@ -156,7 +156,7 @@ def test_gradient_accumulation_matches_one_big_micro_batch(tmp_path: Path) -> No
     for mbs in (1, 4):
         t = trainer("qwen3-tiny", tmp_path / str(mbs), "train.steps=2", f"train.micro_batch_size={mbs}")
         steps[mbs] = (t.train_step(1), t.train_step(2))
-        models[mbs] = t.model_parts[0].state_dict()
+        models[mbs] = t.chunks[0].state_dict()
     for small, big in zip(steps[1], steps[4], strict=True):
         assert small.loss == pytest.approx(big.loss, rel=1e-6)
         assert small.grad_norm == pytest.approx(big.grad_norm, rel=1e-4)

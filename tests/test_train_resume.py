@@ -64,7 +64,7 @@ def test_resume_is_bitwise_identical(name: str, tmp_path: Path) -> None:
     assert sorted(expected) == list(range(1, STEPS + 1))
     assert train_losses(split_dir) == expected  # exact float equality, loss by loss
     assert expected[STEPS] < expected[1]  # it trained
-    straight_sd, resumed_sd = straight.model_parts[0].state_dict(), resumed.model_parts[0].state_dict()
+    straight_sd, resumed_sd = straight.chunks[0].state_dict(), resumed.chunks[0].state_dict()
     for (key, a), b in zip(straight_sd.items(), resumed_sd.values(), strict=True):
         assert torch.equal(a, b), key
 

@@ -1,4 +1,5 @@
-"""The trainer's parts on their own: LR schedules, optimizer groups, the FLOPs formula, expert balance."""
+"""The trainer's parts on their own: LR schedules, optimizer groups, the FLOPs formula, expert balance, the
+loop's run tally and the gradient norm read on the host."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from moe_train.config import TrainConfig, load_recipe
 from moe_train.models import build_model
 from moe_train.models.moe.layer import router_entropy
 from moe_train.plan.flop_count import forward_flops_per_token, training_flops_per_token
+from moe_train.train.grad_norm import clip_grad_norm, host_norm
 from moe_train.train.metrics import expert_balance
 from moe_train.train.optimizer import build_optimizer
 from moe_train.train.schedule import lr_at
+from moe_train.train.tally import RunTally
 
 
 def config(**fields) -> TrainConfig:
@@ -112,3 +115,30 @@ def test_router_entropy_by_hand() -> None:
     assert router_entropy(torch.full((3, 8), 0.125)).item() == pytest.approx(3 * math.log(8))
     assert router_entropy(torch.eye(4)).item() == pytest.approx(0.0, abs=1e-12)
     assert router_entropy(torch.tensor([[0.5, 0.5]])).item() == pytest.approx(math.log(2))
+
+
+def test_run_tally_leaves_out_the_first_step_of_several_and_keeps_applied_losses(tmp_path) -> None:
+    resumed = RunTally(first_step=4, last=8, tokens_per_step=100)
+    for step, seconds in ((5, 10.0), (6, 1.0), (7, 3.0)):  # step 5 warms caches: not timed
+        resumed.timed(step, seconds)
+    assert resumed.tokens_per_s == 200 / 4.0
+    alone = RunTally(first_step=4, last=5, tokens_per_step=100)
+    alone.timed(5, 2.0)  # the only step of the process counts
+    assert alone.tokens_per_s == 50.0 and RunTally(first_step=0, last=3, tokens_per_step=1).tokens_per_s == 0.0
+    assert (resumed.first_loss, resumed.final_loss) == (None, None)
+    for loss in (3.0, 2.5, 2.0):
+        resumed.applied(loss)
+    assert (resumed.first_loss, resumed.final_loss) == (3.0, 2.0)
+    resumed.saved(6, tmp_path / "step-6")
+    assert (resumed.saved_step, resumed.checkpoint) == (6, tmp_path / "step-6")
+
+
+def test_clip_leaves_the_norm_on_the_device_and_the_host_reads_non_finite_as_nan() -> None:
+    weight = torch.nn.Parameter(torch.zeros(2))
+    weight.grad = torch.tensor([3.0, 4.0])
+    norm = clip_grad_norm([weight], 1.0)
+    assert isinstance(norm, torch.Tensor) and host_norm(norm) == 5.0
+    assert torch.allclose(weight.grad, torch.tensor([0.6, 0.8]))
+    weight.grad = torch.tensor([float("inf"), 0.0])
+    assert math.isnan(host_norm(clip_grad_norm([weight], None)))
+    assert host_norm(clip_grad_norm([torch.nn.Parameter(torch.zeros(1))], 1.0)) == 0.0  # no gradients at all

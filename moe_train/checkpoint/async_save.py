@@ -47,13 +47,13 @@ class Checkpointer:
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
 
-    def save(self, *, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], progress: Progress,
+    def save(self, *, chunks: list[nn.Module], optimizers: list[torch.optim.Optimizer], progress: Progress,
              model_config: dict, background: bool = False) -> Path:
         """Save `progress.step`; returns the checkpoint's final path (with background=True it is published
         later: `wait()` returns once it is)."""
         self.wait()
         if not background:
-            return save_checkpoint(self.ckpt_dir, model_parts=model_parts, optimizers=optimizers, progress=progress,
+            return save_checkpoint(self.ckpt_dir, chunks=chunks, optimizers=optimizers, progress=progress,
                                    model_config=model_config, keep=self.keep)
         tmp = tmp_dir(self.ckpt_dir, progress.step)
         if collective.rank() == 0:
@@ -61,7 +61,7 @@ class Checkpointer:
             if tmp.exists():  # left by a save that was killed midway
                 shutil.rmtree(tmp)
         write_model_config(tmp, model_config)
-        state = training_state(model_parts=model_parts, optimizers=optimizers, progress=progress)
+        state = training_state(chunks=chunks, optimizers=optimizers, progress=progress)
         group = self._background_group()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")

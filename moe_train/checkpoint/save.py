@@ -21,13 +21,13 @@ from moe_train.checkpoint.state import Progress, save_training_state
 def save_checkpoint(
     ckpt_dir: Path,
     *,
-    model_parts: list[nn.Module],
+    chunks: list[nn.Module],
     optimizers: list[torch.optim.Optimizer],
     progress: Progress,
     model_config: dict,
     keep: int | None,
 ) -> Path:
-    """Write `step-NNNNNNN` for `progress.step` and make it the latest; returns its final path. `model_parts`:
+    """Write `step-NNNNNNN` for `progress.step` and make it the latest; returns its final path. `chunks`:
     this rank's model chunks (pipeline stages), each with its optimizer in `optimizers`."""
     is_rank0 = collective.rank() == 0
     tmp = tmp_dir(ckpt_dir, progress.step)
@@ -36,7 +36,7 @@ def save_checkpoint(
         if tmp.exists():  # left by a save that was killed midway
             shutil.rmtree(tmp)
     collective.barrier()
-    save_training_state(tmp, model_parts=model_parts, optimizers=optimizers, progress=progress,
+    save_training_state(tmp, chunks=chunks, optimizers=optimizers, progress=progress,
                         model_config=model_config)
     if is_rank0:
         publish(tmp, step=progress.step)

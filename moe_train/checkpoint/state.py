@@ -106,25 +106,26 @@ def read_model_config(path: Path) -> dict:
     return json.loads((path / MODEL_CONFIG).read_text(encoding="utf-8"))
 
 
-def _part_states(
-    model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], *, with_optim: bool
+def _chunk_states(
+    chunks: list[nn.Module], optimizers: list[torch.optim.Optimizer], *, with_optim: bool
 ) -> list[tuple[dict[str, torch.Tensor], dict | None]]:
     """Each chunk's (model state dict, optimizer state dict, or None without optimizer state). With it,
     `get_state_dict` creates an optimizer's state when it has none, for a load to fill."""
-    return [get_state_dict(part, optimizer) if with_optim else (get_model_state_dict(part), None)
-            for part, optimizer in zip(model_parts, optimizers, strict=True)]
+    return [get_state_dict(chunk, optimizer) if with_optim else (get_model_state_dict(chunk), None)
+            for chunk, optimizer in zip(chunks, optimizers, strict=True)]
 
 
-def _merged(parts: list[tuple[dict[str, torch.Tensor], dict | None]]) -> tuple[dict[str, torch.Tensor], dict]:
+def _merged(states: list[tuple[dict[str, torch.Tensor], dict | None]]) -> tuple[dict[str, torch.Tensor], dict]:
     """The chunks' model and optimizer state merged (the same tensors): keys are the whole model's names, so a
     checkpoint holds the same keys whatever the pipeline split (each stage writes its own)."""
-    model_sd = {k: v for part_sd, _ in parts for k, v in part_sd.items()}
-    optim_state = {k: v for _, part_optim in parts if part_optim is not None for k, v in part_optim["state"].items()}
+    model_sd = {k: v for chunk_sd, _ in states for k, v in chunk_sd.items()}
+    optim_state = {k: v for _, chunk_optim in states if chunk_optim is not None
+                   for k, v in chunk_optim["state"].items()}
     return model_sd, optim_state
 
 
 def save_training_state(
-    path: Path, *, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], progress: Progress,
+    path: Path, *, chunks: list[nn.Module], optimizers: list[torch.optim.Optimizer], progress: Progress,
     model_config: dict | None = None,
 ) -> None:
     """Write model, optimizer, progress and RNG states of this rank's model chunks (each with its optimizer)
@@ -134,16 +135,16 @@ def save_training_state(
     together) have no state, and none is written: `get_state_dict` would create it by taking a step of lr 0,
     whose step count changes the next real update's bias correction (the resumed run would differ from the
     uninterrupted one)."""
-    _write_files(path, training_state(model_parts=model_parts, optimizers=optimizers, progress=progress),
+    _write_files(path, training_state(chunks=chunks, optimizers=optimizers, progress=progress),
                  model_config)
 
 
 def training_state(
-    *, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], progress: Progress
+    *, chunks: list[nn.Module], optimizers: list[torch.optim.Optimizer], progress: Progress
 ) -> dict:
     """The DCP state dict of a training checkpoint (the module docstring's keys); see save_training_state."""
     stepped = any(optimizer.state for optimizer in optimizers)
-    model_sd, optim_state = _merged(_part_states(model_parts, optimizers, with_optim=stepped))
+    model_sd, optim_state = _merged(_chunk_states(chunks, optimizers, with_optim=stepped))
     state = {"progress": _progress_tensors(progress), "rng": _rng_state(), "model": model_sd}
     if stepped:
         state["optim"] = {"state": optim_state}
@@ -153,7 +154,7 @@ def training_state(
 def load_training_state(
     path: Path,
     *,
-    model_parts: list[nn.Module],
+    chunks: list[nn.Module],
     optimizers: list[torch.optim.Optimizer],
     model_keys: Collection[str] | None = None,
     own: bool = False,
@@ -164,8 +165,8 @@ def load_training_state(
     (read with DCP's own reader; see trust.py)."""
     saved = _saved_tensors(path, own=own)
     stepped = any(key.startswith("optim.state.") for key in saved)  # see save_training_state
-    parts = _part_states(model_parts, optimizers, with_optim=stepped)
-    model_sd, optim_state = _merged(parts)
+    states = _chunk_states(chunks, optimizers, with_optim=stepped)
+    model_sd, optim_state = _merged(states)
     _check_model_matches(path, saved, model_sd, model_keys)
     if "progress.step" not in saved:
         raise CheckpointError(f"{path}: a model-only checkpoint cannot be resumed; use it as checkpoint.init_from")
@@ -180,11 +181,11 @@ def load_training_state(
     if stepped:
         state["optim"] = {"state": optim_state}
     _dcp_load(state, path, own=own)  # fills the chunks' state dicts in place (merged above: the same tensors)
-    for part, optimizer, (part_sd, part_optim) in zip(model_parts, optimizers, parts, strict=True):
-        if part_optim is None:
-            set_model_state_dict(part, part_sd)
+    for chunk, optimizer, (chunk_sd, chunk_optim) in zip(chunks, optimizers, states, strict=True):
+        if chunk_optim is None:
+            set_model_state_dict(chunk, chunk_sd)
         else:
-            set_state_dict(part, optimizer, model_state_dict=part_sd, optim_state_dict=part_optim)
+            set_state_dict(chunk, optimizer, model_state_dict=chunk_sd, optim_state_dict=chunk_optim)
     prefix = f"rank{collective.rank()}"
     if f"{prefix}.cpu" in rng:
         torch.set_rng_state(rng[f"{prefix}.cpu"])

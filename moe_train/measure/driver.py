@@ -9,82 +9,54 @@ process at any world size, playing rank R with fake tensors and a fake process g
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import sys
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from moe_train.config.schema import Recipe
 from moe_train.measure.activations import SavedTensorTracker
-from moe_train.measure.comm import CommCounter
+from moe_train.measure.derive import NotAffine, derive, sample_counts, with_micro_batches
 from moe_train.measure.dtensor import local_dtensor_ops
 from moe_train.measure.flops import PhaseFlopCounter
-from moe_train.measure.layers import LayerTracker
+from moe_train.measure.layers import LayerTracker, in_backward
 from moe_train.measure.memory import LiveBytes, grad_bytes, optimizer_bytes, param_bytes
-from moe_train.measure.step import train_step
-from moe_train.models.init import init_weights, materialize
-from moe_train.models.model import Transformer
-from moe_train.parallel import parallelize
+from moe_train.measure.traffic import CollectiveTraffic
 from moe_train.parallel.bootstrap import bootstrap, shutdown
 from moe_train.parallel.context import ParallelContext
-from moe_train.train.step import Batch, step_parts
+from moe_train.train.batch import Batch, rank_batch
+from moe_train.train.build import build_training
+from moe_train.train.schedule import lr_at
+from moe_train.train.step import apply_update, compute_gradients, zero_gradients
 
 
 @dataclass(frozen=True, kw_only=True)
 class Target:
-    """What to measure: which rank, which layers (None: all), fake or real."""
+    """What to measure: which rank, which layers (None: all), fake or real. `every_micro_batch`: walk all of the
+    step's micro-batches even where a few of them fix its figures (derive.py)."""
 
     rank: int = 0
     layers: tuple[int, ...] | None = None
     fake: bool = False
     even_routing: bool = False  # route by the even spread (always, when fake: fake tensors have no values)
+    every_micro_batch: bool = False
 
 
-def keep_layers(model: Transformer, layers: tuple[int, ...]) -> None:
-    """Drop every other layer (and MTP module) from the model, as a pipeline stage does."""
-    num_layers = model.cfg.num_layers
-    for name in list(model.layers):
-        if int(name) not in layers:
-            del model.layers[name]
-    for name in list(model.mtp):
-        if num_layers + int(name) not in layers:
-            del model.mtp[name]
-
-
-def _build(recipe: Recipe, target: Target, ctx: ParallelContext) -> list[Transformer]:
-    """The trainer's model chunks (one without a pipeline), cut to the target's layers: built on the meta
-    device (fake: directly as fake tensors, shapes only), cut, parallelised, then (real) allocated and
-    initialised by name."""
-    with torch.device(ctx.device if target.fake else "meta"):
-        model = Transformer(recipe.model)
-    if target.layers is not None:
-        keep_layers(model, target.layers)
-    chunks = parallelize(model, recipe, ctx)
-    for chunk in chunks:
-        if not target.fake:
-            materialize(chunk, device=ctx.device)
-            init_weights(chunk, seed=recipe.train.seed, init_std=recipe.model.init_std)
-        chunk.train()
-    return chunks
-
-
-def _batch(recipe: Recipe, target: Target, device: torch.device, dp_rank: int, dp_size: int) -> Batch:
-    """This rank's samples of the first global batch, as the trainer lays them out (micro-batches are views of
-    this rank's [B, s + 1] samples); fake token ids of the same shapes under `--fake`."""
-    train = recipe.train
-    rows = train.global_batch_size // dp_size
+def _batch(recipe: Recipe, target: Target, ctx: ParallelContext) -> Batch:
+    """This rank's samples of the first global batch, as the trainer reads them (train/batch.py); fake token
+    ids of the same shapes under `--fake`."""
     if target.fake:
-        samples = torch.randint(recipe.model.vocab_size, (rows, train.seq_length + 1), device=device)
-        return Batch(samples[:, :-1], samples[:, 1:], packed_positions(rows, train.seq_length, device)
+        train = recipe.train
+        rows = train.global_batch_size // ctx.size("dp")
+        samples = torch.randint(recipe.model.vocab_size, (rows, train.seq_length + 1), device=ctx.device)
+        return Batch(samples[:, :-1], samples[:, 1:], packed_positions(rows, train.seq_length, ctx.device)
                      if recipe.data.reset_at_eod else None)
-    from moe_train.data import build_datasets, global_batch, position_ids
+    from moe_train.data import build_datasets
 
     datasets = build_datasets(recipe)
-    tokens = global_batch(
-        datasets.train, step=0, global_batch_size=train.global_batch_size, dp_rank=dp_rank, dp_size=dp_size
-    ).to(device)
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    return Batch(inputs, labels, position_ids(inputs, datasets.eod) if recipe.data.reset_at_eod else None)
+    return rank_batch(datasets.train, 0, recipe=recipe, ctx=ctx, eod=datasets.eod)
 
 
 def packed_positions(rows: int, seq_length: int, device: torch.device) -> torch.Tensor:
@@ -124,24 +96,68 @@ def unmeasured_pipeline_warmup(*, fake: bool) -> Iterator[None]:
 
 
 def measure_step(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
-    """Run one step on this rank (every rank of the job calls it) and return the report dict."""
+    """Measure one step on this rank (every rank of the job calls it) and return the report dict: under
+    `--fake` from steps of a few micro-batches when they fix the step's figures (derive.py), else by walking
+    every micro-batch, with a line of progress on stderr now and then."""
+    train = recipe.train
+    micro_batches = train.global_batch_size // (train.micro_batch_size * ctx.size("dp"))
+    counts = sample_counts(recipe, micro_batches) if target.fake and not target.every_micro_batch else None
+    if counts is not None:
+        _say(ctx, target, f"measure: {micro_batches:,} micro-batches per step; measuring steps of "
+                          f"{', '.join(map(str, counts))} and deriving the step from them")
+        reports = [_walk(with_micro_batches(recipe, count, dp=ctx.size("dp")), target, ctx) for count in counts]
+        try:
+            return derive(reports, counts, micro_batches)
+        except NotAffine as reason:
+            _say(ctx, target, f"measure: the samples do not fix the step ({reason}); walking every micro-batch")
+    return _walk(recipe, target, ctx)
+
+
+def _say(ctx: ParallelContext, target: Target, line: str) -> None:
+    """A line on stderr from the reporting rank (stdout holds the report)."""
+    if ctx.rank == target.rank:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _progress(chunk: torch.nn.Module, micro_batches: int, say: Callable[[str], None], *,
+              every_s: float = 30.0) -> torch.utils.hooks.RemovableHandle:
+    """Every `every_s` seconds, at the start of a micro-batch's forward: how far the step is, and an estimate."""
+    start = time.perf_counter()
+    state = {"done": 0, "said": start}
+
+    def forward(module: torch.nn.Module, args: tuple) -> None:
+        if in_backward():
+            return
+        now = time.perf_counter()
+        if now - state["said"] >= every_s and state["done"]:
+            left = (now - start) / state["done"] * (micro_batches - state["done"])
+            say(f"measure: micro-batch {state['done'] + 1:,} of {micro_batches:,}, about {left:,.0f} s left")
+            state["said"] = now
+        state["done"] += 1
+
+    return chunk.register_forward_pre_hook(forward)
+
+
+def _walk(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
+    """One step of the recipe under every counter, all of its micro-batches."""
     torch.manual_seed(recipe.train.seed)
-    chunks = _build(recipe, target, ctx)
+    trainable = build_training(recipe, ctx, weights="fake" if target.fake else "init", layers=target.layers)
+    chunks = trainable.chunks
     for chunk in chunks:
         chunk.set_even_routing(target.fake or target.even_routing)
-    parts = step_parts(chunks, recipe, ctx)
-    batch = _batch(recipe, target, ctx.device, ctx.coord("dp"), ctx.size("dp"))
+    batch = _batch(recipe, target, ctx)
     micro_batches = len(batch.inputs) // recipe.train.micro_batch_size
     grads: dict[str, int] = {}
 
     def gradients_ready(*_) -> None:  # the gradients exist between backward and the update
         grads["bytes"] = sum(grad_bytes(chunk) for chunk in chunks)
 
-    parts.optimizers[0].register_step_pre_hook(gradients_ready)
+    trainable.optimizers[0].register_step_pre_hook(gradients_ready)
 
     layers = LayerTracker(chunks)
+    progress = _progress(chunks[0], micro_batches, lambda line: _say(ctx, target, line))
     saved = SavedTensorTracker(chunks, layers)
-    comm = CommCounter(ctx.group_name)
+    comm = CollectiveTraffic(ctx.group_name)
     flops = PhaseFlopCounter(layers)
     live = LiveBytes([t for chunk in chunks for t in (*chunk.parameters(), *chunk.buffers())])
     if ctx.device.type == "cuda":
@@ -150,8 +166,13 @@ def measure_step(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
         stack.enter_context(unmeasured_pipeline_warmup(fake=target.fake))
         for context in (local_dtensor_ops(), live, comm, flops, saved):
             stack.enter_context(context)
-        train_step(chunks, parts, batch, recipe=recipe, ctx=ctx)
+        # The trainer's step without its host-side figures (fake tensors have no values): the all-reduce of the
+        # loss sums and MoE telemetry and the expert-bias update it feeds; the update is taken whatever the norm.
+        compute_gradients(trainable, batch, recipe=recipe, ctx=ctx)
+        apply_update(trainable, lr=lr_at(1, train=recipe.train))
+        zero_gradients(trainable)
     layers.close()
+    progress.remove()
     peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else live.peak
     per_layer = saved.per_layer()
     return {
@@ -162,7 +183,7 @@ def measure_step(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
         "activation_bytes_total": sum(per_layer.values()),
         "param_bytes": sum(param_bytes(chunk) for chunk in chunks),
         "grad_bytes": grads.get("bytes", 0),
-        "optimizer_bytes": sum(optimizer_bytes(optimizer) for optimizer in parts.optimizers),
+        "optimizer_bytes": sum(optimizer_bytes(optimizer) for optimizer in trainable.optimizers),
         "flops": flops.totals(),
         "comm_bytes": dict(sorted(comm.bytes.items())),
         "peak_memory_bytes": peak,

@@ -30,9 +30,10 @@ class CpuKernelShapes(TorchDispatchMode):
     - `_grouped_mm`'s meta kernel accepts only CUDA's bf16. The CPU kernel runs fp32/bf16/f16 with the same
       output shape, so the shape is taken from the meta kernel on contiguous bf16 stand-ins, and the output
       gets the real dtype.
-    - A floating-point value read on the host (`.item()` of the gradient norm the trainer logs) is NaN, an
-      unknown figure nothing in the step depends on. Integer and boolean reads, which could decide shapes or
-      control flow, still fail: a step that needs one cannot be measured on fake tensors.
+    - A floating-point value read on the host is NaN, an unknown figure nothing in the step depends on (the
+      step itself reads none: the gradient norm stays on the device, train/step.py). Integer and boolean
+      reads, which could decide shapes or control flow, still fail: a step that needs one cannot be measured
+      on fake tensors.
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

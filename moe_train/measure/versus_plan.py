@@ -3,8 +3,8 @@
 DECISIONS.md holds the planner to the measurement under forced even routing, for the same rank: parameter
 bytes exactly; activation bytes per layer, FLOPs per step (forward, backward, recompute, total) and bytes per
 `<group>/<op>` within a tolerance. `against(plan, report)` lists every figure with both values, so a test or a
-bench can print the table and name the figure that disagrees; a key only one side has is a row with 0 on the
-other, never dropped.
+bench can print the table and name the figure that disagrees (tests/test_plan_measure.py holds each figure to
+its tolerance); a key only one side has is a row with 0 on the other, never dropped.
 """
 
 from __future__ import annotations
@@ -46,15 +46,3 @@ def against(plan: dict, report: dict) -> list[Figure]:
         figures.append(Figure(name=f"comm/{key}", planned=planned_comm.get(key, 0),
                               measured=measured_comm.get(key, 0)))
     return figures
-
-
-def disagreements(figures: list[Figure], *, tolerance: float) -> list[str]:
-    """One line per figure off by more than `tolerance` (parameter bytes: by anything at all)."""
-    out = []
-    for figure in figures:
-        allowed = 0.0 if figure.name == "param_bytes" else tolerance
-        if figure.relative_error > allowed:
-            out.append(f"{figure.name}: plan {figure.planned:,.0f}, measured {figure.measured:,.0f} "
-                       f"({(figure.planned - figure.measured) / figure.measured:+.2%})" if figure.measured else
-                       f"{figure.name}: plan {figure.planned:,.0f}, measured 0")
-    return out

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -69,19 +69,25 @@ class StageChunk:
 _CHUNK_CLASSES: dict[type, type] = {}
 
 
+def keep_layers(model: Transformer, *, layers: Iterable[int], mtp: Iterable[int]) -> None:
+    """Drop every decoder layer of `model` but `layers` and every MTP module but `mtp` (k, not num_layers + k):
+    what a stage holds, and what `measure --layers` builds."""
+    keep = {str(index) for index in layers}
+    for name in list(model.layers):
+        if name not in keep:
+            del model.layers[name]
+    keep_mtp = {str(k) for k in mtp}
+    for name in list(model.mtp):
+        if name not in keep_mtp:
+            del model.mtp[name]
+
+
 def _cut(model: Transformer, stage: StageContents) -> Transformer:
     """`model` (meta) reduced to what `stage` holds, with the stage's forward.
 
     The chunk takes the stage's forward by a class swap (StageChunk first in the MRO), not a wrapper module: a
     wrapper would prefix every parameter name, and checkpoints must hold the single-process model's names."""
-    keep = {str(index) for index in stage.layers}
-    for name in list(model.layers):
-        if name not in keep:
-            del model.layers[name]
-    keep_mtp = {str(k) for k in stage.mtp}
-    for name in list(model.mtp):
-        if name not in keep_mtp:
-            del model.mtp[name]
+    keep_layers(model, layers=stage.layers, mtp=stage.mtp)
     needs_embedding = stage.embedding or (stage.loss and (len(model.mtp) > 0 or model.cfg.tie_embeddings))
     if not needs_embedding:
         model.embed_tokens = None

@@ -30,12 +30,13 @@ def clip_grad_norm(
     stage_group: dist.ProcessGroup | None = None,
     duplicates: Iterable[torch.nn.Parameter] = (),
     device: torch.device | None = None,
-) -> float:
+) -> torch.Tensor:
     """Scale gradients so their global L2 norm is at most `max_norm` (None: no clipping); returns the norm
-    before clipping (what metrics.jsonl logs as grad_norm). `duplicates`: parameters that are another stage's
-    copy (a pipeline's second embedding), clipped like the rest but counted once in the norm. `device`: the
-    training device (ctx.device), where the sum lives even on a rank without a counted gradient: under pp > 1
-    that rank still all-reduces it, and NCCL takes no CPU tensor."""
+    before clipping (what metrics.jsonl logs as grad_norm: `host_norm` reads it), on the device: the step reads
+    nothing on the host (step.py). `duplicates`: parameters that are another stage's copy (a pipeline's second
+    embedding), clipped like the rest but counted once in the norm. `device`: the training device (ctx.device),
+    where the sum lives even on a rank without a counted gradient: under pp > 1 that rank still all-reduces it,
+    and NCCL takes no CPU tensor."""
     skip = {id(param) for param in duplicates}
     by_mesh: dict[object, list[torch.nn.Parameter]] = defaultdict(list)
     counted: dict[object, list[torch.nn.Parameter]] = defaultdict(list)
@@ -53,12 +54,18 @@ def clip_grad_norm(
         squares = squares.to(device)
         dist.all_reduce(squares, group=stage_group)
     elif not by_mesh:
-        return 0.0
+        return squares
     total = squares.sqrt()
     if max_norm is not None:
         for params in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-    value = total.item()
+    return total
+
+
+def host_norm(norm: torch.Tensor) -> float:
+    """The norm read on the host; NaN for any non-finite one (JSON writes it as null, and infinity and NaN
+    mean the same to the step: not applied)."""
+    value = norm.item()
     return value if math.isfinite(value) else float("nan")
 
 

@@ -38,27 +38,26 @@ from moe_train.checkpoint.collective import agreed_start_point
 from moe_train.checkpoint.state import Progress, load_model_weights, load_training_state
 from moe_train.config import RecipeError
 from moe_train.config.schema import Recipe
-from moe_train.data import build_datasets, global_batch, position_ids
-from moe_train.models import build_model
+from moe_train.data import build_datasets
 from moe_train.models.decoder import DecoderBlock
-from moe_train.models.init import init_weights, materialize
 from moe_train.models.moe import MoELayer, update_expert_bias
-from moe_train.parallel import parallelize
 from moe_train.parallel.context import ParallelContext
 from moe_train.plan.flop_count import training_flops_per_token
 from moe_train.run_files import COMPLETE_FILE, PREEMPT_FILE
 from moe_train.runtime import use_step_timeout
 from moe_train.train.bad_steps import BadSteps, Rejection
+from moe_train.train.batch import rank_batch
+from moe_train.train.build import build_training
 from moe_train.train.device_stats import device_mismatch, memory_figures, start_interval
 from moe_train.train.errors import TrainingError
-from moe_train.train.grad_norm import clip_grad_norm
+from moe_train.train.grad_norm import host_norm
 from moe_train.train.hang_report import HangWatch
 from moe_train.train.metrics import MetricsLogger, eval_record, expert_balance, train_record
-from moe_train.train.optimizer import set_lr
 from moe_train.train.peak import peak_flops
 from moe_train.train.schedule import lr_at
-from moe_train.train.step import Batch, StepLoss, forward_backward, forward_only, reduce_gradients, step_parts
+from moe_train.train.step import StepLoss, apply_update, compute_gradients, forward_only, zero_gradients
 from moe_train.train.stops import StopRequests
+from moe_train.train.tally import RunTally
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,6 +105,17 @@ class StepResult:
         return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
 
 
+@dataclass(frozen=True, kw_only=True)
+class StepFigures:
+    """The step's figures once read on the host (`Trainer._figures`), summed over every rank."""
+
+    lm_sum: float  # cross-entropy summed over the global batch's tokens
+    mtp_loss: float  # the weighted MTP loss of the global batch
+    aux_loss: float  # the weighted balancing loss, averaged over the global batch
+    expert_counts: dict[int, torch.Tensor]  # this rank's MoE layers: tokens per expert (device), for the bias
+    moe: dict[str, dict[str, float]] | None  # every MoE layer's balance figures (metrics.expert_balance)
+
+
 def _finite_or_none(value: float) -> float | None:
     """JSON has no NaN or infinity: a skipped step's poisoned figures are written as null."""
     return value if math.isfinite(value) else None
@@ -133,7 +143,6 @@ class Trainer:
             ctx = bootstrap(recipe)
         self.ctx = ctx
         self.rank = ctx.rank
-        self.dp_size = ctx.size("dp")
         self.device = ctx.device
         torch.manual_seed(train.seed)
         self.run_dir = Path(recipe.resolved_run_dir())
@@ -150,31 +159,27 @@ class Trainer:
         )
         start = self.start
         self.started_from = start.resume_from or start.init_from
-        # This rank's model chunks: the whole model, or its pipeline stages (one per virtual stage).
-        model = build_model(recipe.model, device="meta")
-        model_keys = set(model.state_dict())  # the whole model's, which a checkpoint holds at every layout
-        self.model_parts = parallelize(model, recipe, ctx)
-        for part in self.model_parts:
-            materialize(part, device=self.device)
-            if start.resume_from is None and start.init_from is None:
-                init_weights(part, seed=train.seed, init_std=recipe.model.init_std)
-            part.train()
-        self.parts = step_parts(self.model_parts, recipe, ctx)
+        # This rank's model chunks (the whole model, or its pipeline stages), allocated empty when a checkpoint
+        # fills them.
+        fresh = start.resume_from is None and start.init_from is None
+        self.trainable = build_training(recipe, ctx, weights="init" if fresh else "empty")
+        self.chunks = self.trainable.chunks
         # This rank's MoE layers by index (MTP blocks count as layers num_layers + k), and every MoE layer of the
         # whole model, whose figures all ranks exchange in one tensor of the same shape whatever their stage.
         self.moe_layers: dict[int, MoELayer] = {
-            m.layer_index: m.mlp for part in self.model_parts for m in part.modules()
+            m.layer_index: m.mlp for chunk in self.chunks for m in chunk.modules()
             if isinstance(m, DecoderBlock) and m.is_moe
         }
         cfg = recipe.model
         self.all_moe_layers = [i for i in range(cfg.num_layers + cfg.mtp_layers) if cfg.is_moe_layer(i)]
         self.progress = Progress()
+        model_keys = self.trainable.model_keys
         if start.resume_from is not None:
-            self.progress = load_training_state(start.resume_from, model_parts=self.model_parts,
+            self.progress = load_training_state(start.resume_from, chunks=self.chunks,
                                                 optimizers=self.optimizers, model_keys=model_keys, own=start.own)
         elif start.init_from is not None:
-            for part in self.model_parts:
-                load_model_weights(start.init_from, part, model_keys)
+            for chunk in self.chunks:
+                load_model_weights(start.init_from, chunk, model_keys)
         self.bad_steps = BadSteps(train, recent_losses=self.progress.recent_losses)
         self.tokens_per_step = train.global_batch_size * train.seq_length
         self.flops_per_token = training_flops_per_token(recipe.model, seq_length=train.seq_length)
@@ -191,72 +196,36 @@ class Trainer:
             dist.all_reduce(tensor)
         return tensor
 
-    def _batch(self, source, batch_index: int) -> Batch:
-        """This rank's samples of global batch `batch_index` (its data-parallel slice; every pipeline stage of
-        the slice reads the same samples)."""
-        train = self.recipe.train
-        tokens = global_batch(
-            source,
-            step=batch_index,
-            global_batch_size=train.global_batch_size,
-            dp_rank=self.ctx.coord("dp"),
-            dp_size=self.dp_size,
-        ).to(self.device)
-        inputs, labels = tokens[:, :-1], tokens[:, 1:]
-        positions = position_ids(inputs, self.datasets.eod) if self.recipe.data.reset_at_eod else None
-        return Batch(inputs, labels, positions)
-
-    def _zero_grad(self) -> None:
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        """One AdamW per model chunk (`parts.optimizers`)."""
-        return self.parts.optimizers
+        """One AdamW per model chunk (`trainable.optimizers`)."""
+        return self.trainable.optimizers
 
     def train_step(self, step: int) -> StepResult:
-        """Forward/backward over this rank's micro-batches of global batch step-1, then clip and update."""
+        """The step's gradients (step.py), then its figures read on the host, then the update if admitted."""
         train = self.recipe.train
-        batch = self._batch(self.datasets.train, step - 1)
-        micro_batches = len(batch.inputs) // train.micro_batch_size
-        share = 1.0 / (micro_batches * self.dp_size)  # of each micro-batch's mean losses
-        loss = StepLoss(tokens_per_step=self.tokens_per_step, share=share, device=self.device)
-        self._reset_telemetry()
-        self._zero_grad()
-        parts = self.parts
-        forward_backward(self.model_parts, parts.pipeline, batch, micro_batch_size=train.micro_batch_size, loss=loss)
-        reduce_gradients(self.model_parts, tp_group=self.ctx.group("tp"), shared_embedding=parts.shared_embedding)
-        lm_sum, mtp_loss, counts, moe, aux_loss = self._figures(loss.sums, share)
-        grad_norm = clip_grad_norm([p for part in self.model_parts for p in part.parameters()], train.grad_clip,
-                                   stage_group=self.ctx.group("pp"), duplicates=parts.duplicates, device=self.device)
-        lm_loss = lm_sum / self.tokens_per_step
-        total = lm_loss + aux_loss + mtp_loss
+        batch = rank_batch(self.datasets.train, step - 1, recipe=self.recipe, ctx=self.ctx, eod=self.datasets.eod)
+        gradients = compute_gradients(self.trainable, batch, recipe=self.recipe, ctx=self.ctx)
+        figures = self._figures(gradients.loss.sums, gradients.loss.share)
+        grad_norm = host_norm(gradients.grad_norm)
+        lm_loss = figures.lm_sum / self.tokens_per_step
+        total = lm_loss + figures.aux_loss + figures.mtp_loss
         result = StepResult(
             loss=total,
             lm_loss=lm_loss,
-            aux_loss=aux_loss,
-            mtp_loss=mtp_loss,
+            aux_loss=figures.aux_loss,
+            mtp_loss=figures.mtp_loss,
             grad_norm=grad_norm,
-            moe=moe,
+            moe=figures.moe,
             rejection=self.bad_steps.admit(loss=total, grad_norm=grad_norm),
         )
         if result.rejection is None:
-            for optimizer in self.optimizers:
-                set_lr(optimizer, lr_at(step, train=train))
-                optimizer.step()
-            self._update_expert_bias(counts)
-        self._zero_grad()
+            apply_update(self.trainable, lr=lr_at(step, train=train))
+            self._update_expert_bias(figures.expert_counts)
+        zero_gradients(self.trainable)
         return result
 
-    def _reset_telemetry(self) -> None:
-        for layer in self.moe_layers.values():
-            layer.reset_telemetry()
-        for part in self.model_parts:
-            part.aux_loss_value.zero_()
-
-    def _figures(self, loss_sums: torch.Tensor, share: float) -> tuple[float, float, dict[int, torch.Tensor],
-                                                                         dict | None, float]:
+    def _figures(self, loss_sums: torch.Tensor, share: float) -> StepFigures:
         """The step's loss sums, the expert counts per MoE layer of this rank (summed over micro-batches and
         ranks, for the bias update), the per-layer balance figures of every MoE layer, and the weighted
         balancing loss averaged over the global batch.
@@ -275,13 +244,13 @@ class Trainer:
                 rows[row] = torch.cat([layer.tokens_per_expert.double(), torch.stack([
                     layer.dropped_assignments, layer.assignments]).double(), layer.router_entropy_sum.view(1)])
         aux = torch.stack([layer.aux_loss_value for layer in self.moe_layers.values()]
-                          + [part.aux_loss_value for part in self.model_parts]).sum().view(1)
+                          + [chunk.aux_loss_value for chunk in self.chunks]).sum().view(1)
         sends_loss = 1.0 if self.ctx.coord("tp") == 0 else 0.0
         figures = self._all_reduce(torch.cat([loss_sums * sends_loss, aux.double(), rows.flatten()]))
         on_host = figures.cpu()
         lm_sum, mtp_loss, aux_loss = on_host[0].item(), on_host[1].item(), on_host[2].item() * share
         if not self.all_moe_layers:
-            return lm_sum, mtp_loss, {}, None, aux_loss
+            return StepFigures(lm_sum=lm_sum, mtp_loss=mtp_loss, aux_loss=aux_loss, expert_counts={}, moe=None)
         per_layer, on_host = figures[3:].view(rows.shape), on_host[3:].view(rows.shape)
         top_k = self.recipe.model.moe.top_k
         moe = {}
@@ -291,7 +260,7 @@ class Trainer:
                                              router_entropy=entropy * top_k / assignments)
         counts = {index: per_layer[row, :experts] for row, index in enumerate(self.all_moe_layers)
                   if index in self.moe_layers}
-        return lm_sum, mtp_loss, counts, moe, aux_loss
+        return StepFigures(lm_sum=lm_sum, mtp_loss=mtp_loss, aux_loss=aux_loss, expert_counts=counts, moe=moe)
 
     def _update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
         """Aux-loss-free balancing from the whole global batch's counts (identical on every rank)."""
@@ -304,14 +273,16 @@ class Trainer:
     def evaluate(self) -> float:
         """Cross-entropy on the validation split's first eval_steps global batches (the same ones every time)."""
         train = self.recipe.train
-        for part in self.model_parts:
-            part.eval()
+        for chunk in self.chunks:
+            chunk.eval()
         loss = StepLoss(tokens_per_step=self.tokens_per_step, share=0.0, device=self.device)
         for batch_index in range(train.eval_steps):
-            forward_only(self.model_parts, self.parts.pipeline, self._batch(self.datasets.valid, batch_index),
-                         micro_batch_size=train.micro_batch_size, loss=loss)
-        for part in self.model_parts:
-            part.train()
+            batch = rank_batch(self.datasets.valid, batch_index, recipe=self.recipe, ctx=self.ctx,
+                               eod=self.datasets.eod)
+            forward_only(self.chunks, self.trainable.pipeline, batch, micro_batch_size=train.micro_batch_size,
+                         loss=loss)
+        for chunk in self.chunks:
+            chunk.train()
         # The last stage's tp rank 0 of each data-parallel slice holds a sum.
         total = self._all_reduce(loss.sums[:1] * (1.0 if self.ctx.coord("tp") == 0 else 0.0))
         return total.item() / (train.eval_steps * self.tokens_per_step)
@@ -322,7 +293,7 @@ class Trainer:
         """Save this step; `background` (interval saves, with checkpoint.async_save) returns once it is staged."""
         background = background and self.recipe.checkpoint.async_save
         path = self.checkpointer.save(
-            model_parts=self.model_parts,
+            chunks=self.chunks,
             optimizers=self.optimizers,
             progress=self.progress,
             model_config=self.recipe.model.model_dump(mode="json"),
@@ -361,103 +332,136 @@ class Trainer:
                 logger.close()
 
     def _loop(self, last: int, logger: MetricsLogger | None) -> Summary:
-        train, recipe = self.recipe.train, self.recipe
+        """What happens per step, in order; each piece is a method of its own below."""
         start_time = time.perf_counter()
-        first_step = self.progress.step
-        timed_tokens, timed_seconds = 0, 0.0
-        first_loss, final_loss, checkpoint, status = None, None, None, None
         # A stop before the first step still saves (step 0 of a fresh run): a requeued job resumes with
         # `resume: required` and must find a checkpoint of this run.
-        saved_step = self.progress.step if self.start.resume_from is not None else None
+        tally = RunTally(first_step=self.progress.step, last=last, tokens_per_step=self.tokens_per_step,
+                         saved_step=self.progress.step if self.start.resume_from is not None else None)
+        status = None
         while self.progress.step < last:
-            reason = self.stops.agreed()  # a signal to any rank or the notice: every rank stops at this step
-            if reason is not None:
-                status = "preempted"
-                if logger is not None:
-                    logger.message(f"stopping at step {self.progress.step}: {reason}")
+            status = self._stop_requested(logger)
+            if status is not None:
                 break
             step = self.progress.step + 1
-            t0 = time.perf_counter()
-            result = self.train_step(step)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            if step == first_step + 1:  # start-up is over: a hung step now fails after launch.timeout_minutes
+            result, seconds = self._timed_step(step)
+            if step == tally.first_step + 1:  # start-up is over: a hung step now fails after launch.timeout_minutes
                 use_step_timeout(self.ctx, self.recipe.launch.timeout_minutes)
-            seconds = time.perf_counter() - t0
-            rejected = result.rejection
-            skipped = self.progress.skipped + (0 if rejected is None else 1)
-            self.progress = Progress(
-                step=step,
-                consumed_samples=self.progress.consumed_samples + train.global_batch_size,
-                skipped=skipped,
-                recent_losses=self.bad_steps.recent_losses,
-            )
-            if step > first_step + 1 or step == last:  # the first step of a process warms caches
-                timed_tokens += self.tokens_per_step
-                timed_seconds += seconds
-            tokens_per_s = self.tokens_per_step / seconds
-            tflops = self.flops_per_token * tokens_per_s / self.ctx.world_size / 1e12
-            if logger is not None and (step % recipe.logging.interval == 0 or step == last or rejected):
-                logger.train(
-                    train_record(
-                        step=step,
-                        loss=_finite_or_none(result.loss),
-                        lm_loss=_finite_or_none(result.lm_loss),
-                        aux_loss=_finite_or_none(result.aux_loss),
-                        grad_norm=_finite_or_none(result.grad_norm),
-                        lr=lr_at(step, train=train),
-                        tokens=step * self.tokens_per_step,
-                        tokens_per_s=tokens_per_s,
-                        tflops_per_device=tflops,
-                        mfu=tflops * 1e12 / self.peak,
-                        **memory_figures(self.device),
-                        skipped=skipped,
-                        moe=result.moe,
-                        mtp_loss=_finite_or_none(result.mtp_loss) if recipe.model.mtp_layers else None,
-                    )
-                )
-                start_interval(self.device)  # the next record's memory peak is its own interval's
-            if rejected is not None:
-                what = f"{rejected.reason} at step {step}"
-                field = "on_nonfinite" if rejected.kind == "nonfinite" else "on_loss_spike"
-                if getattr(train, field) == "stop":
-                    raise TrainingError(self.rank, f"{what} (train.{field}: stop)")
-                if skipped > train.max_skipped_steps:
-                    raise TrainingError(self.rank, f"{what}: {skipped} steps skipped, over train.max_skipped_steps")
-                if logger is not None:
-                    logger.message(f"step {step} skipped: {what}")
+            self._advance(step, result)
+            tally.timed(step, seconds)
+            self._log_step(logger, step, result, seconds, last=last)
+            if result.rejection is None:
+                tally.applied(result.loss)
             else:
-                final_loss = result.loss
-                first_loss = result.loss if first_loss is None else first_loss
-            if train.eval_interval and step % train.eval_interval == 0:
-                loss = self.evaluate()
-                if logger is not None:
-                    logger.eval(eval_record(step=step, loss=loss))
-            interval = recipe.checkpoint.interval
-            if interval and step % interval == 0 and step != last:
-                checkpoint, saved_step = self._save(logger, background=True), step
-        if saved_step != self.progress.step:
-            checkpoint = self._save(logger)
+                self._skip_or_stop(logger, step, result.rejection)
+            self._evaluate_at(logger, step)
+            self._checkpoint_at(logger, step, last=last, tally=tally)
+        return self._finish(logger, status, tally, start_time=start_time)
+
+    def _stop_requested(self, logger: MetricsLogger | None) -> str | None:
+        """"preempted" when a signal reached any rank or the notice file appeared: every rank stops here."""
+        reason = self.stops.agreed()
+        if reason is None:
+            return None
+        if logger is not None:
+            logger.message(f"stopping at step {self.progress.step}: {reason}")
+        return "preempted"
+
+    def _timed_step(self, step: int) -> tuple[StepResult, float]:
+        """The step and its wall time (on CUDA, up to the device's end of it)."""
+        t0 = time.perf_counter()
+        result = self.train_step(step)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return result, time.perf_counter() - t0
+
+    def _advance(self, step: int, result: StepResult) -> None:
+        """The progress a checkpoint holds: the step and data position move on whether or not it was applied."""
+        self.progress = Progress(
+            step=step,
+            consumed_samples=self.progress.consumed_samples + self.recipe.train.global_batch_size,
+            skipped=self.progress.skipped + (0 if result.rejection is None else 1),
+            recent_losses=self.bad_steps.recent_losses,
+        )
+
+    def _log_step(self, logger: MetricsLogger | None, step: int, result: StepResult, seconds: float, *,
+                  last: int) -> None:
+        """A metrics record every logging.interval steps, at the last step and for every rejected step."""
+        if logger is None or not (step % self.recipe.logging.interval == 0 or step == last or result.rejection):
+            return
+        tokens_per_s = self.tokens_per_step / seconds
+        tflops = self.flops_per_token * tokens_per_s / self.ctx.world_size / 1e12
+        logger.train(
+            train_record(
+                step=step,
+                loss=_finite_or_none(result.loss),
+                lm_loss=_finite_or_none(result.lm_loss),
+                aux_loss=_finite_or_none(result.aux_loss),
+                grad_norm=_finite_or_none(result.grad_norm),
+                lr=lr_at(step, train=self.recipe.train),
+                tokens=step * self.tokens_per_step,
+                tokens_per_s=tokens_per_s,
+                tflops_per_device=tflops,
+                mfu=tflops * 1e12 / self.peak,
+                **memory_figures(self.device),
+                skipped=self.progress.skipped,
+                moe=result.moe,
+                mtp_loss=_finite_or_none(result.mtp_loss) if self.recipe.model.mtp_layers else None,
+            )
+        )
+        start_interval(self.device)  # the next record's memory peak is its own interval's
+
+    def _skip_or_stop(self, logger: MetricsLogger | None, step: int, rejected: Rejection) -> None:
+        """A rejected step is skipped (logged) or stops the run, per train.on_nonfinite / on_loss_spike and
+        train.max_skipped_steps."""
+        train = self.recipe.train
+        what = f"{rejected.reason} at step {step}"
+        field = "on_nonfinite" if rejected.kind == "nonfinite" else "on_loss_spike"
+        if getattr(train, field) == "stop":
+            raise TrainingError(self.rank, f"{what} (train.{field}: stop)")
+        skipped = self.progress.skipped
+        if skipped > train.max_skipped_steps:
+            raise TrainingError(self.rank, f"{what}: {skipped} steps skipped, over train.max_skipped_steps")
+        if logger is not None:
+            logger.message(f"step {step} skipped: {what}")
+
+    def _evaluate_at(self, logger: MetricsLogger | None, step: int) -> None:
+        interval = self.recipe.train.eval_interval
+        if interval and step % interval == 0:
+            loss = self.evaluate()
+            if logger is not None:
+                logger.eval(eval_record(step=step, loss=loss))
+
+    def _checkpoint_at(self, logger: MetricsLogger | None, step: int, *, last: int, tally: RunTally) -> None:
+        """Every checkpoint.interval steps; the last step's checkpoint is `_finish`'s."""
+        interval = self.recipe.checkpoint.interval
+        if interval and step % interval == 0 and step != last:
+            tally.saved(step, self._save(logger, background=True))
+
+    def _finish(self, logger: MetricsLogger | None, status: str | None, tally: RunTally, *,
+                start_time: float) -> Summary:
+        """Save the step the run stops at (unless saved already), mark a complete run COMPLETE, summarise."""
+        if tally.saved_step != self.progress.step:
+            tally.saved(self.progress.step, self._save(logger))
         self.checkpointer.close()  # the last checkpoint is on disk, and `latest` names it, before the run ends
         if self.hang_watch is not None:
             self.hang_watch.stop()
         if status is None:
-            status = "complete" if self.progress.step >= train.steps else "exited"
+            status = "complete" if self.progress.step >= self.recipe.train.steps else "exited"
         if status == "complete" and self.ctx.logs:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / COMPLETE_FILE).write_text(f"step {self.progress.step}\n", encoding="utf-8")
-        tokens_per_s = timed_tokens / timed_seconds if timed_seconds else 0.0
         return Summary(
             status=status,
             step=self.progress.step,
-            steps_run=self.progress.step - first_step,
+            steps_run=self.progress.step - tally.first_step,
             tokens=self.progress.step * self.tokens_per_step,
-            first_loss=first_loss,
-            final_loss=final_loss,
-            tokens_per_s=tokens_per_s,
-            mfu=self.flops_per_token * tokens_per_s / self.ctx.world_size / self.peak,
+            first_loss=tally.first_loss,
+            final_loss=tally.final_loss,
+            tokens_per_s=tally.tokens_per_s,
+            mfu=self.flops_per_token * tally.tokens_per_s / self.ctx.world_size / self.peak,
             wall_s=time.perf_counter() - start_time,
             run_dir=self.run_dir,
-            checkpoint=checkpoint,
+            checkpoint=tally.checkpoint,
             logs=self.ctx.logs,
         )

@@ -1,11 +1,16 @@
-"""The forward and backward passes of one optimizer step, shared by the trainer and `moe-train measure`.
+"""One optimizer step, written once: the trainer (moe_train/train/loop.py) and `moe-train measure` run it alike.
 
-Nothing here reads a value on the host, so the same code runs on fake tensors (`measure --fake`). The optimised
-loss of a micro-batch is its cross-entropy summed over its tokens divided by the whole global batch's token count,
-plus its weighted MTP loss times its share 1 / (micro-batches x dp), so the gradients that accumulate over the
-step's micro-batches (and are summed over data-parallel ranks by FSDP2) are the global batch's, whatever the
-layout; balancing losses ride on the MoE layers' outputs at the scale each chunk's `balancing.start_step` gives
-them.
+Nothing here reads a value on the host, so the same code runs on fake tensors (`measure --fake`). The step is
+two phases, with the trainer's host-side figures between them: `compute_gradients` (telemetry reset, the
+forward and backward passes over the micro-batches, the gradient reductions, the clip; it leaves the loss sums
+and the gradient norm on the device) and `apply_update` (the learning rate and AdamW), which the trainer calls
+only when it admits the step (bad_steps.py); `zero_gradients` ends either.
+
+The optimised loss of a micro-batch is its cross-entropy summed over its tokens divided by the whole global
+batch's token count, plus its weighted MTP loss times its share 1 / (micro-batches x dp), so the gradients that
+accumulate over the step's micro-batches (and are summed over data-parallel ranks by FSDP2) are the global
+batch's, whatever the layout; balancing losses ride on the MoE layers' outputs at the scale
+each chunk's `balancing.start_step` gives them.
 
 Without pipeline parallelism this rank's single model runs the micro-batches one after another, FSDP2 reducing
 gradients in the last one's backward. With it, the schedule (parallel/pipeline.py) interleaves them over the
@@ -20,51 +25,20 @@ from typing import TYPE_CHECKING
 import torch
 
 from moe_train.models.model import LossTerms, Transformer
+from moe_train.models.moe import MoELayer
 from moe_train.parallel.data_parallel import set_gradient_sync
-from moe_train.parallel.pipeline import Pipeline, duplicate_parameters, shared_embedding_group, sync_shared_gradients
+from moe_train.parallel.pipeline import Pipeline, sync_shared_gradients
 from moe_train.parallel.tensor import reduce_replicated_gradients
-from moe_train.train.optimizer import build_optimizer
+from moe_train.train.batch import Batch
+from moe_train.train.grad_norm import clip_grad_norm
+from moe_train.train.optimizer import set_lr
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
     from moe_train.config.schema import Recipe
     from moe_train.parallel.context import ParallelContext
-
-
-@dataclass(frozen=True)
-class StepParts:
-    """What every step takes besides this rank's model chunks, built once from them (by the trainer and by
-    `measure`, which must run the trainer's step)."""
-
-    optimizers: list[torch.optim.Optimizer]  # one per chunk
-    pipeline: Pipeline | None  # the schedule over the stages, when pp > 1
-    shared_embedding: dist.ProcessGroup | None  # first and last stage, when both hold the embedding
-    duplicates: list[torch.nn.Parameter]  # a stage's copy of another's parameter: counted once in the norm
-
-
-def step_parts(chunks: list[Transformer], recipe: Recipe, ctx: ParallelContext) -> StepParts:
-    return StepParts(
-        optimizers=[build_optimizer(chunk, train=recipe.train) for chunk in chunks],
-        pipeline=Pipeline(chunks, recipe, ctx) if ctx.size("pp") > 1 else None,
-        shared_embedding=shared_embedding_group(recipe, ctx),
-        duplicates=duplicate_parameters(chunks),
-    )
-
-
-@dataclass(frozen=True)
-class Batch:
-    """This rank's samples of one global batch: inputs and labels [B, s], positions [B, s] or None (0..s-1).
-    Micro-batches are consecutive rows."""
-
-    inputs: torch.Tensor
-    labels: torch.Tensor
-    positions: torch.Tensor | None
-
-    def micro_batches(self, size: int) -> list[Batch]:
-        inputs, labels = self.inputs.split(size), self.labels.split(size)
-        positions = self.positions.split(size) if self.positions is not None else [None] * len(inputs)
-        return [Batch(*rows) for rows in zip(inputs, labels, positions, strict=True)]
+    from moe_train.train.build import Trainable
 
 
 class StepLoss:
@@ -123,3 +97,50 @@ def reduce_gradients(chunks: list[Transformer], *, tp_group: dist.ProcessGroup,
     for chunk in chunks:
         reduce_replicated_gradients(chunk, tp_group)
     sync_shared_gradients(chunks, shared_embedding)
+
+
+def reset_telemetry(chunks: list[Transformer]) -> None:
+    """Zero what the forwards accumulate over a step: each MoE layer's counts and each chunk's balancing loss."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, MoELayer):
+                module.reset_telemetry()
+        chunk.aux_loss_value.zero_()
+
+
+def zero_gradients(trainable: Trainable) -> None:
+    for optimizer in trainable.optimizers:
+        optimizer.zero_grad(set_to_none=True)
+
+
+@dataclass(frozen=True)
+class Gradients:
+    """What `compute_gradients` leaves on the device for the host to read (or not): the step's loss sums
+    (`loss.sums`; `loss.share` is each micro-batch's share of the step) and the gradient norm before clipping."""
+
+    loss: StepLoss
+    grad_norm: torch.Tensor
+
+
+def compute_gradients(trainable: Trainable, batch: Batch, *, recipe: Recipe, ctx: ParallelContext) -> Gradients:
+    """Phase one of the step: this rank's gradients of the global batch, reduced and clipped."""
+    train = recipe.train
+    micro_batches = len(batch.inputs) // train.micro_batch_size
+    share = 1.0 / (micro_batches * ctx.size("dp"))  # of each micro-batch's mean losses
+    loss = StepLoss(tokens_per_step=train.global_batch_size * train.seq_length, share=share,
+                    device=batch.inputs.device)
+    reset_telemetry(trainable.chunks)
+    zero_gradients(trainable)
+    forward_backward(trainable.chunks, trainable.pipeline, batch, micro_batch_size=train.micro_batch_size, loss=loss)
+    reduce_gradients(trainable.chunks, tp_group=ctx.group("tp"), shared_embedding=trainable.shared_embedding)
+    grad_norm = clip_grad_norm([p for chunk in trainable.chunks for p in chunk.parameters()], train.grad_clip,
+                               stage_group=ctx.group("pp"), duplicates=trainable.duplicates,
+                               device=ctx.device)
+    return Gradients(loss=loss, grad_norm=grad_norm)
+
+
+def apply_update(trainable: Trainable, *, lr: float) -> None:
+    """Phase two: one AdamW step per chunk at the schedule's learning rate."""
+    for optimizer in trainable.optimizers:
+        set_lr(optimizer, lr)
+        optimizer.step()

@@ -32,7 +32,7 @@ class ZeroedLanguageModelLoss:
 
 def zero_language_model_loss(trainer) -> None:
     """A `prepare` for record_run: the trainer's model then optimises its balancing losses only."""
-    for part in trainer.model_parts:
+    for part in trainer.chunks:
         part.lm_loss = ZeroedLanguageModelLoss(part.lm_loss)
 
 

@@ -19,11 +19,12 @@ def known_collectives(rank: int) -> dict:
     import torch.distributed.nn.functional as autograd_collectives
     from torch.distributed.device_mesh import init_device_mesh
 
-    from moe_train.measure.comm import CommCounter, mesh_group_namer
+    from moe_train.measure.traffic import CollectiveTraffic
 
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "ep"))
     ep, dp = mesh.get_group("ep"), mesh.get_group("dp")
-    with CommCounter(mesh_group_namer([mesh])) as counter:
+    names = {group.group_name: dim for dim, group in (("ep", ep), ("dp", dp))}  # groups named by mesh dimension
+    with CollectiveTraffic(lambda group: names[group.group_name]) as counter:
         dist.all_reduce(torch.ones(10), group=ep)  # 40 bytes
         dist.all_reduce(torch.ones(10), group=dp)  # one rank: not counted
         dist.all_gather_into_tensor(torch.empty(12), torch.ones(6), group=ep)  # the 24-byte shard
@@ -47,15 +48,15 @@ def trainer_step(recipe) -> dict:
     """Trainer.train_step(1) under the counters measure uses."""
     import contextlib
 
-    from moe_train.measure.comm import CommCounter
     from moe_train.measure.dtensor import local_dtensor_ops
     from moe_train.measure.flops import PhaseFlopCounter
     from moe_train.measure.layers import LayerTracker
+    from moe_train.measure.traffic import CollectiveTraffic
     from moe_train.parallel.bootstrap import bootstrap
     from moe_train.train.loop import Trainer
 
     trainer = Trainer(recipe, bootstrap(recipe, distinct_groups=True))  # groups named as measure names them
-    comm, flops = CommCounter(trainer.ctx.group_name), PhaseFlopCounter(LayerTracker(trainer.model_parts))
+    comm, flops = CollectiveTraffic(trainer.ctx.group_name), PhaseFlopCounter(LayerTracker(trainer.chunks))
     # The trainer's reduction of host figures (loss sums, MoE telemetry) goes through _all_reduce.
     telemetry = {"bytes": 0}
     all_reduce = trainer._all_reduce

@@ -24,7 +24,7 @@ def main() -> None:
                                         f"launch.gpus_per_node={world}", f"run_dir={spec['run_dir']}",
                                         "train.steps=1"])
     trainer = Trainer(recipe)
-    (model,) = trainer.model_parts
+    (model,) = trainer.chunks
     blocks = {id(block): name for name, block in model.layers.items()}
     entered: list[str] = []
     first: dict[str, str | None] = {}  # block -> block last entered when it was first gathered

@@ -43,7 +43,7 @@ def _merged_over_stages(trainer, local: dict[str, torch.Tensor]) -> dict[str, to
 
 def whole_state(trainer) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of the model as full tensors, from every pipeline stage (collective)."""
-    return _merged_over_stages(trainer, {k: full(v) for part in trainer.model_parts
+    return _merged_over_stages(trainer, {k: full(v) for part in trainer.chunks
                                          for k, v in part.state_dict().items()})
 
 
@@ -51,7 +51,7 @@ def full_state(trainer) -> dict[str, torch.Tensor]:
     """`whole_state` and every optimizer state tensor (`{param}/exp_avg` etc.) as full tensors: what a checkpoint
     holds of the model and optimizer, whatever the layout (collective)."""
     optimizer_state = {}
-    for part, optimizer in zip(trainer.model_parts, trainer.optimizers, strict=True):
+    for part, optimizer in zip(trainer.chunks, trainer.optimizers, strict=True):
         for name, param in part.named_parameters():
             for key, value in optimizer.state.get(param, {}).items():
                 optimizer_state[f"{name}/{key}"] = full(value)
@@ -83,7 +83,7 @@ def record_run(recipe_name: str, overrides: list[str], *, world: int, run_dir: P
     if prepare is not None:
         prepare(trainer)
     initial = whole_state(trainer)
-    names = {id(p): n for part in trainer.model_parts for n, p in part.named_parameters()}
+    names = {id(p): n for part in trainer.chunks for n, p in part.named_parameters()}
     grads: dict[str, torch.Tensor] = {}
     snapshots = {"taken": 0}
 
@@ -103,7 +103,7 @@ def record_run(recipe_name: str, overrides: list[str], *, world: int, run_dir: P
         losses.append(result.loss)
         balance.append(result.moe)
     meshes = {n: list(p.device_mesh.mesh_dim_names) if isinstance(p, DTensor) else None
-              for part in trainer.model_parts for n, p in part.named_parameters()}
+              for part in trainer.chunks for n, p in part.named_parameters()}
     return {"losses": losses, "grads": whole_grads(trainer, grads), "state": whole_state(trainer), "moe": balance,
             "initial": initial, "eval": trainer.evaluate() if evaluate else None, "meshes": meshes}
 

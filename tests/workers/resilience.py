@@ -103,7 +103,7 @@ def poison_case(case: dict, run_root: Path, world: int, rank: int) -> dict:
                                           f"run_dir={run_root / case['id']}", f"train.steps={case['steps']}"])
     trainer = Trainer(recipe)
     current = {"step": 0}
-    (model,) = trainer.model_parts
+    (model,) = trainer.chunks
     real_parameters = model.parameters
 
     def parameters(recurse: bool = True):

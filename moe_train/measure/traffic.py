@@ -1,4 +1,5 @@
-"""Communication bytes of one rank's training step, per `<group>/<op>`.
+"""Collective traffic of one rank's training step: payload bytes and calls per `<group>/<op>` (the planner's
+count of the same is plan/'s, a formula; this one watches what runs).
 
 Every collective torch runs goes through the dispatcher as a `c10d.*` op (torch.distributed's calls, FSDP2,
 torch.distributed.nn's autograd collectives) or a `_c10d_functional.*` op (functional collectives, DTensor),
@@ -95,7 +96,7 @@ def _all_to_all_sent(func, args: tuple, group: dist.ProcessGroup) -> int:
     return (rows - int(splits[me])) * row_bytes
 
 
-class CommCounter(TorchDispatchMode):
+class CollectiveTraffic(TorchDispatchMode):
     """Context manager over the step; `bytes` maps `<group>/<op>` to this rank's payload bytes."""
 
     def __init__(self, name_group: Callable[[dist.ProcessGroup], str]) -> None:
@@ -124,18 +125,3 @@ class CommCounter(TorchDispatchMode):
                 self.bytes[key] += sent
                 self.calls[key] += 1
         return func(*args, **kwargs)
-
-
-def mesh_group_namer(meshes: Sequence) -> Callable[[dist.ProcessGroup], str]:
-    """Names a group by the mesh dimension that created it (`world` for the default group, else its name)."""
-    names: dict[str, str] = {}
-    for mesh in meshes:
-        for dim in mesh.mesh_dim_names:
-            names.setdefault(mesh.get_group(dim).group_name, dim)
-
-    def name(group: dist.ProcessGroup) -> str:
-        if group.group_name in names:
-            return names[group.group_name]
-        return "world" if group is dist.group.WORLD else group.group_name
-
-    return name
