@@ -280,9 +280,8 @@ def test_cuda_block_mask_attention_equals_the_dense_mask() -> None:
 
 # ------------------------------------------------------------------------------------------------ host reads
 
-# One packed read of the step's figures (loss sums, MoE counts) plus the gradient norm's: the step core of issue
-# 20 (item 1) folds the norm into the packed read; this budget then becomes 1.
-STEP_READS = 2
+# One packed read of the step's figures: loss sums, MoE counts and the gradient norm together (Trainer._figures).
+STEP_READS = 1
 MOE_SHRINK = ["model.num_layers=2", "train.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=2",
               "train.precision=fp32", "logging.interval=1", "checkpoint.interval=null"]
 

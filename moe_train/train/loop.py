@@ -110,6 +110,7 @@ class StepFigures:
     """The step's figures once read on the host (`Trainer._figures`), summed over every rank."""
 
     lm_sum: float  # cross-entropy summed over the global batch's tokens
+    grad_norm: float  # the global gradient norm before clipping; NaN when not finite (train/grad_norm.py)
     mtp_loss: float  # the weighted MTP loss of the global batch
     aux_loss: float  # the weighted balancing loss, averaged over the global batch
     expert_counts: dict[int, torch.Tensor]  # this rank's MoE layers: tokens per expert (device), for the bias
@@ -206,8 +207,8 @@ class Trainer:
         train = self.recipe.train
         batch = rank_batch(self.datasets.train, step - 1, recipe=self.recipe, ctx=self.ctx, eod=self.datasets.eod)
         gradients = compute_gradients(self.trainable, batch, recipe=self.recipe, ctx=self.ctx)
-        figures = self._figures(gradients.loss.sums, gradients.loss.share)
-        grad_norm = host_norm(gradients.grad_norm)
+        figures = self._figures(gradients.loss.sums, gradients.loss.share, gradients.grad_norm)
+        grad_norm = figures.grad_norm
         lm_loss = figures.lm_sum / self.tokens_per_step
         total = lm_loss + figures.aux_loss + figures.mtp_loss
         result = StepResult(
@@ -225,10 +226,10 @@ class Trainer:
         zero_gradients(self.trainable)
         return result
 
-    def _figures(self, loss_sums: torch.Tensor, share: float) -> StepFigures:
+    def _figures(self, loss_sums: torch.Tensor, share: float, grad_norm: torch.Tensor) -> StepFigures:
         """The step's loss sums, the expert counts per MoE layer of this rank (summed over micro-batches and
-        ranks, for the bias update), the per-layer balance figures of every MoE layer, and the weighted
-        balancing loss averaged over the global batch.
+        ranks, for the bias update), the per-layer balance figures of every MoE layer, the weighted balancing
+        loss averaged over the global batch, and the gradient norm (already global: read, not reduced).
 
         One all-reduce over every rank and one host read per step: every figure travels in one float64 tensor
         (counts are exact in float64 far beyond any step's token count) laid out alike on every rank, each
@@ -247,10 +248,12 @@ class Trainer:
                           + [chunk.aux_loss_value for chunk in self.chunks]).sum().view(1)
         sends_loss = 1.0 if self.ctx.coord("tp") == 0 else 0.0
         figures = self._all_reduce(torch.cat([loss_sums * sends_loss, aux.double(), rows.flatten()]))
-        on_host = figures.cpu()
+        packed = torch.cat([figures, grad_norm.detach().double().view(1)]).cpu()
+        on_host, norm = packed[:-1], host_norm(packed[-1])
         lm_sum, mtp_loss, aux_loss = on_host[0].item(), on_host[1].item(), on_host[2].item() * share
         if not self.all_moe_layers:
-            return StepFigures(lm_sum=lm_sum, mtp_loss=mtp_loss, aux_loss=aux_loss, expert_counts={}, moe=None)
+            return StepFigures(lm_sum=lm_sum, grad_norm=norm, mtp_loss=mtp_loss, aux_loss=aux_loss,
+                               expert_counts={}, moe=None)
         per_layer, on_host = figures[3:].view(rows.shape), on_host[3:].view(rows.shape)
         top_k = self.recipe.model.moe.top_k
         moe = {}
@@ -260,7 +263,8 @@ class Trainer:
                                              router_entropy=entropy * top_k / assignments)
         counts = {index: per_layer[row, :experts] for row, index in enumerate(self.all_moe_layers)
                   if index in self.moe_layers}
-        return StepFigures(lm_sum=lm_sum, mtp_loss=mtp_loss, aux_loss=aux_loss, expert_counts=counts, moe=moe)
+        return StepFigures(lm_sum=lm_sum, grad_norm=norm, mtp_loss=mtp_loss, aux_loss=aux_loss, expert_counts=counts,
+                           moe=moe)
 
     def _update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
         """Aux-loss-free balancing from the whole global batch's counts (identical on every rank)."""
