@@ -179,11 +179,15 @@ def _layout(r: Recipe) -> list[Problem]:
                       "each tp rank's slice of the sequence"))
     if p.sequence_parallel and p.tp == 1:
         out.append(_p("parallel.sequence_parallel", "needs tp > 1 (it shards the tensor-parallel region)"))
-    if (p.sequence_parallel or p.cp > 1) and r.train.seq_length % (p.tp * p.cp):
-        out.append(
-            _p("train.seq_length", f"{r.train.seq_length} must be divisible by tp*cp = {p.tp * p.cp} with "
-               "sequence/context parallelism")
-        )
+    if p.sequence_parallel and r.train.seq_length % (p.tp * p.cp):
+        out.append(_p("train.seq_length", f"{r.train.seq_length} must be divisible by tp*cp = {p.tp * p.cp} with "
+                      "sequence parallelism"))
+    if p.cp > 1:
+        # Each cp rank holds 2 of 2*cp equal chunks, which a MoE layer's tp ranks split again into token slices.
+        split = 2 * p.cp * (p.tp if m.moe is not None else 1)
+        if r.train.seq_length % split:
+            out.append(_p("train.seq_length", f"{r.train.seq_length} must be divisible by {split} (2*cp"
+                          f"{'*tp' if split != 2 * p.cp else ''}) with context parallelism"))
     return out
 
 

@@ -143,7 +143,12 @@ class ParallelConfig(Section):
     vpp: int = Field(1, ge=1, description="Virtual pipeline stages per pipeline rank.")
     pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe", "zero_bubble"] = "1f1b"
     pp_layout: str | None = Field(None, description="Megatron notation, e.g. 'Et*3|(tt|)*29m|L'.")
-    cp: int = Field(1, ge=1)
+    cp: int = Field(1, ge=1, description="Context parallelism: each sequence split over cp ranks (2*cp chunks, "
+                    "rank r holding chunks r and 2*cp-1-r).")
+    cp_comm: Literal["p2p", "allgather"] | None = Field(
+        None, description="How attention under cp > 1 exchanges keys and values: p2p (a ring, fully masked "
+        "blocks skipped) or allgather. null: the family's default (p2p for GQA, allgather for MLA). Does not "
+        "change a run's numbers.")
     ep: int = Field(1, ge=1)
     etp: int = Field(1, ge=1)
     dp: int | None = Field(None, ge=1, description="null: derived from the world size.")

@@ -30,7 +30,8 @@ NOT_SUPPORTED_YET: tuple[Unsupported, ...] = (
     # every world size) are the sharded ones, not the gathered ones its forward used: their gradients stay empty.
     Unsupported("parallel.pp_schedule", lambda r: r.parallel.pp > 1 and r.parallel.pp_schedule == "zero_bubble",
                 "the zero_bubble schedule with FSDP2 (use 1f1b, interleaved_1f1b or gpipe)"),
-    Unsupported("parallel.cp", lambda r: r.parallel.cp > 1, "context parallelism (cp > 1)"),
+    Unsupported("parallel.cp", lambda r: r.parallel.cp > 1 and r.parallel.dp_replicate > 1,
+                "context parallelism with HSDP (cp > 1 and dp_replicate > 1)"),
     Unsupported("train.precision", lambda r: r.train.precision == "fp8", "fp8 training"),
 )
 

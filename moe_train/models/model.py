@@ -18,14 +18,14 @@ import torch
 from torch import nn
 
 from moe_train.config.schema import ModelConfig
-from moe_train.models.attention import attention_mask, document_ids
+from moe_train.models.attention import attention_mask
 from moe_train.models.decoder import DecoderBlock
 from moe_train.models.linear import Linear
-from moe_train.models.loss import IGNORE_INDEX, LanguageModelLoss
+from moe_train.models.loss import LanguageModelLoss
 from moe_train.models.moe.aux_loss import StepBalancing, global_aux_loss
 from moe_train.models.moe.layer import RoutingRecord, RoutingRecords
 from moe_train.models.moe.router import Router
-from moe_train.models.mtp import MTPModule
+from moe_train.models.mtp import MTPModule, mtp_shifts
 from moe_train.models.norm import RMSNorm
 from moe_train.models.rope import RotaryEmbedding
 
@@ -70,6 +70,9 @@ class Transformer(nn.Module):
         # loss; full recomputation runs the decoder stack in checkpointed groups of layers.
         self.lm_loss = LanguageModelLoss(vocab_size=cfg.vocab_size)
         self.run_layers: Callable[..., torch.Tensor] = run_layers
+        # What every attention reads besides q, k, v, from the positions: context parallelism swaps in the mask
+        # of this rank's shard of the sequence (parallel/context_parallel.py).
+        self.attention_mask_of: Callable[[torch.Tensor, bool], object] = local_attention_mask
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -91,22 +94,27 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         *,
         labels: torch.Tensor | None = None,
+        mtp_inputs: torch.Tensor | None = None,
+        mtp_targets: torch.Tensor | None = None,
     ) -> torch.Tensor | LossTerms:
         """input_ids [b, s] -> logits [b, s, vocab_size], or LossTerms when labels [b, s] (-100: ignored) are
-        given. position_ids [b, s] or [1, s]: default 0..s-1; attention restarts wherever they fall back to 0."""
+        given. position_ids [b, s] or [1, s]: default 0..s-1; attention restarts wherever they fall back to 0.
+        mtp_inputs, mtp_targets [b, mtp_layers, s]: MTP's shifted tokens and targets when the caller shifted them
+        on the whole sequence (context parallelism, `mtp_shifts`); None: shifted here."""
         documents = position_ids is not None  # the default positions have no restart: no mask, no read of them
         position_ids = default_positions(input_ids, position_ids)
         context = self.attention_context(position_ids, documents=documents)
         moe = self.cfg.moe
         records = RoutingRecords() if moe is not None and moe.router.load_balancing == "all_layers_aux_loss" else None
         hidden = self.run_layers(list(self.layers.values()), self.embed_tokens(input_ids), *context, records)
-        return self.head(hidden, input_ids, position_ids, labels, context, records)
+        shifted = None if mtp_inputs is None else (mtp_inputs, mtp_targets)
+        return self.head(hidden, input_ids, position_ids, labels, context, records, shifted)
 
     def attention_context(self, position_ids: torch.Tensor, *, documents: bool = True) -> tuple[torch.Tensor, ...]:
         """(cos, sin, mask): what every block's attention reads besides its input. `documents` False: the
         default positions, which have no restart (no mask, and no read of their values)."""
         cos, sin = self.rope(position_ids)
-        return cos, sin, attention_mask(position_ids) if documents else None
+        return cos, sin, self.attention_mask_of(position_ids, documents)
 
     def head(
         self,
@@ -116,12 +124,16 @@ class Transformer(nn.Module):
         labels: torch.Tensor | None,
         context: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
         records: RoutingRecords | None,
+        shifted: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | LossTerms:
-        """The decoder stack's output to logits, or to the loss terms (MTP included) when labels are given."""
+        """The decoder stack's output to logits, or to the loss terms (MTP included) when labels are given.
+        `shifted`: MTP's (inputs, targets) [b, depth, s] shifted by the caller (None: here, `mtp_shifts`)."""
         hidden = self.norm(hidden)
         mtp = torch.zeros((), device=hidden.device)
         if labels is not None and self.training and len(self.mtp) > 0:
-            mtp = self._forward_mtp(hidden, input_ids, position_ids, labels, *context, records)
+            if shifted is None:
+                shifted = mtp_shifts(input_ids, labels, position_ids, depth=len(self.mtp))
+            mtp = self._forward_mtp(hidden, *shifted, *context, records)
         if records is not None and records.items:
             self._all_layers_aux_loss(records.items)
         logits = self.lm_head(hidden)
@@ -132,26 +144,19 @@ class Transformer(nn.Module):
     def _forward_mtp(
         self,
         hidden: torch.Tensor,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        labels: torch.Tensor,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: object,
         records: RoutingRecords | None,
     ) -> torch.Tensor:
-        """mtp_loss_weight * mean over depths of each depth's mean cross-entropy on tokens one more ahead."""
-        # The depth-k target at position i is token i+k+1: it counts only inside position i's document.
-        docs = document_ids(position_ids).expand_as(labels)
-        target_docs = shift_left(docs, fill=-1)
+        """mtp_loss_weight * mean over depths of each depth's mean cross-entropy on tokens one more ahead;
+        inputs and targets [b, depth, s] from `mtp_shifts`."""
         losses = []
-        for module in self.mtp.values():
-            input_ids = shift_left(input_ids, fill=0)
-            labels = shift_left(labels, fill=IGNORE_INDEX)
-            target_docs = shift_left(target_docs, fill=-1)
-            targets = labels.masked_fill(target_docs != docs, IGNORE_INDEX)
-            hidden = module(hidden, self.embed_tokens(input_ids), cos, sin, mask, records)
-            losses.append(self.lm_loss.mean(self.lm_head(hidden), targets))
+        for depth, module in enumerate(self.mtp.values()):
+            hidden = module(hidden, self.embed_tokens(inputs[:, depth]), cos, sin, mask, records)
+            losses.append(self.lm_loss.mean(self.lm_head(hidden), targets[:, depth]))
         return self.cfg.mtp_loss_weight * torch.stack(losses).mean()
 
     @torch.no_grad()
@@ -174,13 +179,14 @@ def default_positions(input_ids: torch.Tensor, position_ids: torch.Tensor | None
     return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
 
 
+def local_attention_mask(position_ids: torch.Tensor, documents: bool) -> torch.Tensor | None:
+    """The mask of a whole sequence (the default `attention_mask_of`): the document mask when positions were
+    given, None (plain causal) for the default ones."""
+    return attention_mask(position_ids) if documents else None
+
+
 def run_layers(layers: list[DecoderBlock], hidden: torch.Tensor, *args) -> torch.Tensor:
     """The decoder stack, layer after layer (args: cos, sin, mask, records)."""
     for layer in layers:
         hidden = layer(hidden, *args)
     return hidden
-
-
-def shift_left(x: torch.Tensor, *, fill: int) -> torch.Tensor:
-    """x[:, i] <- x[:, i + 1]; the last column takes `fill`."""
-    return torch.cat((x[:, 1:], torch.full_like(x[:, :1], fill)), dim=1)

@@ -4,10 +4,11 @@ parallelism from outside the model, in a fixed order.
 Models know nothing of process groups; `parallelize` changes a meta-device model in place, each step in its
 own file and a no-op where its dimension is 1. The order matters: a pipeline split decides which layers a
 rank holds (one model chunk per virtual stage, each then parallelised as a whole model is); tensor parallelism
-turns their weights into sharded DTensors; expert parallelism hands MoE layers their dispatcher; recomputation
-wraps regions of the (now parallel) modules; FSDP2 shards what remains over the data-parallel dimensions last,
-around everything else (each chunk its own root). Steps not built yet are refused by
-`moe_train.config.support` before a model is built.
+turns their weights into sharded DTensors; context parallelism makes attention span the cp ranks' shards of
+each sequence (and sets the MoE layers' token groups, over cp and tp); expert parallelism hands MoE layers their
+dispatcher; recomputation wraps regions of the (now parallel) modules; FSDP2 shards what remains over the
+data-parallel dimensions (dp x cp for dense parameters) last, around everything else (each chunk its own root).
+Steps not built yet are refused by `moe_train.config.support` before a model is built.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 def parallelize(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> list[Transformer]:
     """Apply the recipe's layout to `model` (built on the meta device) for this rank; returns this rank's model
     chunks in virtual-stage order (the whole model alone without pipeline parallelism)."""
+    from moe_train.parallel.context_parallel import apply_context_parallel
     from moe_train.parallel.data_parallel import apply_fsdp
     from moe_train.parallel.expert import apply_expert_parallel
     from moe_train.parallel.pipeline import split_model
@@ -32,6 +34,7 @@ def parallelize(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> lis
     chunks = split_model(model, recipe, ctx)
     for chunk in chunks:
         apply_tensor_parallel(chunk, recipe, ctx)
+        apply_context_parallel(chunk, recipe, ctx)
         apply_expert_parallel(chunk, recipe, ctx)
         apply_recompute(chunk, recipe)
         apply_fsdp(chunk, recipe, ctx)

@@ -66,9 +66,13 @@ class ParallelContext:
 
     def fsdp_mesh(self, *, experts: bool) -> DeviceMesh:
         """The mesh FSDP2 shards over: dp (edp for experts apart from their block), or under HSDP the 2-D
-        (dpr, dps) ((dpr, edps)) mesh, on which fully_shard replicates over dpr and shards over the other."""
+        (dpr, dps) ((dpr, edps)) mesh, on which fully_shard replicates over dpr and shards over the other.
+        Under context parallelism dense parameters shard over dp x cp (`dp_cp`): the cp ranks hold the same
+        parameters and their gradients, each from its shard of the sequences, are summed; edp includes cp."""
         if self.dense_split is None:
-            return self.expert["edp"] if experts else self.dense["dp"]
+            if experts:
+                return self.expert["edp"]
+            return self.mesh("dp_cp") if self.shape.cp > 1 else self.dense["dp"]
         return self.expert_split[EXPERT_DP_SPLIT] if experts else self.dense_split[DENSE_DP_SPLIT]
 
     def group(self, name: str) -> ProcessGroup:

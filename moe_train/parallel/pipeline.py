@@ -55,6 +55,8 @@ class StageChunk:
         input_ids: torch.Tensor,
         labels: torch.Tensor,
         position_ids: torch.Tensor | None = None,
+        mtp_inputs: torch.Tensor | None = None,
+        mtp_targets: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         documents = position_ids is not None  # the default positions have no restart: no mask, no read of them
         position_ids = default_positions(input_ids, position_ids)
@@ -63,7 +65,9 @@ class StageChunk:
         hidden = self.run_layers(list(self.layers.values()), hidden, *context, None)
         if not self.stage.loss:
             return hidden
-        return tuple(self.head(hidden, input_ids, position_ids, labels, context, None))  # the schedule wants a tuple
+        shifted = None if mtp_inputs is None else (mtp_inputs, mtp_targets)
+        # the schedule wants a tuple
+        return tuple(self.head(hidden, input_ids, position_ids, labels, context, None, shifted))
 
 
 _CHUNK_CLASSES: dict[type, type] = {}
@@ -176,11 +180,12 @@ def duplicate_parameters(chunks: list[Transformer]) -> list[nn.Parameter]:
 def _stage_io(recipe: Recipe, ctx: ParallelContext, stage: StageContents) -> tuple[torch.Tensor, tuple]:
     """Meta tensors of what a stage receives and sends for one micro-batch."""
     train, m = recipe.train, recipe.model
-    seq = train.seq_length // ctx.size("tp") if recipe.parallel.sequence_parallel else train.seq_length
+    local = train.seq_length // ctx.size("cp")  # this rank's shard of each sequence under context parallelism
+    seq = local // ctx.size("tp") if recipe.parallel.sequence_parallel else local
     dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
     # Floating-point tensors between stages carry gradients back (the received ones are autograd leaves).
     hidden = torch.empty(train.micro_batch_size, seq, m.hidden_size, dtype=dtype, device="meta", requires_grad=True)
-    tokens = torch.empty(train.micro_batch_size, train.seq_length, dtype=torch.int64, device="meta")
+    tokens = torch.empty(train.micro_batch_size, local, dtype=torch.int64, device="meta")
     scalar = torch.empty((), dtype=torch.float32, device="meta", requires_grad=True)
     inputs = tokens if stage.embedding else hidden
     outputs = (scalar, scalar) if stage.loss else (hidden,)
@@ -223,21 +228,26 @@ class Pipeline:
         return self._loss(LossTerms(*terms))
 
     def _run(self, run, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None,
-             loss: Callable[[LossTerms], torch.Tensor]) -> None:
+             loss: Callable[[LossTerms], torch.Tensor], mtp: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         self._loss = loss
         kwargs = {"input_ids": inputs, "labels": labels}
         if positions is not None:
             kwargs["position_ids"] = positions
+        if mtp is not None:  # [B, depth, s]: split into micro-batches along dim 0 like the rest
+            kwargs["mtp_inputs"], kwargs["mtp_targets"] = mtp
         try:
             run(inputs, target=labels, return_outputs=False, **kwargs)
         finally:
             self._loss = None
 
     def train(self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None,
-              loss: Callable[[LossTerms], torch.Tensor]) -> None:
-        """One step over this rank's samples [B, s], split into the step's micro-batches along dim 0."""
-        self._run(self.schedule.step, inputs, labels, positions, loss)
+              loss: Callable[[LossTerms], torch.Tensor], mtp: tuple[torch.Tensor, torch.Tensor] | None = None
+              ) -> None:
+        """One step over this rank's samples [B, s], split into the step's micro-batches along dim 0; `mtp`:
+        MTP's inputs and targets shifted on the whole sequences (context parallelism)."""
+        self._run(self.schedule.step, inputs, labels, positions, loss, mtp)
 
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None,
-                 loss: Callable[[LossTerms], torch.Tensor]) -> None:
-        self._run(self.schedule.eval, inputs, labels, positions, loss)
+                 loss: Callable[[LossTerms], torch.Tensor], mtp: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> None:
+        self._run(self.schedule.eval, inputs, labels, positions, loss, mtp)

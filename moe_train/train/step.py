@@ -69,13 +69,13 @@ def forward_backward(
     for chunk in chunks:
         chunk.balancing.start_step(scale=loss.share)
     if pipeline is not None:
-        pipeline.train(batch.inputs, batch.labels, batch.positions, loss)
+        pipeline.train(batch.inputs, batch.labels, batch.positions, loss, batch.mtp)
         return
     (model,) = chunks
     micro_batches = batch.micro_batches(micro_batch_size)
     for index, micro in enumerate(micro_batches):
         set_gradient_sync(model, index == len(micro_batches) - 1)
-        loss(model(micro.inputs, micro.positions, labels=micro.labels)).backward()
+        loss(model(micro.inputs, micro.positions, labels=micro.labels, **micro.mtp_kwargs)).backward()
 
 
 @torch.no_grad()
@@ -83,11 +83,11 @@ def forward_only(chunks: list[Transformer], pipeline: Pipeline | None, batch: Ba
                  loss: StepLoss) -> None:
     """The loss terms of a batch without gradients (evaluation: the models are in eval mode)."""
     if pipeline is not None:
-        pipeline.evaluate(batch.inputs, batch.labels, batch.positions, loss)
+        pipeline.evaluate(batch.inputs, batch.labels, batch.positions, loss, batch.mtp)
         return
     (model,) = chunks
     for micro in batch.micro_batches(micro_batch_size):
-        loss(model(micro.inputs, micro.positions, labels=micro.labels))
+        loss(model(micro.inputs, micro.positions, labels=micro.labels, **micro.mtp_kwargs))
 
 
 def reduce_gradients(chunks: list[Transformer], *, tp_group: dist.ProcessGroup,

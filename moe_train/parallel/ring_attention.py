@@ -1,0 +1,320 @@
+"""Causal attention across context-parallel shards: a ring of K/V exchanges (p2p) or one all-gather of K/V.
+
+Each cp rank r holds two of the sequence's 2*cp chunks, r and 2*cp-1-r (Megatron-LM's split,
+`context_parallel.py`), so every rank does the same causal work. Queries never move; keys and values do:
+
+- `p2p` (ring): cp steps; at step t a rank attends its queries to the K/V of rank r-t while it sends the K/V it
+  holds to rank r+1 and receives rank r-t-1's (isend/irecv, overlapping the block's compute). A (query chunk, key
+  chunk) pair that the causal mask hides whole is skipped: of the four pairs of each step, exactly two are
+  computed (one of them the causal diagonal at t = 0), so each rank computes the same half of the blocks.
+  Backward runs the ring again: the K/V travel once more and their gradients travel with them, accumulated by
+  each rank they pass, until one last send returns them to their owner (cp-1 K/V sends, cp gradient sends).
+- `allgather`: the K/V of every rank are gathered once and each query chunk attends to the chunks up to its own
+  (Megatron-Core's choice for MLA); backward gathers them again and reduce-scatters their gradients.
+
+Partial results are merged in fp32 through their log-sum-exp, and backward recomputes the probabilities from the
+saved queries, keys, values, output and log-sum-exp (flash attention's saved set, never the [s, s] scores). The
+block product here is written in plain torch (a [chunk, chunk] score tile at a time): torch's flash kernels do
+not take the per-block document masks packed sequences need on every device. Documents: position ids restart at
+each document start, so query i (global index) and key j share a document exactly when j >= i - position_i;
+the mask of any block follows from the queries' global indices and positions alone, with no exchange.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+NEG_INF = float("-inf")
+
+
+class ShardMask:
+    """What attention under CP needs to mask a block: this rank's two chunks (global chunk numbers), the chunk
+    length, and the local tokens' position ids [b, 2c] when documents may restart (None: plain causal).
+
+    A plain class, not a dataclass: FSDP2 rebuilds dataclasses it casts into a module's inputs."""
+
+    __slots__ = ("chunks", "chunk", "positions")
+
+    def __init__(self, *, chunks: tuple[int, int], chunk: int, positions: torch.Tensor | None) -> None:
+        self.chunks, self.chunk, self.positions = chunks, chunk, positions
+
+    def indices(self, number: int, device: torch.device) -> torch.Tensor:
+        """Global token indices of chunk `number`."""
+        return torch.arange(number * self.chunk, (number + 1) * self.chunk, device=device)
+
+    def local_positions(self, which: int) -> torch.Tensor | None:
+        """Position ids of this rank's chunk `which` (0 or 1)."""
+        if self.positions is None:
+            return None
+        return self.positions[..., which * self.chunk: (which + 1) * self.chunk]
+
+
+def _allowed(q_chunk: int, kv_chunks: list[int], mask: ShardMask, q_positions: torch.Tensor | None,
+             device: torch.device) -> torch.Tensor | None:
+    """Boolean [b|1, 1, cq, ck] of the query chunk against the concatenated key chunks (True: attend), or None
+    when every pair is allowed (keys wholly before the queries, no documents)."""
+    q_index = mask.indices(q_chunk, device)
+    k_index = torch.cat([mask.indices(n, device) for n in kv_chunks])
+    allowed = None
+    if max(kv_chunks) >= q_chunk:
+        allowed = (k_index[None, :] <= q_index[:, None])[None, None]
+    if q_positions is not None:
+        starts = q_index[None, :] - q_positions  # [b, cq]: the global index where each query's document starts
+        same = (k_index[None, None, :] >= starts[:, :, None])[:, None]
+        allowed = same if allowed is None else allowed & same
+    return allowed
+
+
+def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """K/V heads repeated for grouped-query attention (query head i reads kv head i // group, as SDPA's
+    enable_gqa does)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _fold_heads(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of `_expand_heads`: sum over each kv head's group of query heads."""
+    b, heads, s, d = grad.shape
+    return grad if heads == kv_heads else grad.view(b, kv_heads, heads // kv_heads, s, d).sum(2)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block: q [b, h, cq, d], k [b, hk, ck, d], v [b, hk, ck, dv] -> (out [b, h, cq, dv], lse [b, h, cq]),
+    both fp32 (fp64 for fp64 inputs). A query row with nothing allowed gets out 0 and lse -inf."""
+    dtype = _compute_dtype(q)
+    k, v = _expand_heads(k, q.shape[1]).to(dtype), _expand_heads(v, q.shape[1]).to(dtype)
+    scores = q.to(dtype) @ k.transpose(-1, -2) * scale
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, NEG_INF)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.masked_fill(lse == NEG_INF, 0.0)[..., None])
+    return probs @ v, lse
+
+
+def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float,
+                   lse: torch.Tensor, grad_out: torch.Tensor, delta: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block's share of the gradients given the merged lse and delta = rowsum(grad_out * out) of its query
+    rows: (dq [b, h, cq, d], dk [b, hk, ck, d], dv [b, hk, ck, dv]) in the compute dtype."""
+    dtype = _compute_dtype(q)
+    kv_heads = k.shape[1]
+    qc = q.to(dtype)
+    kc, vc = _expand_heads(k, q.shape[1]).to(dtype), _expand_heads(v, q.shape[1]).to(dtype)
+    scores = qc @ kc.transpose(-1, -2) * scale
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, NEG_INF)
+    probs = torch.exp(scores - lse[..., None])
+    dv = probs.transpose(-1, -2) @ grad_out
+    dscores = probs * (grad_out @ vc.transpose(-1, -2) - delta[..., None])
+    dq = dscores @ kc * scale
+    dk = dscores.transpose(-1, -2) @ qc * scale
+    return dq, _fold_heads(dk, kv_heads), _fold_heads(dv, kv_heads)
+
+
+def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial softmax results of the same query rows through their log-sum-exp (fp32)."""
+    if out is None:
+        return block_out, block_lse
+    new = torch.logaddexp(lse, block_lse)
+    safe = new.masked_fill(new == NEG_INF, 0.0)
+    return out * torch.exp(lse - safe)[..., None] + block_out * torch.exp(block_lse - safe)[..., None], new
+
+
+# ------------------------------------------------------------------------------------------------ comm
+
+
+def _pack(*tensors: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unpack(flat: torch.Tensor, like: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset: offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return out
+
+
+def _start_ring(flat: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, list]:
+    """Send `flat` to the next cp rank and receive the previous one's into a new buffer (asynchronously)."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    received = torch.empty_like(flat)
+    ops = [dist.P2POp(dist.isend, flat, dist.get_global_rank(group, (rank + 1) % size), group),
+           dist.P2POp(dist.irecv, received, dist.get_global_rank(group, (rank - 1) % size), group)]
+    return received, dist.batch_isend_irecv(ops)
+
+
+def _wait(requests: list) -> None:
+    for request in requests:
+        request.wait()
+
+
+def _chunks_of(rank: int, size: int) -> tuple[int, int]:
+    return rank, 2 * size - 1 - rank
+
+
+# ------------------------------------------------------------------------------------------------ p2p
+
+
+def _ring_blocks(mask: ShardMask, source: int, size: int) -> list[tuple[int, int]]:
+    """(query half, key half) pairs of this rank's chunks against `source` rank's that the causal mask does not
+    hide whole."""
+    kv = _chunks_of(source, size)
+    return [(qi, ki) for qi in (0, 1) for ki in (0, 1) if kv[ki] <= mask.chunks[qi]]
+
+
+def _halves(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return x[..., :chunk, :], x[..., chunk:, :]
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask: ShardMask, scale: float, group: dist.ProcessGroup):
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        c = mask.chunk
+        q_halves = _halves(q, c)
+        outs, lses = [None, None], [None, None]
+        flat = _pack(k, v)
+        for step in range(size):
+            source = (rank - step) % size
+            pending = _start_ring(flat, group) if step < size - 1 else None
+            k_t, v_t = _unpack(flat, (k, v))
+            kv_chunks = _chunks_of(source, size)
+            for qi, ki in _ring_blocks(mask, source, size):
+                allowed = _allowed(mask.chunks[qi], [kv_chunks[ki]], mask, mask.local_positions(qi), q.device)
+                o, lse = block_forward(q_halves[qi], _halves(k_t, c)[ki], _halves(v_t, c)[ki], allowed, scale)
+                outs[qi], lses[qi] = merge(outs[qi], lses[qi], o, lse)
+            if pending is not None:
+                flat, requests = pending
+                _wait(requests)
+        out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+        ctx.save_for_backward(q, k, v, out, lse, *(() if mask.positions is None else (mask.positions,)))
+        ctx.mask, ctx.scale, ctx.group = mask, scale, group
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, *positions = ctx.saved_tensors
+        mask = ShardMask(chunks=ctx.mask.chunks, chunk=ctx.mask.chunk, positions=positions[0] if positions else None)
+        group, scale, c = ctx.group, ctx.scale, mask.chunk
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        grad_out = grad_out.to(out.dtype)
+        delta = (grad_out * out).sum(-1)
+        q_halves, g_halves = _halves(q, c), _halves(grad_out, c)
+        lse_halves, delta_halves = (lse[..., :c], lse[..., c:]), (delta[..., :c], delta[..., c:])
+        dq = torch.zeros(q.shape, dtype=out.dtype, device=q.device)
+        dq_halves = _halves(dq, c)
+        flat = _pack(k, v)
+        dkv = torch.zeros(flat.numel(), dtype=out.dtype, device=q.device)  # travels with the K/V it belongs to
+        for step in range(size):
+            source = (rank - step) % size
+            pending = _start_ring(flat, group) if step < size - 1 else None
+            k_t, v_t = _unpack(flat, (k, v))
+            dk_t, dv_t = _unpack(dkv, (k, v))
+            kv_chunks = _chunks_of(source, size)
+            for qi, ki in _ring_blocks(mask, source, size):
+                allowed = _allowed(mask.chunks[qi], [kv_chunks[ki]], mask, mask.local_positions(qi), q.device)
+                dq_b, dk_b, dv_b = block_backward(q_halves[qi], _halves(k_t, c)[ki], _halves(v_t, c)[ki], allowed,
+                                                  scale, lse_halves[qi], g_halves[qi], delta_halves[qi])
+                dq_halves[qi].add_(dq_b)
+                _halves(dk_t, c)[ki].add_(dk_b)
+                _halves(dv_t, c)[ki].add_(dv_b)
+            dkv, dkv_requests = _start_ring(dkv, group)  # on to the next rank; the last send returns it home
+            if pending is not None:
+                flat, requests = pending
+                _wait(requests)
+            _wait(dkv_requests)
+        dk, dv = _unpack(dkv, (k, v))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+# ------------------------------------------------------------------------------------------- allgather
+
+
+def _gather_kv(k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[cp, n]: every rank's packed K/V, in rank order."""
+    flat = _pack(k, v)
+    size = dist.get_world_size(group)
+    gathered = flat.new_empty(size * flat.numel())  # gloo takes the flat output only
+    dist.all_gather_into_tensor(gathered, flat, group=group)
+    return gathered.view(size, -1)
+
+
+def _in_sequence_order(gathered: torch.Tensor, like: tuple[torch.Tensor, torch.Tensor], chunk: int
+                       ) -> list[torch.Tensor]:
+    """K and V of the whole sequence [b, hk, s, d] from the gathered shards (rank r holds chunks r, 2cp-1-r)."""
+    size = gathered.shape[0]
+    per_rank = [_unpack(gathered[r], like) for r in range(size)]
+    out = []
+    for i in range(len(like)):
+        pieces = [None] * (2 * size)
+        for r, tensors in enumerate(per_rank):
+            first, second = _chunks_of(r, size)
+            pieces[first], pieces[second] = _halves(tensors[i], chunk)
+        out.append(torch.cat(pieces, dim=-2))
+    return out
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask: ShardMask, scale: float, group: dist.ProcessGroup):
+        c = mask.chunk
+        k_all, v_all = _in_sequence_order(_gather_kv(k, v, group), (k, v), c)
+        outs, lses = [], []
+        for qi, q_half in enumerate(_halves(q, c)):
+            number = mask.chunks[qi]
+            allowed = _allowed(number, list(range(number + 1)), mask, mask.local_positions(qi), q.device)
+            end = (number + 1) * c
+            o, lse = block_forward(q_half, k_all[..., :end, :], v_all[..., :end, :], allowed, scale)
+            outs.append(o)
+            lses.append(lse)
+        out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+        ctx.save_for_backward(q, k, v, out, lse, *(() if mask.positions is None else (mask.positions,)))
+        ctx.mask, ctx.scale, ctx.group = mask, scale, group
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, *positions = ctx.saved_tensors
+        mask = ShardMask(chunks=ctx.mask.chunks, chunk=ctx.mask.chunk, positions=positions[0] if positions else None)
+        group, scale, c = ctx.group, ctx.scale, mask.chunk
+        size = dist.get_world_size(group)
+        k_all, v_all = _in_sequence_order(_gather_kv(k, v, group), (k, v), c)
+        grad_out = grad_out.to(out.dtype)
+        delta = (grad_out * out).sum(-1)
+        dk_all = torch.zeros(k_all.shape, dtype=out.dtype, device=q.device)
+        dv_all = torch.zeros(v_all.shape, dtype=out.dtype, device=q.device)
+        dqs = []
+        for qi, (q_half, g_half) in enumerate(zip(_halves(q, c), _halves(grad_out, c), strict=True)):
+            number, end = mask.chunks[qi], (mask.chunks[qi] + 1) * c
+            rows = slice(qi * c, (qi + 1) * c)
+            allowed = _allowed(number, list(range(number + 1)), mask, mask.local_positions(qi), q.device)
+            dq, dk, dv = block_backward(q_half, k_all[..., :end, :], v_all[..., :end, :], allowed, scale,
+                                        lse[..., rows], g_half, delta[..., rows])
+            dqs.append(dq)
+            dk_all[..., :end, :] += dk
+            dv_all[..., :end, :] += dv
+        # Back to the owners: rank r's shard is its chunks r and 2cp-1-r; summed over the ranks that read them.
+        shards = []
+        for r in range(size):
+            first, second = _chunks_of(r, size)
+            pick = [slice(first * c, (first + 1) * c), slice(second * c, (second + 1) * c)]
+            shards.append(_pack(*(torch.cat([g[..., p, :] for p in pick], dim=-2) for g in (dk_all, dv_all))))
+        mine = shards[0].new_empty(shards[0].numel())
+        dist.reduce_scatter_tensor(mine, torch.cat(shards), group=group)
+        dk, dv = _unpack(mine, (k, v))
+        return torch.cat(dqs, dim=-2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: ShardMask, *,
+                               scale: float, group: dist.ProcessGroup, comm: str) -> torch.Tensor:
+    """Causal attention of this rank's queries [b, h, 2c, d] over the whole sequence's keys and values, of which
+    this rank holds [b, hk, 2c, d] / [b, hk, 2c, dv] (its chunks of `mask`): [b, h, 2c, dv] in q's dtype."""
+    function = _RingAttention if comm == "p2p" else _AllGatherAttention
+    return function.apply(q.contiguous(), k.contiguous(), v.contiguous(), mask, scale, group)
