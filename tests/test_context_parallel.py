@@ -107,3 +107,23 @@ def test_cp_composes_on_four_ranks(tmp_path: Path) -> None:
     want = dp.reference(tmp_path, "qwen3-moe-tiny", moe)
     dp.assert_same_run(records["cp2-tp2-sp-qwen3-moe-tiny"], want)
     dp.assert_same_run(records["cp2-ep2-qwen3-moe-tiny"], want)
+
+
+def test_validate_asks_the_sequence_to_split_into_2cp_chunks() -> None:
+    from moe_train.config import load_recipe
+    from moe_train.config.loader import RecipeError
+
+    with pytest.raises(RecipeError, match=r"train.seq_length: 30 must be divisible by 4 \(2\*cp\) with context"):
+        load_recipe("qwen3-tiny", ["launch.gpus_per_node=2", "parallel.cp=2", "train.seq_length=30"])
+    # a MoE model's tp ranks route slices of each cp shard: 2*cp*tp
+    with pytest.raises(RecipeError, match=r"train.seq_length: 36 must be divisible by 8 \(2\*cp\*tp\)"):
+        load_recipe("qwen3-moe-tiny", ["launch.gpus_per_node=4", "parallel.cp=2", "parallel.tp=2",
+                                       "train.seq_length=36"])
+    load_recipe("qwen3-tiny", ["launch.gpus_per_node=4", "parallel.cp=2", "parallel.tp=2", "train.seq_length=36"])
+
+
+def test_default_exchange_per_family() -> None:
+    from moe_train.parallel.context_parallel import default_cp_comm
+
+    assert (default_cp_comm("qwen3"), default_cp_comm("qwen3_moe"), default_cp_comm("deepseek_v3")) == (
+        "p2p", "p2p", "allgather")

@@ -55,8 +55,10 @@ def test_run_resume_required_without_checkpoint_exits_2(tmp_path: Path) -> None:
 
 
 def test_run_refuses_unsupported_features(tmp_path: Path) -> None:
-    result = run_cli("run", "qwen3-tiny", *sets("parallel.cp=2", "launch.gpus_per_node=2", f"run_dir={tmp_path}"))
-    assert_bad_input(result, "parallel.cp: context parallelism (cp > 1) is not supported yet")
+    result = run_cli("run", "qwen3-tiny", *sets("parallel.cp=2", "parallel.dp_replicate=2", "launch.gpus_per_node=8",
+                                                 f"run_dir={tmp_path}"))
+    assert_bad_input(result, "parallel.cp: context parallelism with HSDP (cp > 1 and dp_replicate > 1) is not "
+                     "supported yet")
 
 
 def test_run_two_data_parallel_ranks_match_one_across_a_resume(tmp_path: Path) -> None:

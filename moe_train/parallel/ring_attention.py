@@ -5,8 +5,9 @@ Each cp rank r holds two of the sequence's 2*cp chunks, r and 2*cp-1-r (Megatron
 
 - `p2p` (ring): cp steps; at step t a rank attends its queries to the K/V of rank r-t while it sends the K/V it
   holds to rank r+1 and receives rank r-t-1's (isend/irecv, overlapping the block's compute). A (query chunk, key
-  chunk) pair that the causal mask hides whole is skipped: of the four pairs of each step, exactly two are
-  computed (one of them the causal diagonal at t = 0), so each rank computes the same half of the blocks.
+  chunk) pair that the causal mask hides whole is skipped: of the four pairs of a step, three at t = 0 (two
+  of them causal diagonals, half a block's work each) and exactly two whole blocks at every later step, so
+  every rank does the same work.
   Backward runs the ring again: the K/V travel once more and their gradients travel with them, accumulated by
   each rank they pass, until one last send returns them to their owner (cp-1 K/V sends, cp gradient sends).
 - `allgather`: the K/V of every rank are gathered once and each query chunk attends to the chunks up to its own
