@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from multirank import run_ranks
+from workers.record import record_run
 
 from moe_train.parallel.context_parallel import chunk_indices, shard_sequence
 
@@ -73,6 +74,9 @@ def test_cp2_equals_single_process(tmp_path: Path) -> None:
         dp.case("cp2-docs-qwen3-tiny", "qwen3-tiny", [*dense, DOCS, "parallel.cp=2"]),
         dp.case("cp2-deepseek-v3-tiny", "deepseek-v3-tiny", [*MTP_RECIPE, "parallel.cp=2"]),
         dp.case("cp2-qwen3-moe-tiny", "qwen3-moe-tiny", [*moe, "parallel.cp=2"]),
+        # two steps at cp 2, two more from its checkpoint at cp 1 (dp 2): DCP reshards, the run goes on
+        dp.case("cp2-to-cp1-qwen3-tiny", "qwen3-tiny", [*dense, "parallel.cp=2"], steps=4, stop_at=2,
+                resume_overrides=["parallel.cp=1"]),
     ]
     saved = run_ranks("train_layouts", 2, {"cases": cases, "run_root": str(tmp_path / "cp2")}, tmp_path,
                       timeout=400)
@@ -83,6 +87,12 @@ def test_cp2_equals_single_process(tmp_path: Path) -> None:
     dp.assert_same_run(records["cp2-docs-qwen3-tiny"], dp.reference(tmp_path / "docs", "qwen3-tiny", [*dense, DOCS]))
     dp.assert_same_run(records["cp2-deepseek-v3-tiny"], dp.reference(tmp_path, "deepseek-v3-tiny", MTP_RECIPE))
     dp.assert_same_run(records["cp2-qwen3-moe-tiny"], dp.reference(tmp_path, "qwen3-moe-tiny", moe))
+    resumed = records["cp2-to-cp1-qwen3-tiny"]
+    assert resumed["started"] == 2
+    straight = record_run("qwen3-tiny", [*dp.SHRINK, *dense], world=1, run_dir=tmp_path / "straight", steps=4)
+    for key, value in straight["state"].items():
+        torch.testing.assert_close(resumed["state"][key], value, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, key=key: f"{key}: {m}")
 
 
 def test_cp_composes_on_four_ranks(tmp_path: Path) -> None:

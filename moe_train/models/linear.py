@@ -30,6 +30,13 @@ def linear_weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
 
 
+def attention_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., m, k] @ b [..., k, n]: the weightless products of attention written by hand (context
+    parallelism's score tiles and their gradients, parallel/ring_attention.py), here so that the site still
+    holds every matrix product a precision or kernel choice may have to see."""
+    return a.matmul(b)
+
+
 def expert_offsets(tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """[E] int32 end row of each expert's rows: what `grouped_mm` takes (computed once per expert layer)."""
     return torch.cumsum(tokens_per_expert, 0).to(torch.int32)

@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moe_train.models.linear import attention_product as mm
+
 NEG_INF = float("-inf")
 
 
@@ -89,12 +91,12 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: to
     both fp32 (fp64 for fp64 inputs). A query row with nothing allowed gets out 0 and lse -inf."""
     dtype = _compute_dtype(q)
     k, v = _expand_heads(k, q.shape[1]).to(dtype), _expand_heads(v, q.shape[1]).to(dtype)
-    scores = q.to(dtype) @ k.transpose(-1, -2) * scale
+    scores = mm(q.to(dtype), k.transpose(-1, -2)) * scale
     if allowed is not None:
         scores = scores.masked_fill(~allowed, NEG_INF)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.masked_fill(lse == NEG_INF, 0.0)[..., None])
-    return probs @ v, lse
+    return mm(probs, v), lse
 
 
 def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float,
@@ -106,14 +108,14 @@ def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: t
     kv_heads = k.shape[1]
     qc = q.to(dtype)
     kc, vc = _expand_heads(k, q.shape[1]).to(dtype), _expand_heads(v, q.shape[1]).to(dtype)
-    scores = qc @ kc.transpose(-1, -2) * scale
+    scores = mm(qc, kc.transpose(-1, -2)) * scale
     if allowed is not None:
         scores = scores.masked_fill(~allowed, NEG_INF)
     probs = torch.exp(scores - lse[..., None])
-    dv = probs.transpose(-1, -2) @ grad_out
-    dscores = probs * (grad_out @ vc.transpose(-1, -2) - delta[..., None])
-    dq = dscores @ kc * scale
-    dk = dscores.transpose(-1, -2) @ qc * scale
+    dv = mm(probs.transpose(-1, -2), grad_out)
+    dscores = probs * (mm(grad_out, vc.transpose(-1, -2)) - delta[..., None])
+    dq = mm(dscores, kc) * scale
+    dk = mm(dscores.transpose(-1, -2), qc) * scale
     return dq, _fold_heads(dk, kv_heads), _fold_heads(dv, kv_heads)
 
 
