@@ -133,7 +133,11 @@ def test_validate_asks_the_sequence_to_split_into_2cp_chunks() -> None:
 
 
 def test_default_exchange_per_family() -> None:
-    from moe_train.parallel.context_parallel import default_cp_comm
+    from moe_train.config import load_recipe
 
-    assert (default_cp_comm("qwen3"), default_cp_comm("qwen3_moe"), default_cp_comm("deepseek_v3")) == (
-        "p2p", "p2p", "allgather")
+    chosen = [load_recipe(name, ["launch.gpus_per_node=2", "parallel.cp=2"]).parallel.cp_exchange(family)
+              for name, family in (("qwen3-tiny", "qwen3"), ("qwen3-moe-tiny", "qwen3_moe"),
+                                   ("deepseek-v3-tiny", "deepseek_v3"))]
+    assert chosen == ["p2p", "p2p", "allgather"]
+    recipe = load_recipe("deepseek-v3-tiny", ["launch.gpus_per_node=2", "parallel.cp=2", "parallel.cp_comm=p2p"])
+    assert recipe.parallel.cp_exchange("deepseek_v3") == "p2p"

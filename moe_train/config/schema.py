@@ -165,6 +165,15 @@ class ParallelConfig(Section):
         "forwards and backwards, so resharding would gather once per micro-batch)."
     )
 
+    def cp_exchange(self, family: str) -> str:
+        """`cp_comm`, or the family's default when null. GQA (qwen3, qwen3_moe): the ring, whose p2p sends of a
+        few K/V heads overlap the blocks' compute and never hold the whole sequence's K/V; MLA (deepseek_v3):
+        the all-gather, Megatron-Core's choice for MLA (one collective per layer instead of cp-1 dependent
+        exchanges of its wide per-head K/V)."""
+        if self.cp_comm is not None:
+            return self.cp_comm
+        return "allgather" if family == "deepseek_v3" else "p2p"
+
     @property
     def reshards_after_forward(self) -> bool:
         return self.reshard_after_forward if self.reshard_after_forward is not None else self.pp == 1

@@ -51,8 +51,11 @@ def _batch(recipe: Recipe, target: Target, ctx: ParallelContext) -> Batch:
         train = recipe.train
         rows = train.global_batch_size // ctx.size("dp")
         samples = torch.randint(recipe.model.vocab_size, (rows, train.seq_length + 1), device=ctx.device)
-        return Batch(samples[:, :-1], samples[:, 1:], packed_positions(rows, train.seq_length, ctx.device)
-                     if recipe.data.reset_at_eod else None)
+        batch = Batch(samples[:, :-1], samples[:, 1:], packed_positions(rows, train.seq_length, ctx.device)
+                      if recipe.data.reset_at_eod else None)
+        if ctx.size("cp") == 1:
+            return batch
+        return batch.context_shard(cp=ctx.size("cp"), rank=ctx.coord("cp"), mtp_layers=recipe.model.mtp_layers)
     from moe_train.data import build_datasets
 
     datasets = build_datasets(recipe)

@@ -8,7 +8,7 @@ shifted inputs and targets), so each rank's labels, RoPE positions and document 
 What changes in the model, from outside (`apply_context_parallel`, after tensor parallelism, before recompute):
 - each attention's `core_attention` becomes `ContextParallelAttention` (parallel/ring_attention.py), which sees
   the queries of this rank's tokens and the keys and values of the whole sequence through a ring of p2p
-  exchanges or one all-gather (`parallel.cp_comm`; the default per family: `default_cp_comm`);
+  exchanges or one all-gather (`parallel.cp_comm`; the default per family: `ParallelConfig.cp_exchange`);
 - `attention_mask_of` gives a `ShardMask` (this rank's chunks and, with data.reset_at_eod, its positions);
 - MoE layers route their own tokens; their balancing losses count over the micro-batch's shards on every cp
   (and tp) rank (`token_group`): aux_loss and z-loss over the whole micro-batch, seq_aux_loss per sequence over
@@ -102,21 +102,13 @@ class ContextParallelLoss:
         return self.inner.full_logits(logits)
 
 
-def default_cp_comm(family: str) -> str:
-    """The K/V exchange per family when `parallel.cp_comm` is null. GQA (qwen3): the ring, whose p2p sends of a
-    few K/V heads overlap the blocks' compute and never hold the whole sequence's K/V; MLA (deepseek_v3): the
-    all-gather, Megatron-Core's choice for MLA (its K and V are per-head after the up projection, and its
-    unequal q/k and v head sizes make the ring's merged blocks costlier than one pass over the gathered K/V)."""
-    return "allgather" if family == "deepseek_v3" else "p2p"
-
-
 def apply_context_parallel(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> None:
     """Make `model` (this rank's chunk, on the meta device) attend across the cp ranks; a no-op at cp = 1."""
     cp = ctx.size("cp")
     if cp == 1:
         return
     group = ctx.group("cp")
-    comm = recipe.parallel.cp_comm or default_cp_comm(recipe.model.family)
+    comm = recipe.parallel.cp_exchange(recipe.model.family)
     for module in model.modules():
         if isinstance(module, Attention | MLA):
             module.core_attention = ContextParallelAttention(group=group, comm=comm)

@@ -196,10 +196,10 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 flat, requests = pending
                 _wait(requests)
-        out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+        out, lse = torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse, *(() if mask.positions is None else (mask.positions,)))
         ctx.mask, ctx.scale, ctx.group = mask, scale, group
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -207,14 +207,15 @@ class _RingAttention(torch.autograd.Function):
         mask = ShardMask(chunks=ctx.mask.chunks, chunk=ctx.mask.chunk, positions=positions[0] if positions else None)
         group, scale, c = ctx.group, ctx.scale, mask.chunk
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        grad_out = grad_out.to(out.dtype)
-        delta = (grad_out * out).sum(-1)
+        dtype = lse.dtype  # the blocks' compute dtype (fp32; fp64 for fp64 inputs)
+        grad_out = grad_out.to(dtype)
+        delta = (grad_out * out.to(dtype)).sum(-1)
         q_halves, g_halves = _halves(q, c), _halves(grad_out, c)
         lse_halves, delta_halves = (lse[..., :c], lse[..., c:]), (delta[..., :c], delta[..., c:])
-        dq = torch.zeros(q.shape, dtype=out.dtype, device=q.device)
+        dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
         dq_halves = _halves(dq, c)
         flat = _pack(k, v)
-        dkv = torch.zeros(flat.numel(), dtype=out.dtype, device=q.device)  # travels with the K/V it belongs to
+        dkv = torch.zeros(flat.numel(), dtype=dtype, device=q.device)  # travels with the K/V it belongs to
         for step in range(size):
             source = (rank - step) % size
             pending = _start_ring(flat, group) if step < size - 1 else None
@@ -277,10 +278,10 @@ class _AllGatherAttention(torch.autograd.Function):
             o, lse = block_forward(q_half, k_all[..., :end, :], v_all[..., :end, :], allowed, scale)
             outs.append(o)
             lses.append(lse)
-        out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+        out, lse = torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse, *(() if mask.positions is None else (mask.positions,)))
         ctx.mask, ctx.scale, ctx.group = mask, scale, group
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -289,10 +290,11 @@ class _AllGatherAttention(torch.autograd.Function):
         group, scale, c = ctx.group, ctx.scale, mask.chunk
         size = dist.get_world_size(group)
         k_all, v_all = _in_sequence_order(_gather_kv(k, v, group), (k, v), c)
-        grad_out = grad_out.to(out.dtype)
-        delta = (grad_out * out).sum(-1)
-        dk_all = torch.zeros(k_all.shape, dtype=out.dtype, device=q.device)
-        dv_all = torch.zeros(v_all.shape, dtype=out.dtype, device=q.device)
+        dtype = lse.dtype  # the blocks' compute dtype (fp32; fp64 for fp64 inputs)
+        grad_out = grad_out.to(dtype)
+        delta = (grad_out * out.to(dtype)).sum(-1)
+        dk_all = torch.zeros(k_all.shape, dtype=dtype, device=q.device)
+        dv_all = torch.zeros(v_all.shape, dtype=dtype, device=q.device)
         dqs = []
         for qi, (q_half, g_half) in enumerate(zip(_halves(q, c), _halves(grad_out, c), strict=True)):
             number, end = mask.chunks[qi], (mask.chunks[qi] + 1) * c

@@ -94,8 +94,9 @@ class CommBytes:
                  params: RankParams, param_bytes: int, a: Assumptions) -> CommBytes:
         out = cls()
         m = recipe.model
-        model = _CachedComm(_ModelComm(m, layout, lay))
+        model = _CachedComm(_ModelComm(m, layout, lay, cp_comm=recipe.parallel.cp_exchange(m.family)))
         sizes = {"pp": layout.pp, "dp": layout.dp, "dp_cp": layout.dp * layout.cp, "tp": layout.tp,
+                 "cp": layout.cp, "cp_tp": layout.cp * layout.tp,
                  "edp": layout.edp, "ep": layout.ep, "etp": layout.etp, "ep_etp": layout.ep * layout.etp,
                  "dpr": layout.dpr, "dps": layout.dps, "edps": layout.edps}
         mb = layout.micro_batches
@@ -122,6 +123,7 @@ class CommBytes:
             out.add_pass(model.embedding(), sizes, mb * embeddings)
             heads = int(chunk.loss) + chunk.mtp
             out.add_pass(model.head(), sizes, mb * heads)
+            out.add("cp", "all_reduce", INT64, layout.cp, mb * chunk.mtp)  # MTP's valid targets over the shards
             layers(m.moe is not None, chunk.mtp)
         for kinds, count in groups.items():
             out.add_pass(model.group_recompute(list(kinds)), sizes, mb * count)
@@ -154,7 +156,7 @@ class _CachedComm:
     def __init__(self, model: _ModelComm) -> None:
         self.model = model
         self.key = (id(model.m), model.tp, model.sp, model.a, model.t, model.ts, model.tm, model.batch,
-                    model.layout.ep, model.layout.etp, model.layout.dp > 1)
+                    model.layout.ep, model.layout.etp, model.layout.dp > 1, model.cp, model.cp_comm)
 
     def _get(self, name: str, *args) -> list[Collective]:
         key = (*self.key, name, args)
@@ -194,9 +196,9 @@ def even_share(slots: int, num_experts: int, local_experts: int) -> int:
 class _ModelComm:
     """The collectives of each piece of the model for one micro-batch on this rank (see the module docstring)."""
 
-    def __init__(self, m: ModelConfig, layout: PlanLayout, lay: ActivationLayout) -> None:
+    def __init__(self, m: ModelConfig, layout: PlanLayout, lay: ActivationLayout, *, cp_comm: str) -> None:
         self.m, self.layout = m, layout
-        self.tp = layout.tp
+        self.tp, self.cp, self.cp_comm = layout.tp, layout.cp, cp_comm
         self.sp = layout.sequence_parallel and layout.tp > 1
         self.a, self.h = lay.act_bytes, m.hidden_size
         self.t, self.ts, self.tm = lay.tokens, lay.seq_tokens, lay.moe_tokens
@@ -233,11 +235,32 @@ class _ModelComm:
     def attention(self, direction: str) -> list[Collective]:
         m = self.m
         if m.family != "deepseek_v3":
-            return self._enter(self.h, direction, gemms=3) + self._exit(direction)
+            return self._enter(self.h, direction, gemms=3) + self._context(direction) + self._exit(direction)
         q_width = m.q_lora_rank or self.h
         out = self._enter(q_width, direction, gemms=1) + self._enter(m.kv_lora_rank, direction, gemms=1)
         out += self._enter(m.qk_rope_head_dim, direction, gemms=0)  # the shared rope key joins the heads
-        return out + self._exit(direction)
+        return out + self._context(direction) + self._exit(direction)
+
+    def _context(self, direction: str) -> list[Collective]:
+        """Context-parallel attention's K/V exchange (parallel/ring_attention.py): this rank's K and V (the
+        heads of its tp rank; MLA's V zero-padded to the q/k head width) and their fp32 gradients. p2p: cp-1
+        sends and receives of K/V forward; backward cp-1 of K/V and cp of the gradients. allgather: one
+        all-gather forward; backward another and a reduce-scatter of every rank's gradients."""
+        cp, m = self.cp, self.m
+        if cp == 1:
+            return []
+        if m.family == "deepseek_v3":
+            width = 2 * max(m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim)
+            kv_heads = m.num_attention_heads / self.tp
+        else:
+            width, kv_heads = 2 * m.attention_head_dim, m.kv_heads / self.tp
+        elements = self.t * kv_heads * width
+        kv, grads = self.a * elements, FP32 * elements
+        backward = direction == "backward"
+        if self.cp_comm == "p2p":
+            sent = [kv] * (cp - 1) + ([grads] * cp if backward else [])
+            return [("cp", op, size) for op in ("send", "recv") for size in sent]
+        return [("cp", "all_gather", kv)] + ([("cp", "reduce_scatter", cp * grads)] if backward else [])
 
     def mlp(self, direction: str) -> list[Collective]:
         return self._enter(self.h, direction, gemms=2) + self._exit(direction)
@@ -250,14 +273,17 @@ class _ModelComm:
         forward = direction == "forward"
         if tp > 1 and not self.sp and not forward:
             out.append(("tp", "all_gather", a * self.tm * h))  # the slice's backward
+        # the balancing losses' token set: the micro-batch's tokens on every tp and cp rank (`token_group`)
+        shared = tp * self.cp > 1
+        tokens = "tp" if self.cp == 1 else "cp" if tp == 1 else "cp_tp"
         if forward and router.aux_loss_coeff > 0 and not recompute:
             counts = (moe.num_experts + 1) * INT64  # switch-style losses: the token set's counts
-            if router.load_balancing in ("aux_loss", "global_aux_loss") and tp > 1:
-                out.append(("tp", "all_reduce", counts))
+            if router.load_balancing in ("aux_loss", "global_aux_loss") and shared:
+                out.append((tokens, "all_reduce", counts))
             if router.load_balancing == "global_aux_loss":
                 out.append(("dp", "all_reduce", counts))
-        if forward and router.load_balancing == "seq_aux_loss" and router.aux_loss_coeff > 0 and tp > 1:
-            out.append(("tp", "all_reduce", self.batch * moe.num_experts * FP32))
+        if forward and router.load_balancing == "seq_aux_loss" and router.aux_loss_coeff > 0 and shared:
+            out.append((tokens, "all_reduce", self.batch * moe.num_experts * FP32))
         out += self._dispatch(direction)
         if moe.shared_expert_ffn_hidden_size:  # a sequence-parallel MLP over the layer's token slices
             out += self._enter(h, direction, gemms=2, sp=True, rows=self.tm)
@@ -308,6 +334,8 @@ class _ModelComm:
     def selective_recompute(self, moe: bool, modules: set[str]) -> list[Collective]:
         out: list[Collective] = []
         m = self.m
+        if "core_attn" in modules or (m.family == "deepseek_v3" and "mla_up_proj" in modules):
+            out += self._context("recompute")  # attention across the cp shards runs again
         if m.family == "deepseek_v3" and "mla_up_proj" in modules:  # the up projections enter their regions
             out += self._enter(m.q_lora_rank or self.h, "recompute", gemms=1)
             out += self._enter(m.kv_lora_rank, "recompute", gemms=1)
@@ -364,9 +392,16 @@ def _per_step(out: CommBytes, layout: PlanLayout, params: RankParams) -> None:
         tensors[tensor.mesh] += count
     # Under HSDP a norm is Partial over the shard dimension only (replicas hold the same shard): dps, edps.
     dense, dense_size = ("dps", layout.dps) if layout.dpr > 1 else ("dp", layout.dp)
+    if layout.cp > 1 and layout.dpr == 1:  # FSDP2's dense mesh is dp x cp (HSDP with cp is refused)
+        dense, dense_size = "dp_cp", layout.dp * layout.cp
     out.add(dense, "all_reduce", FP32 * tensors["dense"], dense_size)
-    out.add(dense, "all_reduce", FP32 * tensors["tp"], dense_size)
-    out.add("tp", "all_reduce", FP32 * tensors["tp"], layout.tp)
+    if layout.cp > 1 and layout.tp > 1 and layout.dp == 1:
+        # their mesh (dp_cp, tp) is the cp x tp ranks, for which context parallelism made a flattened group
+        # (the MoE token group): DTensor reduces over both dimensions at once there
+        out.add("cp_tp", "all_reduce", FP32 * tensors["tp"], layout.cp * layout.tp)
+    else:
+        out.add(dense, "all_reduce", FP32 * tensors["tp"], dense_size)
+        out.add("tp", "all_reduce", FP32 * tensors["tp"], layout.tp)
     # Experts: over edp, and as DTensors over ep and etp too; DTensor reduces over several dimensions at once
     # when a flattened group of exactly those exists (ep_etp, made for the all-gather dispatcher). Gathered
     # with their block (not experts_apart), they are DTensors of dp like the block's.

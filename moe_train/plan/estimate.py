@@ -101,7 +101,9 @@ def _activation_layout(recipe: Recipe, layout: PlanLayout, a: Assumptions) -> Ac
         micro_batch=layout.micro_batch, seq_length=layout.seq_length,
         act_bytes=4 if recipe.train.precision == "fp32" else 2, tp=layout.tp,
         sequence_parallel=layout.sequence_parallel, cp=layout.cp, ep=layout.ep, etp=layout.etp,
-        moe_imbalance=a.moe_imbalance, position_batch=layout.micro_batch if recipe.data.reset_at_eod else 1,
+        moe_imbalance=a.moe_imbalance,
+        # position ids per row with packed documents, and under cp (each row's shard has its own positions)
+        position_batch=layout.micro_batch if recipe.data.reset_at_eod or layout.cp > 1 else 1,
     )
 
 
@@ -117,7 +119,7 @@ def _layer_flops(m: ModelConfig, layout: PlanLayout, moe_layer: bool, a: Assumpt
     tp = layout.tp
     out = {"attention": (regions["attention"] - regions.get("mla_down_proj", 0.0)) / tp,
            "mla_down_proj": regions.get("mla_down_proj", 0.0) / (tp if layout.sequence_parallel else 1),
-           "core_attn": regions["core_attn"] / tp}
+           "core_attn": regions["core_attn"] / tp * cp_key_share(layout.cp)}
     if "mla_up_proj" in regions:
         out["mla_up_proj"] = regions["mla_up_proj"] / tp  # part of `attention`
     for name in ("mlp", "router", "shared_experts"):
@@ -126,6 +128,19 @@ def _layer_flops(m: ModelConfig, layout: PlanLayout, moe_layer: bool, a: Assumpt
     if "experts" in regions:
         out["experts"] = regions["experts"] / tp * a.moe_imbalance
     return out
+
+
+def cp_key_share(cp: int) -> float:
+    """Under context parallelism the keys each query token is scored against, as a share of the sequence (1
+    at cp = 1, where SDPA is counted over every key): a rank's two query chunks of c = s / 2cp tokens are scored
+    against 2cp + 1 chunk-by-chunk tiles, diagonals whole (parallel/ring_attention.py: the ring's three tiles at
+    step 0 and two at each later step; the all-gather's r + 1 and 2cp - r chunks), (2cp + 1) c^2 for 2c queries."""
+    return 1.0 if cp == 1 else (2 * cp + 1) / (4 * cp)
+
+
+# Backward of context-parallel attention against its forward (QK^T and PV): it recomputes QK^T and runs the
+# dV, dP, dQ and dK products, 5 of the tile's GEMMs against 2 (SDPA's backward is counted as 2x its forward).
+CP_ATTENTION_BACKWARD = 2.5
 
 
 def _regions_of(m: ModelConfig, moe_layer: bool, seq: int) -> dict[str, float]:
@@ -203,9 +218,11 @@ def _rank_flops(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk], a: Assu
             add(fwd, {"eh_proj": 2.0 * 2 * m.hidden_size * m.hidden_size / layout.tp * replicated, "head": head})
     forward = sum(fwd.values())
     recompute = sum(rec.values())
-    split = {k: 3 * fwd[k] + rec[k] for k in fwd}
-    return {"forward": forward, "backward": 2 * forward, "recompute": recompute,
-            "total": 3 * forward + recompute}, split
+    # context-parallel attention's backward is 2.5x its forward where everything else is 2x
+    extra = (CP_ATTENTION_BACKWARD - 2) * fwd["attention"] if layout.cp > 1 else 0.0
+    split = {k: 3 * fwd[k] + rec[k] + (extra if k == "attention" else 0.0) for k in fwd}
+    return {"forward": forward, "backward": 2 * forward + extra, "recompute": recompute,
+            "total": 3 * forward + extra + recompute}, split
 
 
 def _plan_rank(recipe: Recipe, layout: PlanLayout, assumptions: Assumptions, rank: int, chunks: list[Chunk], *,
