@@ -41,8 +41,6 @@ def _problems(recipe: Recipe, *, fake: bool, rank: int, nproc: int | None, layer
         problems.append(f"--rank: {rank} is not a rank of the recipe's world size {recipe.world_size}")
     elif layers is not None:
         problems += layer_problems(recipe, layers, rank)
-    if recipe.parallel.cp > 1:  # training is built (parallel/context_parallel.py); its counters are not yet
-        problems.append("parallel.cp: measuring context parallelism (cp > 1) is not supported yet")
     if fake and nproc is not None:
         problems.append("--fake and --nproc exclude each other: --fake plays one rank of the recipe's world size")
     if fake and recipe.model.moe is not None and recipe.model.moe.capacity_factor is not None:

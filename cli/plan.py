@@ -50,6 +50,8 @@ def _assumptions(specs: list[str] | None) -> Assumptions:
 def _layout_text(plan: Plan) -> str:
     lay = plan.layout
     text = f"tp {lay.tp} pp {lay.pp}" + (f" vpp {lay.vpp}" if lay.vpp > 1 else "") + f" dp {lay.dp}"
+    if lay.cp > 1:
+        text += f" cp {lay.cp} ({plan.recipe.parallel.cp_exchange(plan.recipe.model.family)})"
     if lay.dpr > 1:
         text += f" (HSDP dpr {lay.dpr} x dps {lay.dps})"
     if plan.recipe.model.moe is not None:

@@ -141,3 +141,121 @@ def test_default_exchange_per_family() -> None:
     assert chosen == ["p2p", "p2p", "allgather"]
     recipe = load_recipe("deepseek-v3-tiny", ["launch.gpus_per_node=2", "parallel.cp=2", "parallel.cp_comm=p2p"])
     assert recipe.parallel.cp_exchange("deepseek_v3") == "p2p"
+
+
+# ------------------------------------------------------------------------------------ plan against measure
+
+def _tiny_cp(name: str, world: int, extra: list[str]):
+    from test_plan_measure import SHAPE
+
+    from moe_train.config import load_recipe
+
+    return load_recipe(name, [*SHAPE, f"launch.gpus_per_node={world}", "parallel.cp=2", "train.micro_batch_size=2",
+                              f"train.global_batch_size={world}", *extra], check_files=False)
+
+
+PLAN_CASES = [
+    ("qwen3-tiny", 2, ["parallel.cp_comm=p2p"]),
+    ("qwen3-tiny", 2, ["parallel.cp_comm=allgather", "train.precision=bf16", "data.reset_at_eod=true"]),
+    ("qwen3-tiny", 4, ["parallel.cp=4", "parallel.recompute.granularity=selective",
+                       "parallel.recompute.modules=[core_attn]"]),
+    ("qwen3-tiny", 2, ["parallel.recompute.granularity=full"]),
+    ("qwen3-moe-tiny", 4, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    ("qwen3-moe-tiny", 8, ["parallel.tp=2", "parallel.ep=2"]),
+    ("deepseek-v3-tiny", 2, ["parallel.recompute.granularity=selective", "parallel.recompute.modules=[mla_up_proj]"]),
+    ("deepseek-v3-tiny", 2, ["parallel.cp_comm=p2p", "train.precision=bf16"]),
+]
+
+
+@pytest.mark.parametrize(("name", "world", "extra"), PLAN_CASES, ids=[f"{n}-{w}-{i}" for i, (n, w, _) in
+                                                                       enumerate(PLAN_CASES)])
+def test_plan_equals_measure_under_cp(name: str, world: int, extra: list[str]) -> None:
+    """measure --fake of one CP rank (cp/send, cp/recv or cp/all_gather, cp/reduce_scatter, the token groups'
+    counts over cp or cp_tp, MTP's count, FLOPs by phase, bytes saved per layer) and the plan agree exactly."""
+    from test_plan_measure import plan_against_measure
+
+    from moe_train.measure.driver import Target, measure
+
+    recipe = _tiny_cp(name, world, extra)
+    report = measure(recipe, Target(fake=True))
+    assert any(key.startswith("cp/") for key in report["comm_bytes"])
+    assert plan_against_measure(recipe, report, tolerance=1e-9) == []
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def test_qwen3_30b_layer_at_32k_keeps_half_the_bytes_at_cp2() -> None:
+    """A full-size Qwen3-30B-A3B MoE layer at s = 32768 (bf16, EP8), measured with --fake on one rank: at cp = 2
+    it saves 0.45-0.55x the activation bytes of cp = 1, with either exchange (the all-gather regathers K/V in
+    backward instead of keeping them); the exchange's bytes are the formula's, and the plan equals measure."""
+    from test_plan_measure import TODAY, plan_against_measure
+
+    from moe_train.config import load_recipe
+    from moe_train.measure.driver import Target, measure
+
+    def run(cp: int, comm: str) -> dict:
+        recipe = load_recipe("qwen3-30b-a3b", [
+            *TODAY, "model.num_layers=1", "train.seq_length=32768", "launch.nodes=1", "launch.gpus_per_node=8",
+            f"parallel.cp={cp}", f"parallel.cp_comm={comm}", "parallel.ep=8", f"train.global_batch_size={8 // cp}",
+            "train.micro_batch_size=1"], check_files=False)
+        report = measure(recipe, Target(fake=True))
+        assert plan_against_measure(recipe, report, tolerance=1e-9) == []
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        return report
+
+    one, ring, gathered = run(1, "p2p"), run(2, "p2p"), run(2, "allgather")
+    layer = one["activation_bytes_per_layer"]["0"]
+    for report in (ring, gathered):
+        assert 0.45 <= report["activation_bytes_per_layer"]["0"] / layer <= 0.55
+    kv = 2 * (32768 // 2) * 4 * 128 * 2  # K and V of this rank: s/cp tokens x 4 kv heads x 128, bf16
+    grads = 2 * kv  # fp32
+    assert ring["comm_bytes"]["cp/send"] == ring["comm_bytes"]["cp/recv"] == (2 - 1) * kv * 2 + 2 * grads
+    assert gathered["comm_bytes"]["cp/all_gather"] == 2 * kv
+    assert gathered["comm_bytes"]["cp/reduce_scatter"] == 2 * grads
+
+
+# ---------------------------------------------------------------------------------- recipes and search
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+@pytest.mark.parametrize(("name", "gpu", "cp", "comm"), [("qwen3-30b-a3b-32k", "h100", 8, "p2p"),
+                                                         ("deepseek-v3-32k", "b200", 8, "allgather")])
+def test_32k_recipes_fit_their_cluster(name: str, gpu: str, cp: int, comm: str) -> None:
+    """The built-in 32K recipes: valid, context-parallel, planned to fit their named GPUs (validate's verdict),
+    DeepSeek-V3 with its published YaRN settings and Qwen3 with its rope unchanged."""
+    from moe_train.config import load_recipe
+    from moe_train.config.hardware import HARDWARE
+    from moe_train.plan.estimate import estimate
+    from moe_train.plan.fit import check_fit
+
+    recipe = load_recipe(RECIPES / f"{name}.yaml")
+    base = load_recipe(name.removesuffix("-32k"))
+    assert (recipe.train.seq_length, recipe.parallel.cp, recipe.launch.gpu) == (32768, cp, gpu)
+    assert recipe.parallel.cp_exchange(recipe.model.family) == comm
+    assert recipe.model.rope == base.model.rope  # DeepSeek-V3's YaRN (factor 40 over 4096), Qwen3's theta 1e6
+    tokens = recipe.train.global_batch_size * recipe.train.seq_length
+    assert tokens == base.train.global_batch_size * base.train.seq_length  # the same tokens per step
+    assert check_fit(recipe).error is None
+    assert estimate(recipe, HARDWARE[gpu]).fits
+
+
+def test_search_considers_cp() -> None:
+    """At 32K the 30B model's best layouts on its 32 H100s are context-parallel (planned: CP8 ~126K tokens/s,
+    the best cp = 1 layout, TP4 + SP, ~96K), and the best are valid recipes."""
+    from moe_train.config import load_recipe
+    from moe_train.config.hardware import HARDWARE
+    from moe_train.plan.search import search
+
+    recipe = load_recipe(RECIPES / "qwen3-30b-a3b-32k.yaml")
+    every, valid, fits = search(recipe, HARDWARE["h100"], top=10_000)
+    assert every and len(every) <= fits <= valid
+    assert {c.overrides["parallel.cp"] for c in every} >= {1, 2, 4, 8}
+    assert all(candidate.overrides["parallel.cp"] > 1 for candidate in every[:5])
+    best_without = next(c for c in every if c.overrides["parallel.cp"] == 1)
+    assert best_without.plan.tokens_per_s < 0.9 * every[0].plan.tokens_per_s
+    for candidate in every[:3]:
+        sets = [f"{k}={'null' if v is None else v}" for k, v in candidate.overrides.items()
+                if k != "parallel.recompute"]
+        load_recipe(RECIPES / "qwen3-30b-a3b-32k.yaml", sets)

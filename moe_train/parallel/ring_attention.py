@@ -246,7 +246,7 @@ def _gather_kv(k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> to
     flat = _pack(k, v)
     size = dist.get_world_size(group)
     gathered = flat.new_empty(size * flat.numel())  # gloo takes the flat output only
-    dist.all_gather_into_tensor(gathered, flat, group=group)
+    dist.all_gather_single(gathered, flat, group=group)
     return gathered.view(size, -1)
 
 
@@ -312,7 +312,7 @@ class _AllGatherAttention(torch.autograd.Function):
             pick = [slice(first * c, (first + 1) * c), slice(second * c, (second + 1) * c)]
             shards.append(_pack(*(torch.cat([g[..., p, :] for p in pick], dim=-2) for g in (dk_all, dv_all))))
         mine = shards[0].new_empty(shards[0].numel())
-        dist.reduce_scatter_tensor(mine, torch.cat(shards), group=group)
+        dist.reduce_scatter_single(mine, torch.cat(shards), group=group)
         dk, dv = _unpack(mine, (k, v))
         return torch.cat(dqs, dim=-2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 

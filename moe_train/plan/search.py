@@ -1,11 +1,12 @@
 """`plan --search`: every valid layout of a recipe for its GPU count, those that fit ranked by throughput.
 
-Searched: tp (dividing the GPUs per node: TP stays on NVLink), pp (dividing the GPUs, up to 16, with a
-generated layout string where layers do not split evenly), vpp (1, 2), ep (dividing the experts), etp (1, and
-2 where ep x etp stays within a node; Megatron-Core recommends 1), the recompute policy (full, none, selective
-over the family's heavy modules, the recipe's own) and the micro-batch size (1, 2). Each candidate goes
-through the recipe rules (`check_recipe`) as `--set` overrides would, so every listed layout is one `validate`
-accepts.
+Searched: tp (dividing the GPUs per node: TP stays on NVLink), cp (1, 2, 4, 8 with cp x tp within a node, so
+the K/V exchange stays on NVLink too; the rules keep the sequence divisible into 2*cp chunks), pp (dividing the
+GPUs, up to 16, with a generated layout string where layers do not split evenly), vpp (1, 2), ep (dividing the
+experts), etp (1, and 2 where ep x etp stays within a node; Megatron-Core recommends 1), the recompute policy
+(full, none, selective over the family's heavy modules, the recipe's own) and the micro-batch size (1, 2). Each
+candidate goes through the recipe rules (`check_recipe`) as `--set` overrides would, so every listed layout is
+one `validate` accepts.
 """
 
 from __future__ import annotations
@@ -76,13 +77,14 @@ def layouts(recipe: Recipe) -> list[dict]:
     eps = _divisors(m.moe.num_experts) if m.moe else [1]
     out = []
     etps = (1, 2) if m.moe else (1,)
-    for tp, pp, vpp, ep, etp, mbs in itertools.product(tps, pps, (1, 2), eps, etps, (1, 2)):
+    cps = [c for c in (1, 2, 4, 8) if launch.gpus_per_node % c == 0]
+    for tp, cp, pp, vpp, ep, etp, mbs in itertools.product(tps, cps, pps, (1, 2), eps, etps, (1, 2)):
         if vpp > 1 and pp == 1:
             continue
-        if world % (tp * pp):
+        if world % (tp * cp * pp) or tp * cp > launch.gpus_per_node:
             continue
-        dp = world // (tp * pp)
-        if (dp * tp) % (ep * etp) or (etp > 1 and ep * etp > launch.gpus_per_node):
+        dp = world // (tp * cp * pp)
+        if (dp * cp * tp) % (ep * etp) or (etp > 1 and ep * etp > launch.gpus_per_node):
             continue  # expert TP only where its group stays inside a node, as tp does
         stages = pp * vpp
         if m.num_layers < stages:
@@ -91,7 +93,7 @@ def layouts(recipe: Recipe) -> list[dict]:
         out.append({
             "parallel.tp": tp, "parallel.pp": pp, "parallel.vpp": vpp,
             "parallel.pp_schedule": "interleaved_1f1b" if vpp > 1 else "1f1b", "parallel.pp_layout": layout,
-            "parallel.ep": ep, "parallel.etp": etp, "parallel.dp": None, "parallel.cp": 1,
+            "parallel.ep": ep, "parallel.etp": etp, "parallel.dp": None, "parallel.cp": cp,
             "parallel.sequence_parallel": tp > 1, "train.micro_batch_size": mbs,
         })
     return out
