@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import test_data_parallel as dp
 import torch
 from multirank import run_ranks
 from workers.record import record_run
@@ -52,21 +53,30 @@ def test_attention_across_shards_equals_full_attention(tmp_path: Path, world: in
 
 # ------------------------------------------------------------------------------------- training layouts
 
-def _layouts():  # imported late: test_data_parallel's helpers (SHRINK, case, reference, assert_same_run)
-    import test_data_parallel as dp
+_REFERENCES: dict[tuple, dict] = {}
 
-    return dp
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The single-process run of a recipe (test_data_parallel's), each computed once for this module's tests."""
+    def run(recipe: str, overrides: list[str], steps: int = dp.STEPS) -> dict:
+        key = (recipe, tuple(overrides), steps)
+        if key not in _REFERENCES:
+            folder = tmp_path_factory.mktemp(f"ref-{recipe}")
+            _REFERENCES[key] = record_run(recipe, [*dp.SHRINK, *overrides], world=1, run_dir=folder, steps=steps)
+        return _REFERENCES[key]
+
+    return run
 
 
 DOCS = "data.reset_at_eod=true"
 MTP_RECIPE = ["train.micro_batch_size=2", "train.precision=fp32"]
 
 
-def test_cp2_equals_single_process(tmp_path: Path) -> None:
+def test_cp2_equals_single_process(tmp_path: Path, reference) -> None:
     """CP2 on 2 ranks (dp 1): qwen3-tiny with both K/V exchanges and with packed documents, DeepSeek-V3-tiny
     (MLA, MTP, expert bias, seq_aux_loss over each sequence's shards) and qwen3-moe-tiny: the single process's
     losses, step-1 gradients, parameters and buffers after three steps, and expert balance figures."""
-    dp = _layouts()
     dense, moe = dp.FP32["qwen3-tiny"], dp.FP32["qwen3-moe-tiny"]
     cases = [
         dp.case("cp2-p2p-qwen3-tiny", "qwen3-tiny", [*dense, "parallel.cp=2", "parallel.cp_comm=p2p"]),
@@ -81,40 +91,42 @@ def test_cp2_equals_single_process(tmp_path: Path) -> None:
     saved = run_ranks("train_layouts", 2, {"cases": cases, "run_root": str(tmp_path / "cp2")}, tmp_path,
                       timeout=400)
     records = {key: torch.load(path, weights_only=True) for key, path in saved.items()}
-    want = dp.reference(tmp_path, "qwen3-tiny", dense)
+    want = reference("qwen3-tiny", dense)
     dp.assert_same_run(records["cp2-p2p-qwen3-tiny"], want)
     dp.assert_same_run(records["cp2-allgather-qwen3-tiny"], want)
-    dp.assert_same_run(records["cp2-docs-qwen3-tiny"], dp.reference(tmp_path / "docs", "qwen3-tiny", [*dense, DOCS]))
-    dp.assert_same_run(records["cp2-deepseek-v3-tiny"], dp.reference(tmp_path, "deepseek-v3-tiny", MTP_RECIPE))
-    dp.assert_same_run(records["cp2-qwen3-moe-tiny"], dp.reference(tmp_path, "qwen3-moe-tiny", moe))
+    dp.assert_same_run(records["cp2-docs-qwen3-tiny"], reference("qwen3-tiny", [*dense, DOCS]))
+    dp.assert_same_run(records["cp2-deepseek-v3-tiny"], reference("deepseek-v3-tiny", MTP_RECIPE))
+    dp.assert_same_run(records["cp2-qwen3-moe-tiny"], reference("qwen3-moe-tiny", moe))
     resumed = records["cp2-to-cp1-qwen3-tiny"]
     assert resumed["started"] == 2
-    straight = record_run("qwen3-tiny", [*dp.SHRINK, *dense], world=1, run_dir=tmp_path / "straight", steps=4)
+    straight = reference("qwen3-tiny", dense, steps=4)
     for key, value in straight["state"].items():
         torch.testing.assert_close(resumed["state"][key], value, rtol=1e-4, atol=1e-6,
                                    msg=lambda m, key=key: f"{key}: {m}")
 
 
-def test_cp_composes_on_four_ranks(tmp_path: Path) -> None:
-    """CP4 (8 chunks) on qwen3-tiny; CP2 x TP2 + SP on qwen3-moe-tiny (the sequence split by cp, then by tp; the
-    MoE token set over cp x tp); CP2 x EP2 x DP2 (the experts' ep ranks are cp ranks: parallel folding); CP2 x
-    PP2 (1f1b): each the single process's run."""
-    dp = _layouts()
+def test_cp_composes_on_four_ranks(tmp_path: Path, reference) -> None:
+    """CP4 (8 chunks) on qwen3-tiny with selective recompute (core_attn: the exchange runs again in backward);
+    CP2 x TP2 + SP on qwen3-moe-tiny (the sequence split by cp, then by tp; the MoE token set over cp x tp);
+    CP2 x EP2 x DP2 with full recompute (the experts' ep ranks are cp ranks: parallel folding); CP2 x PP2
+    (1f1b): each the single process's run."""
     dense, moe = dp.FP32["qwen3-tiny"], dp.FP32["qwen3-moe-tiny"]
     cases = [
-        dp.case("cp4-qwen3-tiny", "qwen3-tiny", [*dense, "parallel.cp=4"]),
+        dp.case("cp4-qwen3-tiny", "qwen3-tiny", [*dense, "parallel.cp=4", "parallel.recompute.granularity=selective",
+                                                 "parallel.recompute.modules=[core_attn,layernorm]"]),
         dp.case("cp2-tp2-sp-qwen3-moe-tiny", "qwen3-moe-tiny",
                 [*moe, "parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
-        dp.case("cp2-ep2-qwen3-moe-tiny", "qwen3-moe-tiny", [*moe, "parallel.cp=2", "parallel.ep=2"]),
+        dp.case("cp2-ep2-qwen3-moe-tiny", "qwen3-moe-tiny", [*moe, "parallel.cp=2", "parallel.ep=2",
+                                                              "parallel.recompute.granularity=full"]),
         dp.case("cp2-pp2-qwen3-tiny", "qwen3-tiny", [*dense, "parallel.cp=2", "parallel.pp=2"]),
     ]
     saved = run_ranks("train_layouts", 4, {"cases": cases, "run_root": str(tmp_path / "cp4")}, tmp_path,
                       timeout=400)
     records = {key: torch.load(path, weights_only=True) for key, path in saved.items()}
-    want = dp.reference(tmp_path, "qwen3-tiny", dense)
+    want = reference("qwen3-tiny", dense)
     dp.assert_same_run(records["cp4-qwen3-tiny"], want)
     dp.assert_same_run(records["cp2-pp2-qwen3-tiny"], want)
-    want = dp.reference(tmp_path, "qwen3-moe-tiny", moe)
+    want = reference("qwen3-moe-tiny", moe)
     dp.assert_same_run(records["cp2-tp2-sp-qwen3-moe-tiny"], want)
     dp.assert_same_run(records["cp2-ep2-qwen3-moe-tiny"], want)
 

@@ -33,6 +33,12 @@ micro-batch on this rank, Ts of them in the sequence region, Tm routed; a bytes 
   shards) and the gradient norm: one fp32 value per parameter tensor, all-reduced over each dimension of its
   mesh (plain tensors: dp; tensor-parallel ones: dp and tp; experts: edp, and ep, or ep x etp at once over
   the flattened group the all-gather dispatcher made, which DTensor then uses).
+- cp (issue 23), per attention layer: the K/V exchange of parallel/ring_attention.py (`_ModelComm._context`:
+  p2p cp-1 sends and receives of this rank's K and V forward, backward cp-1 more and cp of their fp32
+  gradients; allgather one all-gather forward, another and a reduce-scatter of cp x the fp32 gradients
+  backward), again wherever recompute reruns attention; the MoE token group is cp (cp_tp with tp > 1) for the
+  balancing losses' counts; MTP's valid-target count (one int64 per depth and micro-batch) over cp; the
+  gradient norm over dp_cp (FSDP2's dense mesh; cp_tp at dp 1, where DTensor finds that flattened group).
 - pp: activations forward and their gradients backward, a Ts h per crossing of a stage boundary, sent by
   one side and received by the other; when the last stage keeps a copy of the embedding (MTP, tied head),
   an fp32 all-reduce of the embedding's gradient shard per step between it and the first stage (`embedding`).
