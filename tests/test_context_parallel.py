@@ -59,11 +59,12 @@ _REFERENCES: dict[tuple, dict] = {}
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The single-process run of a recipe (test_data_parallel's), each computed once for this module's tests."""
-    def run(recipe: str, overrides: list[str], steps: int = dp.STEPS) -> dict:
-        key = (recipe, tuple(overrides), steps)
+    def run(recipe: str, overrides: list[str], steps: int = dp.STEPS, evaluate: bool = False) -> dict:
+        key = (recipe, tuple(overrides), steps, evaluate)
         if key not in _REFERENCES:
             folder = tmp_path_factory.mktemp(f"ref-{recipe}")
-            _REFERENCES[key] = record_run(recipe, [*dp.SHRINK, *overrides], world=1, run_dir=folder, steps=steps)
+            _REFERENCES[key] = record_run(recipe, [*dp.SHRINK, *overrides], world=1, run_dir=folder, steps=steps,
+                                          evaluate=evaluate)
         return _REFERENCES[key]
 
     return run
@@ -74,12 +75,13 @@ MTP_RECIPE = ["train.micro_batch_size=2", "train.precision=fp32"]
 
 
 def test_cp2_equals_single_process(tmp_path: Path, reference) -> None:
-    """CP2 on 2 ranks (dp 1): qwen3-tiny with both K/V exchanges and with packed documents, DeepSeek-V3-tiny
-    (MLA, MTP, expert bias, seq_aux_loss over each sequence's shards) and qwen3-moe-tiny: the single process's
-    losses, step-1 gradients, parameters and buffers after three steps, and expert balance figures."""
+    """CP2 on 2 ranks (dp 1): qwen3-tiny with both K/V exchanges (and evaluation) and with packed documents,
+    DeepSeek-V3-tiny (MLA, MTP, expert bias, seq_aux_loss over each sequence's shards) and qwen3-moe-tiny: the
+    single process's losses, step-1 gradients, parameters and buffers after three steps, and expert balance
+    figures; and a CP2 run resumed at CP1 (DP2) from its step-2 checkpoint against four straight steps."""
     dense, moe = dp.FP32["qwen3-tiny"], dp.FP32["qwen3-moe-tiny"]
     cases = [
-        dp.case("cp2-p2p-qwen3-tiny", "qwen3-tiny", [*dense, "parallel.cp=2", "parallel.cp_comm=p2p"]),
+        dp.case("cp2-p2p-qwen3-tiny", "qwen3-tiny", [*dense, "parallel.cp=2", "parallel.cp_comm=p2p"], evaluate=True),
         dp.case("cp2-allgather-qwen3-tiny", "qwen3-tiny", [*dense, "parallel.cp=2", "parallel.cp_comm=allgather"]),
         dp.case("cp2-docs-qwen3-tiny", "qwen3-tiny", [*dense, DOCS, "parallel.cp=2"]),
         dp.case("cp2-deepseek-v3-tiny", "deepseek-v3-tiny", [*MTP_RECIPE, "parallel.cp=2"]),
@@ -91,8 +93,9 @@ def test_cp2_equals_single_process(tmp_path: Path, reference) -> None:
     saved = run_ranks("train_layouts", 2, {"cases": cases, "run_root": str(tmp_path / "cp2")}, tmp_path,
                       timeout=400)
     records = {key: torch.load(path, weights_only=True) for key, path in saved.items()}
-    want = reference("qwen3-tiny", dense)
+    want = reference("qwen3-tiny", dense, evaluate=True)
     dp.assert_same_run(records["cp2-p2p-qwen3-tiny"], want)
+    assert records["cp2-p2p-qwen3-tiny"]["eval"] == pytest.approx(want["eval"], rel=1e-5)  # over the shards too
     dp.assert_same_run(records["cp2-allgather-qwen3-tiny"], want)
     dp.assert_same_run(records["cp2-docs-qwen3-tiny"], reference("qwen3-tiny", [*dense, DOCS]))
     dp.assert_same_run(records["cp2-deepseek-v3-tiny"], reference("deepseek-v3-tiny", MTP_RECIPE))
@@ -123,7 +126,7 @@ def test_cp_composes_on_four_ranks(tmp_path: Path, reference) -> None:
     saved = run_ranks("train_layouts", 4, {"cases": cases, "run_root": str(tmp_path / "cp4")}, tmp_path,
                       timeout=400)
     records = {key: torch.load(path, weights_only=True) for key, path in saved.items()}
-    want = reference("qwen3-tiny", dense)
+    want = reference("qwen3-tiny", dense, evaluate=True)
     dp.assert_same_run(records["cp4-qwen3-tiny"], want)
     dp.assert_same_run(records["cp2-pp2-qwen3-tiny"], want)
     want = reference("qwen3-moe-tiny", moe)

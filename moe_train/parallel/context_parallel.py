@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_train.models.attention import Attention
+from moe_train.models.loss import IGNORE_INDEX
 from moe_train.models.mla import MLA
 from moe_train.models.moe import MoELayer
 from moe_train.parallel.ring_attention import ShardMask, context_parallel_attention
@@ -92,8 +93,6 @@ class ContextParallelLoss:
         return self.inner.sum(logits, targets)
 
     def mean(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        from moe_train.models.loss import IGNORE_INDEX
-
         count = (targets != IGNORE_INDEX).sum()
         dist.all_reduce(count, group=self.group)
         return self.inner.sum(logits, targets) / count.clamp(min=1)
