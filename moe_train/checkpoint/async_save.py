@@ -6,16 +6,14 @@ manifest and publishing it (rename, `latest`, keep-K) does not need the live ten
 thread while training goes on: the thread runs DCP's save of the staged copy, then does what
 `save.save_checkpoint` does after it (the manifest, layout.publish, layout.prune).
 
-What the background write costs training is the CPU it takes from it (bench/bench_checkpoint.py measures it).
-Two choices keep that small:
-- The staging buffers are allocated once and reused by every later save (DCP's DefaultStager caches a host copy
-  per source storage; pinned memory on a GPU node, for fast device-to-host copies): a fresh 1.5 GB copy per save
-  spent most of the stall zeroing new pages, where a copy into warm buffers is a memcpy.
-- The writer thread runs in the idle scheduling class (Linux SCHED_IDLE): it gets a core only when no training
-  thread wants one, so on a machine whose cores the ranks fill (2 gloo ranks on 2 cores) it fills the gaps of the
-  step (collective waits, the host's idle moments) instead of taking half a core from each rank; on a GPU node,
-  where the training step leaves host cores idle, it runs at once. The write then takes longer in wall time
-  when the cores are busy, which costs training nothing: the next save waits for it only if it comes first.
+What the background write costs training is the CPU it takes from it (bench/bench_checkpoint.py measures it,
+beside DCP's default `async_save`). The staging buffers are allocated once and reused by every later save (DCP's
+DefaultStager caches a host copy per source storage; pinned memory on a GPU node, for fast device-to-host
+copies): a fresh copy per save spent most of the stall zeroing new pages (~2 s of CPU for the 125M proxy's
+1.5 GB), where a copy into warm buffers is a memcpy, and the writer no longer pays those page faults either.
+The writer keeps the training threads' scheduling class: in the idle class (SCHED_IDLE, tried) it held the GIL
+while other processes had the cores, and the training thread waited for it (on this shared machine the write
+then spanned three steps instead of one, and cost more).
 
 The background thread's collectives (DCP's plan and metadata exchange, the manifest's shared hashing, the final
 barrier) run on a dedicated gloo group: the staged tensors live on the host, and the training group's
@@ -30,7 +28,6 @@ must be on disk before the job ends), waiting for a background one first.
 
 from __future__ import annotations
 
-import os
 import shutil
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,16 +43,6 @@ from moe_train.checkpoint import collective
 from moe_train.checkpoint.layout import prune, publish, step_dir_name, tmp_dir
 from moe_train.checkpoint.save import save_checkpoint
 from moe_train.checkpoint.state import Progress, training_state, write_model_config
-
-
-def _yield_cores() -> None:
-    """Put the calling thread (the writer) in the idle scheduling class, where the kernel has it; elsewhere it
-    keeps the default class (the write is the same, it only competes with training for the cores)."""
-    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        except OSError:  # a sandbox that refuses it: the default class
-            pass
 
 
 class Checkpointer:
@@ -92,8 +79,7 @@ class Checkpointer:
         staged = self._stager.stage(training_state(chunks=chunks, optimizers=optimizers, progress=progress))
         group = self._background_group()
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint",
-                                                initializer=_yield_cores)
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._pending = self._executor.submit(self._write, staged, tmp, progress.step, group)
         return self.ckpt_dir / step_dir_name(progress.step)
 
