@@ -133,19 +133,25 @@ def save_costs(trainer, ckpt_dir: Path, model_config: dict, steps: int) -> dict:
     _step_times(trainer, 2, 2)  # warm
     _timed(lambda: (save(10, True), checkpointer.wait()))  # one-off set-up: the group, the staging buffers
     _timed(lambda: (default.save(trainer, 20, model_config), default.wait()))
+    cpu = time.process_time()
     baseline = statistics.median(_step_times(trainer, 4, steps))
+    step_cpu_s = (time.process_time() - cpu) / steps
+    cpu = time.process_time()
     sync_s, _ = _timed(lambda: save(11, False))
-    record = {"baseline_step_s": baseline, "sync_cost_s": sync_s}
+    record = {"baseline_step_s": baseline, "sync_cost_s": sync_s, "sync_cpu_s": time.process_time() - cpu}
     first = 4 + steps
     for name, start, writer in (("async", lambda: save(12, True), checkpointer),
                                 ("dcp", lambda: default.save(trainer, 21, model_config), default)):
+        cpu = time.process_time()
         stall_s, _ = _timed(start)
         overlapped = _step_times(trainer, first, 2 * steps, until=lambda writer=writer: not writer.in_flight)
         first += len(overlapped)
         left_s, _ = _timed(writer.wait)
+        extra_cpu_s = time.process_time() - cpu - step_cpu_s * len(overlapped)
         slowdown_s = sum(max(0.0, t - baseline) for t in overlapped)
         record.update({f"{name}_stall_s": stall_s, f"{name}_slowdown_s": slowdown_s, f"{name}_wait_s": left_s,
-                       f"{name}_overlapped_steps": len(overlapped), f"{name}_cost_s": stall_s + slowdown_s + left_s})
+                       f"{name}_overlapped_steps": len(overlapped), f"{name}_cost_s": stall_s + slowdown_s + left_s,
+                       f"{name}_cpu_s": extra_cpu_s})
     checkpointer.close()
     return record
 
@@ -268,7 +274,7 @@ def main() -> None:
     if not args.cost_steps:
         return
     print(f"\n{'model':<24}{'ranks':>6}{'step s':>8}{'sync s':>8}{'save':>7}{'stall':>7}{'slowdown':>9}{'wait':>6}"
-          f"{'steps':>6}{'cost s':>8}{'of sync':>8}")
+          f"{'steps':>6}{'cost s':>8}{'of sync':>8}{'sync cpu':>9}{'cpu':>6}{'of sync':>8}")
     for (model, world), runs in results.items():
         m = {key: statistics.median(r[key] for r in runs) for key in runs[0] if not key.endswith("_at")}
         name = f"{MODELS[model][0]} ({m['params'] / 1e6:.0f}M)"
@@ -276,10 +282,14 @@ def main() -> None:
             print(f"{name:<24}{world:>6}{m['baseline_step_s']:>8.2f}{m['sync_cost_s']:>8.2f}{kind:>7}"
                   f"{m[kind + '_stall_s']:>7.2f}{m[kind + '_slowdown_s']:>9.2f}{m[kind + '_wait_s']:>6.2f}"
                   f"{m[kind + '_overlapped_steps']:>6.0f}{m[kind + '_cost_s']:>8.2f}"
-                  f"{m[kind + '_cost_s'] / m['sync_cost_s']:>8.0%}")
+                  f"{m[kind + '_cost_s'] / m['sync_cost_s']:>8.0%}{m['sync_cpu_s']:>9.2f}{m[kind + '_cpu_s']:>6.2f}"
+                  f"{m[kind + '_cpu_s'] / m['sync_cpu_s']:>8.0%}")
     print("step s: a step without a save (median); sync s: a synchronous save's stall; save: async is the "
           "Checkpointer's background save, dcp DCP's default async_save beside it; its cost s = stall (staging) "
-          "+ slowdown of the overlapping steps (at most 2 x --cost-steps) + wait left; of sync: cost s / sync s.")
+          "+ slowdown of the overlapping steps (at most 2 x --cost-steps) + wait left; of sync: cost s / sync s. "
+          "cpu: rank 0's CPU seconds (every thread) for the save: the synchronous save's, and the background "
+          "save's over its steps less those steps' own (the CPU a save takes from training where no core is "
+          "spare; under other jobs' load the one figure that does not swing).")
 
 
 if __name__ == "__main__":
