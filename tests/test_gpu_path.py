@@ -311,11 +311,13 @@ def test_host_reads_of_one_step_on_one_rank(tmp_path: Path, packed: bool) -> Non
 
 
 def test_host_reads_of_one_step_under_expert_parallelism(tmp_path: Path) -> None:
-    """EP2 on two gloo ranks: at most one read per MoE dispatch (the all-to-all splits, or the all-gathered
-    token counts), with two MoE layers and two micro-batches: 4 dispatches per step."""
-    cases = [{"id": d, "recipe": "qwen3-moe-tiny", "overrides": [*MOE_SHRINK, "parallel.ep=2",
-                                                                  f"model.moe.dispatcher={d}"]}
-             for d in ("alltoall", "allgather")]
+    """EP2 on two gloo ranks: at most one read per MoE dispatch (the all-to-all splits, with the kept count of a
+    capacity's keep-mask, or the all-gathered token counts), with and without a capacity, padded or not."""
+    capacity = ["model.moe.capacity_factor=1.0"]
+    variants = {"": [], "-capacity": capacity, "-padded": [*capacity, "model.moe.pad_to_capacity=true"]}
+    cases = [{"id": d + v, "recipe": "qwen3-moe-tiny", "overrides": [*MOE_SHRINK, "parallel.ep=2",
+                                                                      f"model.moe.dispatcher={d}", *sets]}
+             for d in ("alltoall", "allgather") for v, sets in variants.items()]
     result = run_ranks("host_reads_step", 2, {"cases": cases, "run_root": str(tmp_path / "runs")}, tmp_path,
                        timeout=240)
     dispatches = 2 * 1  # layers x micro-batches of this rank (global batch 4 over dp 2, micro-batch 2)
