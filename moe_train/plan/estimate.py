@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from moe_train.config.hardware import Hardware
 from moe_train.config.schema import ModelConfig, Recipe
+from moe_train.kernels import kernels_for
 
 from .activation_memory import (
     chunk_activation_bytes,
@@ -102,6 +103,7 @@ def _activation_layout(recipe: Recipe, layout: PlanLayout, a: Assumptions) -> Ac
         act_bytes=4 if recipe.train.precision == "fp32" else 2, tp=layout.tp,
         sequence_parallel=layout.sequence_parallel, cp=layout.cp, ep=layout.ep, etp=layout.etp,
         moe_imbalance=a.moe_imbalance, position_batch=layout.micro_batch if recipe.data.reset_at_eod else 1,
+        documents=recipe.data.reset_at_eod, device=layout.device,
     )
 
 
@@ -113,7 +115,7 @@ def _layer_flops(m: ModelConfig, layout: PlanLayout, moe_layer: bool, a: Assumpt
     """Forward FLOPs per token of the micro-batch that this rank runs for one layer, by region: sharded work
     divides by tp, MLA's replicated down projections only under SP (they run on the sequence region), routed
     experts scale by the stated imbalance."""
-    regions = dict(_regions_of(m, moe_layer, layout.seq_length))
+    regions = dict(_regions_of(m, moe_layer, layout.seq_length, layout.device))
     tp = layout.tp
     out = {"attention": (regions["attention"] - regions.get("mla_down_proj", 0.0)) / tp,
            "mla_down_proj": regions.get("mla_down_proj", 0.0) / (tp if layout.sequence_parallel else 1),
@@ -128,9 +130,10 @@ def _layer_flops(m: ModelConfig, layout: PlanLayout, moe_layer: bool, a: Assumpt
     return out
 
 
-def _regions_of(m: ModelConfig, moe_layer: bool, seq: int) -> dict[str, float]:
+def _regions_of(m: ModelConfig, moe_layer: bool, seq: int, device: str) -> dict[str, float]:
     index = m.num_layers if moe_layer else 0  # an index past first_k_dense is MoE where the model has MoE
-    return layer_flops_by_region(m, layer=index, seq_length=seq, executed=True)
+    return layer_flops_by_region(m, layer=index, seq_length=seq, executed=True,
+                                 mla_value_padded=kernels_for(device).mla_value == "padded")
 
 
 def _selective_recompute(m: ModelConfig, flops: dict[str, float], modules: set[str], moe_layer: bool) -> dict:
