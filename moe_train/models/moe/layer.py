@@ -137,7 +137,10 @@ class MoELayer(nn.Module):
             x, routing.topk_indices, keep=keep, pad_to=capacity if self.moe.pad_to_capacity else None,
             host_counts=known,
         )
-        out = self.experts(rows, rows_per_expert)
+        # The capacity bounds each expert's rows where this rank holds every expert (no expert parallelism: the
+        # rows come from its own tokens alone), so the padded batched GEMM can size itself without a read.
+        bound = capacity if self.dispatcher.num_local_experts == self.moe.num_experts else None
+        out = self.experts(rows, rows_per_expert, capacity=bound)
         out = self.dispatcher.combine(out, routing.topk_weights, plan).to(hidden.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
