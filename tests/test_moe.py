@@ -448,6 +448,57 @@ def test_capacity_layer_runs_the_padded_gemm_without_the_loops_read(monkeypatch:
     assert read_counts == [1, 2]
 
 
+def _shared_layer_outputs(layer: MoELayer, x: torch.Tensor, *, today: bool) -> list[torch.Tensor]:
+    """Output, input gradient and every parameter gradient of one forward and backward; `today`: the shared
+    experts added after the routed ones, computed after the combine (the order before the overlap)."""
+    layer.zero_grad()
+    inputs = x.clone().requires_grad_()
+    if today:
+        shared, layer.shared_experts = layer.shared_experts, None
+        try:
+            out = layer(inputs)
+        finally:
+            layer.shared_experts = shared
+        out = out + shared(inputs.reshape(-1, inputs.shape[-1])).view_as(out)
+    else:
+        out = layer(inputs)
+    out.square().sum().backward()
+    return [out, inputs.grad, *(p.grad for p in layer.parameters())]
+
+
+def test_shared_experts_start_before_the_dispatch_and_change_no_number():
+    """The shared experts run before the routed experts' dispatch (on CUDA on a side stream, overlapping its
+    all-to-all; on the CPU in the same order, on the one stream): the output and every parameter gradient equal,
+    bit for bit, to adding them after the combine; the input's gradient sums the same three terms (shared
+    experts, dispatch, router) in another order, so it equals to rounding."""
+    layer = make_layer(32, moe_config(num_experts=4, top_k=2, shared_expert_ffn_hidden_size=16), std=0.3)
+    x = torch.randn(2, 8, 32)
+    order = []
+    layer.shared_experts.register_forward_hook(lambda *_: order.append("shared"))
+    dispatch = layer.dispatcher.dispatch
+    layer.dispatcher.dispatch = lambda *a, **k: (order.append("dispatch"), dispatch(*a, **k))[1]
+    overlapped = _shared_layer_outputs(layer, x, today=False)
+    assert order == ["shared", "dispatch"]
+    (out, grad_input, *grads), (out_today, grad_input_today, *grads_today) = (
+        overlapped, _shared_layer_outputs(layer, x, today=True))
+    assert torch.equal(out, out_today)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_today, strict=True))
+    assert torch.allclose(grad_input, grad_input_today, rtol=1e-6, atol=1e-6 * grad_input.abs().max().item())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the shared experts' side stream")
+def test_shared_experts_on_the_side_stream_equal_the_one_stream(monkeypatch: pytest.MonkeyPatch):
+    layer = make_layer(256, moe_config(num_experts=8, top_k=2, ffn_hidden_size=128,
+                                       shared_expert_ffn_hidden_size=512), std=0.05).cuda()
+    x = torch.randn(4, 512, 256, device="cuda")
+    one_stream = _shared_layer_outputs(layer, x, today=False)
+    monkeypatch.setattr(MoELayer, "_overlaps_shared_experts", lambda self, x: True)
+    side = _shared_layer_outputs(layer, x, today=False)
+    torch.cuda.synchronize()
+    for a, b in zip(one_stream, side, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_grouped_mm_refuses_unaligned_shapes():
     assert not grouped_mm_supported(torch.bfloat16, torch.device("cpu"), hidden_size=60, ffn_hidden_size=32)
     assert not grouped_mm_supported(torch.float32, torch.device("cpu"), hidden_size=64, ffn_hidden_size=30)

@@ -110,6 +110,16 @@ def test_tiny_layouts_and_recompute_policies_plan_exactly_what_measure_counts(na
     assert plan_against_measure(recipe, report, tolerance=1e-9) == []
 
 
+@pytest.mark.parametrize("policy", ["moe", "full-uniform-1"])
+def test_recomputed_moe_layer_reruns_its_shared_experts_whole(policy):
+    """The shared experts run before the dispatch, so the routed experts and the combine save after them: a
+    recomputed MoE layer re-runs the shared down projection and its tensor-parallel reduce-scatter even when no
+    balancing loss saves after the combine (aux_loss, no z-loss), as measured."""
+    recipe = tiny_recipe("deepseek-v3-tiny", 2, False, policy, "fp32", "model.moe.router.load_balancing=aux_loss",
+                         "model.moe.router.z_loss_coeff=0")
+    assert plan_against_measure(recipe, measure(recipe, Target(fake=True)), tolerance=1e-9) == []
+
+
 @pytest.mark.parametrize(("name", "precision"), [("qwen3-tiny", "fp32"), ("deepseek-v3-tiny", "bf16")])
 def test_packed_documents_plan_the_mask_measure_saves(name, precision):
     """data.reset_at_eod (measure --fake feeds packed positions): every layer exactly as measured, and what the

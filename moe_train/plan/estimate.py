@@ -26,7 +26,7 @@ from .comm_bytes import CommBytes, comm_time
 from .flop_count import forward_flops_per_token, layer_flops_by_region
 from .params import RankParams, rank_params
 from .rank_layout import Chunk, PlanLayout, in_flight, rank_chunks
-from .recompute_policy import RecomputePolicy, recompute_groups, saves_after_shared_experts
+from .recompute_policy import RecomputePolicy, recompute_groups
 from .saved_tensors import ActivationLayout, expert_rows
 
 PARAM_BYTES = {"bf16": 2, "fp8": 2, "fp32": 4}  # fp8 keeps bf16 weights; the GEMMs quantise on the fly
@@ -151,7 +151,7 @@ def _selective_recompute(m: ModelConfig, flops: dict[str, float], modules: set[s
     shared = flops.get("shared_experts", 0.0)
     if "moe" in modules:
         out["router"], out["experts"] = flops["router"], flops["experts"]
-        out["shared_experts"] = shared if saves_after_shared_experts(m) else shared * 2 / 3
+        out["shared_experts"] = shared  # they run before the dispatch: the routed experts save after them
     elif "shared_experts" in modules:
         out["shared_experts"] = shared * 2 / 3
     return out
@@ -161,9 +161,7 @@ def _group_tail(m: ModelConfig, flops: dict[str, float], moe_layer: bool) -> dic
     """What a recomputation ending with this layer does not re-run: everything after the last saved tensor."""
     if not moe_layer:
         return {"mlp": flops["mlp"] / 3}
-    if flops.get("shared_experts") and not saves_after_shared_experts(m):
-        return {"shared_experts": flops["shared_experts"] / 3}
-    return {}
+    return {}  # the combine saves last (the shared experts ran before the dispatch): no GEMM after it
 
 
 def _rank_flops(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk], a: Assumptions) -> tuple[dict, dict]:
