@@ -1,4 +1,5 @@
-"""The MoE layer: router -> (capacity) -> dispatch -> grouped experts -> combine, plus shared experts.
+"""The MoE layer: router -> (capacity) -> dispatch -> grouped experts -> combine, plus shared experts (started
+before the dispatch; on CUDA on a side stream, so they run while the all-to-all waits on the network).
 
 forward(hidden [b, s, h]) -> [b, s, h], and nothing else leaves the forward but through two channels that
 cannot be overwritten by a later forward:
