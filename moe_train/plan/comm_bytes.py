@@ -54,11 +54,12 @@ from dataclasses import dataclass, field
 
 from moe_train.config.hardware import Hardware
 from moe_train.config.schema import ModelConfig, Recipe
+from moe_train.kernels import kernels_for
 
 from .assumptions import Assumptions
 from .params import RankParams, fsdp_rows
 from .rank_layout import Chunk, PlanLayout, crosses_network, ranks_within_domain
-from .recompute_policy import recompute_groups, saves_after_shared_experts
+from .recompute_policy import recompute_groups, saves_after_combine
 from .saved_tensors import ActivationLayout
 
 INT64, FP32 = 8, 4
@@ -162,7 +163,8 @@ class _CachedComm:
     def __init__(self, model: _ModelComm) -> None:
         self.model = model
         self.key = (id(model.m), model.tp, model.sp, model.a, model.t, model.ts, model.tm, model.batch,
-                    model.layout.ep, model.layout.etp, model.layout.dp > 1, model.cp, model.cp_comm)
+                    model.layout.ep, model.layout.etp, model.layout.dp > 1, model.cp, model.cp_comm,
+                    model.layout.device)
 
     def _get(self, name: str, *args) -> list[Collective]:
         key = (*self.key, name, args)
@@ -249,14 +251,17 @@ class _ModelComm:
 
     def _context(self, direction: str) -> list[Collective]:
         """Context-parallel attention's K/V exchange (parallel/ring_attention.py): this rank's K and V (the
-        heads of its tp rank; MLA's V zero-padded to the q/k head width) and their fp32 gradients. p2p: cp-1
+        heads of its tp rank; MLA's V zero-padded to the q/k head width where the device's kernel row pads it)
+        and their fp32 gradients. p2p: cp-1
         sends and receives of K/V forward; backward cp-1 of K/V and cp of the gradients. allgather: one
         all-gather forward; backward another and a reduce-scatter of every rank's gradients."""
         cp, m = self.cp, self.m
         if cp == 1:
             return []
         if m.family == "deepseek_v3":
-            width = 2 * max(m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim)
+            qk, v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+            padded = kernels_for(self.layout.device).mla_value == "padded"  # MLA pads where the kernel table says
+            width = 2 * max(qk, v) if padded else qk + v
             kv_heads = m.num_attention_heads / self.tp
         else:
             width, kv_heads = 2 * m.attention_head_dim, m.kv_heads / self.tp
@@ -327,12 +332,9 @@ class _ModelComm:
         """What a recomputation that ends with this layer does not re-run (everything after its last save)."""
         if not moe:
             return self._exit("forward")
-        out = []
-        shared, saves_after = self.m.moe.shared_expert_ffn_hidden_size, saves_after_shared_experts(self.m)
-        if not shared and not saves_after and self.m.moe.dispatcher == "allgather":
+        out = []  # the shared experts ran before the dispatch: their collectives are recomputed with them
+        if not saves_after_combine(self.m) and self.m.moe.dispatcher == "allgather":
             out += [c for c in self._dispatch("forward") if c[1] == "reduce_scatter"]  # the combine's
-        if shared and not saves_after:
-            out += self._exit("forward", sp=True, rows=self.tm * self.tp)
         if self.tp > 1 and not self.sp:
             out.append(("tp", "all_gather", self.a * self.tm * self.h))
         return out
