@@ -191,15 +191,15 @@ REAL = {
           *PIPELINED], True),
         ("dsv3-pp2-gpipe-mtp", "deepseek-v3-tiny", ["parallel.pp=2", "parallel.pp_schedule=gpipe", *PIPELINED],
          True),
+        # the recipe's own routing: the dispatch bytes the routing implies
+        ("moe-dp2-ep2-alltoall-routed", "qwen3-moe-tiny", ["parallel.ep=2", "train.global_batch_size=8"], False),
+        ("dsv3-dp2-ep2-allgather-routed", "deepseek-v3-tiny",
+         ["parallel.ep=2", "model.moe.dispatcher=allgather", "train.global_batch_size=4"], False),
         # context parallelism: the ring with packed documents, MLA's all-gather (issue 23)
         ("qwen3-cp2-p2p-docs", "qwen3-tiny", ["parallel.cp=2", "data.reset_at_eod=true", "train.global_batch_size=2"],
          True),
         ("dsv3-cp2-allgather-bf16", "deepseek-v3-tiny", ["parallel.cp=2", "train.precision=bf16",
                                                          "train.global_batch_size=2"], True),
-        # the recipe's own routing: the dispatch bytes the routing implies
-        ("moe-dp2-ep2-alltoall-routed", "qwen3-moe-tiny", ["parallel.ep=2", "train.global_batch_size=8"], False),
-        ("dsv3-dp2-ep2-allgather-routed", "deepseek-v3-tiny",
-         ["parallel.ep=2", "model.moe.dispatcher=allgather", "train.global_batch_size=4"], False),
     ],
     4: [
         ("moe-tp2dp2-ep4-sp-moe_act", "qwen3-moe-tiny",
