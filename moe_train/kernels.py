@@ -4,9 +4,12 @@ The choices differ because the kernels differ: on the CPU, SDPA's flash kernel t
 only its output and log-sum-exp for backward), and FlexAttention has no backward; on CUDA, SDPA's flash and cuDNN
 kernels take no mask at all, so a document mask would send packed sequences to the math kernel, which saves the
 [b, h, s, s] scores: FlexAttention's block mask skips the masked blocks instead. Grouped GEMM
-(`torch._grouped_mm`) runs on the CPU and on CUDA from compute capability 9.0 (Hopper) in bf16.
+(`torch._grouped_mm`) runs on the CPU and on CUDA from compute capability 9.0 (Hopper) in bf16. FP8 GEMMs
+(models/fp8/gemm.py): `torch._scaled_mm` takes tensorwise and rowwise scales on both (the CPU kernel checked with torch
+2.13; CUDA from sm89, and `validate` refuses a GPU without fp8 tensor cores); the other recipes and the routed
+experts' grouped fp8 GEMMs are emulated (quantise, dequantise, bf16 GEMM) on both until their kernels are built.
 
-Readers: moe_train/models/attention.py (`documents`), moe_train/models/moe/experts.py (`grouped_mm_min_major`,
+Readers: moe_train/models/attention.py (`documents`), moe_train/models/fp8/gemm.py (`fp8_scaled_mm`), moe_train/models/moe/experts.py (`grouped_mm_min_major`,
 through `grouped_mm_supported`), `train.compile`'s default (`compile`, once the structure issue lands it).
 Torch-free: plan and the login half may read it.
 """
@@ -25,11 +28,16 @@ class Kernels:
     causal: Literal["sdpa"]  # attention without restarts: SDPA with is_causal (flash / cuDNN / the CPU's flash)
     grouped_mm_min_major: int | None  # compute capability major from which torch._grouped_mm runs; None: always
     compile: bool  # train.compile's default (null)
+    fp8_scaled_mm: frozenset[str]  # train.fp8.recipe values whose linear GEMMs run torch._scaled_mm; others emulated
 
+
+_SCALED_MM = frozenset({"tensorwise", "rowwise"})
 
 KERNELS: dict[str, Kernels] = {
-    "cpu": Kernels(documents="sdpa_additive_mask", causal="sdpa", grouped_mm_min_major=None, compile=False),
-    "cuda": Kernels(documents="flex_block_mask", causal="sdpa", grouped_mm_min_major=9, compile=True),
+    "cpu": Kernels(documents="sdpa_additive_mask", causal="sdpa", grouped_mm_min_major=None, compile=False,
+                   fp8_scaled_mm=_SCALED_MM),
+    "cuda": Kernels(documents="flex_block_mask", causal="sdpa", grouped_mm_min_major=9, compile=True,
+                    fp8_scaled_mm=_SCALED_MM),
 }
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from moe_train.models.fp8.gemm import Fp8Gemm
 from moe_train.models.linear import expert_offsets, grouped_mm, linear
 
 _GROUPED_MM_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -55,6 +56,7 @@ class GroupedExperts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.use_grouped_mm = True
+        self.fp8: Fp8Gemm | None = None  # set by models/fp8/select.py when the routed experts run in fp8
 
     def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """rows [N, H] (expert e's rows contiguous, in expert order), tokens_per_expert [E] -> [N, H].
@@ -85,9 +87,9 @@ class GroupedExperts(nn.Module):
     def _grouped(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         gate_proj, up_proj, down_proj = self.local_weights()
         offsets = expert_offsets(tokens_per_expert)
-        gate = grouped_mm(rows, gate_proj, offsets)
-        up = grouped_mm(rows, up_proj, offsets)
-        out = grouped_mm(self.activation(gate, up), down_proj, offsets)
+        gate = grouped_mm(rows, gate_proj, offsets, fp8=self.fp8)
+        up = grouped_mm(rows, up_proj, offsets, fp8=self.fp8)
+        out = grouped_mm(self.activation(gate, up), down_proj, offsets, fp8=self.fp8)
         if out.requires_grad:  # its backward rejects stride-0 gradients, which an out.sum() downstream gives
             out.register_hook(torch.Tensor.contiguous)
         return out
@@ -99,5 +101,6 @@ class GroupedExperts(nn.Module):
         chunks = torch.split(rows, tokens_per_expert.tolist())
         weights = zip(*(w.unbind(0) for w in self.local_weights()), strict=True)
         for chunk, (gate_proj, up_proj, down_proj) in zip(chunks, weights, strict=True):
-            outputs.append(linear(self.activation(linear(chunk, gate_proj), linear(chunk, up_proj)), down_proj))
+            gate, up = linear(chunk, gate_proj, fp8=self.fp8), linear(chunk, up_proj, fp8=self.fp8)
+            outputs.append(linear(self.activation(gate, up), down_proj, fp8=self.fp8))
         return torch.cat(outputs)
