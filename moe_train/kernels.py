@@ -9,8 +9,9 @@ kernels take no mask at all, so a document mask would send packed sequences to t
 2.13; CUDA from sm89, and `validate` refuses a GPU without fp8 tensor cores); the other recipes and the routed
 experts' grouped fp8 GEMMs are emulated (quantise, dequantise, bf16 GEMM) on both until their kernels are built.
 
-Readers: moe_train/models/attention.py (`documents`), moe_train/models/fp8/gemm.py (`fp8_scaled_mm`), moe_train/models/moe/experts.py (`grouped_mm_min_major`,
-through `grouped_mm_supported`), `train.compile`'s default (`compile`, once the structure issue lands it).
+Readers: moe_train/models/attention.py (`documents`), moe_train/models/fp8/gemm.py (`fp8_scaled_mm`),
+moe_train/models/moe/experts.py (`grouped_mm_min_major`, through `grouped_mm_supported`), `train.compile`'s
+default (`compile`, once the structure issue lands it).
 Torch-free: plan and the login half may read it.
 """
 

@@ -48,7 +48,8 @@ HARDWARE: dict[str, Hardware] = {
         Hardware("h200", "NVIDIA H200 141GB SXM", 141 * GB, 989e12, 1979e12, 4.8e12, 450 * GB, 50 * GB, 8, 8, 14, 9.0),
         Hardware("b200", "NVIDIA B200 180GB", 180 * GB, 2250e12, 4500e12, 8.0e12, 900 * GB, 50 * GB, 8, 8, 14, 10.0),
         Hardware("gb200", "NVIDIA GB200 NVL72", 186 * GB, 2500e12, 5000e12, 8.0e12, 900 * GB, 50 * GB, 4, 72, 36, 10.0),
-        Hardware("gb300", "NVIDIA GB300 NVL72", 288 * GB, 2500e12, 5000e12, 8.0e12, 900 * GB, 100 * GB, 4, 72, 36, 10.3),
+        Hardware("gb300", "NVIDIA GB300 NVL72", 288 * GB, 2500e12, 5000e12, 8.0e12, 900 * GB, 100 * GB, 4, 72, 36,
+                 10.3),
         Hardware("cpu", "CPU (peak measured at start)", 0, 0.0, 0.0, 0.0, 0.0, 0.0, 1024, 1),
     )
 }
