@@ -248,3 +248,48 @@ def test_measure_reports_fp8_gemms_by_count():
     report = measure(load_recipe("qwen3-moe-tiny", [*SHORT, "train.precision=fp8"]), Target())
     assert report["fp8_gemms"] == {**{f"linear/{p}/real": 4 for p in ("forward", "input_grad", "weight_grad")},
                                    **{f"grouped/{p}/emulated": 3 for p in ("forward", "input_grad", "weight_grad")}}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_grouped_weight_gradient_scales_each_experts_tokens_alone(recipe):
+    """The grouped weight gradient (one GEMM for all experts) equals each expert's own fp8 product of its
+    segments (quantised from row 0 of the segment: blocks never span two experts), expert 1 empty."""
+    generator = torch.Generator().manual_seed(5)
+    grad = torch.randn(300, 24, generator=generator) * torch.linspace(0.1, 10, 300)[:, None]
+    rows = torch.randn(300, 40, generator=generator)
+    offsets = torch.tensor([70, 70, 230, 300], dtype=torch.int32)
+    got = Fp8Gemm(recipe=recipe).grouped_weight_grad(grad, rows, offsets)
+    starts = [0, 70, 70, 230]
+    for expert, (start, end) in enumerate(zip(starts, offsets.tolist(), strict=True)):
+        g, r = grad[start:end], rows[start:end]
+        if recipe == "tensorwise":  # one scale for the whole tensor
+            want = quantise(grad, recipe=recipe, role="grad").dequantise(torch.float32)[start:end].t() @ \
+                quantise(rows, recipe=recipe, role="input").dequantise(torch.float32)[start:end]
+        else:
+            want = product(g.t().contiguous(), r.t().contiguous(), recipe=recipe, roles=("grad", "input"),
+                           real=False, out_dtype=torch.float32)
+        torch.testing.assert_close(got[expert], want, rtol=1e-5, atol=1e-5, msg=f"expert {expert}")
+
+
+def test_plan_holds_fp8_to_measure_exactly():
+    """fp8 saves what bf16 saves (the high-precision operands), adds no collective and counts the same FLOPs, so
+    plan (which prices fp8's memory and traffic as bf16's) equals measure exactly: deepseek-v3-tiny at TP2 with
+    sequence parallelism, fake ranks (MLA, a dense layer, shared and routed experts). Its fp8 GEMMs per micro-batch:
+    layer 0's 5 MLA projections and 3 MLP GEMMs, layer 1's 5 and 3 shared-expert GEMMs; 3 grouped ones."""
+    from moe_train.config import load_recipe
+    from moe_train.config.hardware import HARDWARE
+    from moe_train.measure.driver import Target, measure
+    from moe_train.measure.versus_plan import against
+    from moe_train.plan.estimate import estimate, plan_json
+
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    recipe = load_recipe("deepseek-v3-tiny", [
+        "model.num_layers=2", "model.mtp_layers=0", "train.seq_length=64", "train.precision=fp8",
+        "train.micro_batch_size=1", "train.global_batch_size=1", "parallel.tp=2", "launch.gpus_per_node=2",
+        "parallel.sequence_parallel=true"], check_files=False)
+    report = measure(recipe, Target(fake=True))
+    figures = against(plan_json(estimate(recipe, HARDWARE["h100"])), report)
+    assert figures and [f.name for f in figures if f.relative_error > (0 if f.name == "param_bytes" else 1e-9)] == []
+    assert report["fp8_gemms"] == {**{f"linear/{p}/real": 16 for p in ("forward", "input_grad", "weight_grad")},
+                                   **{f"grouped/{p}/emulated": 3 for p in ("forward", "input_grad", "weight_grad")}}

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_train.kernels import kernels_for
-from moe_train.models.fp8.scaling import Recipe, Role, quantise
+from moe_train.models.fp8.scaling import Recipe, Role, dequantised_along_groups, quantise
 
 _TALLIES: list[Counter] = []
 
@@ -128,17 +128,13 @@ class Fp8Gemm:
         b = self._dequantised_experts(weight.transpose(-2, -1), grad.dtype)  # [E, in, out]: along `out`
         return torch._grouped_mm(a, b.transpose(-2, -1), offs=offsets)
 
-    def grouped_weight_grad(self, grad: torch.Tensor, rows: torch.Tensor,
-                            tokens_per_expert: list[int]) -> torch.Tensor:
-        """Expert e's grad_e^T @ rows_e, reduced over its own tokens: each expert's operands are quantised
-        along its tokens alone (a scale never mixes two experts' rows)."""
+    def grouped_weight_grad(self, grad: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Expert e's grad_e^T @ rows_e -> [E, out, in], reduced over its own tokens: both operands quantised
+        along each expert's tokens alone (scaling.dequantised_along_groups)."""
         _record("grouped", "weight_grad", "emulated")
-        grads, inputs = torch.split(grad, tokens_per_expert), torch.split(rows, tokens_per_expert)
-        return torch.stack([
-            product(g.t().contiguous(), r.t().contiguous(), recipe=self.recipe, roles=("grad", "input"),
-                    real=False, out_dtype=grad.dtype)
-            for g, r in zip(grads, inputs, strict=True)
-        ])
+        a = dequantised_along_groups(grad, offsets, recipe=self.recipe, role="grad", dtype=grad.dtype)
+        b = dequantised_along_groups(rows, offsets, recipe=self.recipe, role="input", dtype=rows.dtype)
+        return torch._grouped_mm(a.t(), b, offs=offsets)
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -172,6 +168,5 @@ class _Fp8GroupedMM(torch.autograd.Function):
         grad_rows = gemm.grouped_input_grad(grad, weight, offsets) if ctx.needs_input_grad[0] else None
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()  # the emulation's one host read
-            grad_weight = gemm.grouped_weight_grad(grad, rows, counts).to(weight.dtype)
+            grad_weight = gemm.grouped_weight_grad(grad, rows, offsets).to(weight.dtype)
         return grad_rows, grad_weight, None, None

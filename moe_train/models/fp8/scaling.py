@@ -98,3 +98,31 @@ def quantise(x: torch.Tensor, *, recipe: Recipe, role: Role) -> Quantised:
     expanded = scale.repeat_interleave(block_rows, 0)[: x.shape[0]].repeat_interleave(block_cols, 1)[:, : x.shape[1]]
     data = to_fp8_saturated(x.float() * expanded, dtype)
     return Quantised(data=data, scale=scale, block_rows=block_rows, block_cols=block_cols)
+
+
+def dequantised_along_groups(x: torch.Tensor, offsets: torch.Tensor, *, recipe: Recipe, role: Role,
+                             dtype: torch.dtype) -> torch.Tensor:
+    """x [N, C] (rows sorted by expert, expert e's ending at offsets[e]) quantised along its rows within each
+    expert's rows, and dequantised: the operands of a grouped weight gradient, whose reduction dimension is each
+    expert's own tokens. Per column: one scale per expert (rowwise), per block of 128 (blockwise) or 32 (MX) of
+    the expert's rows, one for the tensor (tensorwise); a block never spans two experts. No host read."""
+    if recipe == "tensorwise":
+        return quantise(x, recipe=recipe, role=role).dequantise(dtype)
+    rows, cols = x.shape
+    fmt = fp8_dtype(recipe, role)
+    index = torch.arange(rows, device=x.device)
+    group = torch.searchsorted(offsets, index.to(offsets.dtype), right=True).clamp(max=offsets.numel() - 1)
+    starts = torch.cat([offsets.new_zeros(1), offsets[:-1]])
+    if recipe == "rowwise":
+        key, buckets = group, offsets.numel()
+    else:
+        block = BLOCK if recipe == "blockwise" else MX_BLOCK
+        per_group = max((rows - 1) // block + 1, 1)
+        key = group * per_group + (index - starts[group]) // block
+        buckets = offsets.numel() * per_group
+    magnitude = x.abs().float()
+    amax = magnitude.new_zeros(buckets, cols).scatter_reduce(0, key[:, None].expand(rows, cols), magnitude, "amax")
+    scale = _scale(amax, recipe, fmt)[key]
+    from torchao.float8.float8_utils import to_fp8_saturated
+
+    return (to_fp8_saturated(x.float() * scale, fmt).to(torch.float32) / scale).to(dtype)
