@@ -1,9 +1,9 @@
 """FP8 under the parallel layouts against the single-process fp8 run of the same recipe (issue 22).
 
 One 2-rank gloo job (tests/workers/train_layouts.py) trains qwen3-moe-tiny in fp8 tensorwise at TP2 with
-sequence parallelism, EP2 and FSDP2 DP2, and a DP2 run stopped and resumed. fp8 quantises each GEMM operand
-with scales taken over what the rank holds (a tensor-parallel shard's own amax, a micro-batch's own tokens), so
-layouts are not bit-equal: the losses agree within 2e-2 relative. The fp8 GEMMs a TP2 rank runs are as many as
+sequence parallelism, EP2 and FSDP2 DP2, and a DP2 run stopped and resumed (with bf16 Adam moments too).
+fp8 quantises each GEMM operand with scales taken over what the rank holds (a tensor-parallel shard's own
+amax, a micro-batch's own tokens), so layouts are not bit-equal: the losses agree within 2e-2 relative. The fp8 GEMMs a TP2 rank runs are as many as
 the single process runs (every GEMM of the model reaches the fp8 site on its shard: a module swap would have
 been bypassed by the tensor-parallel styles), and the resumed run equals the uninterrupted one bit for bit.
 """
@@ -31,8 +31,9 @@ LAYOUTS = {
 def test_fp8_layouts_equal_the_single_process_run(tmp_path: Path) -> None:
     cases = [{"id": key, "recipe": "qwen3-moe-tiny", "overrides": [*SHRINK, *sets], "steps": STEPS}
              for key, sets in LAYOUTS.items()]
-    cases += [{"id": "resumed", "recipe": "qwen3-moe-tiny", "overrides": SHRINK, "steps": 4, "stop_at": 2},
-              {"id": "straight", "recipe": "qwen3-moe-tiny", "overrides": SHRINK, "steps": 4}]
+    moments = [*SHRINK, "train.adam_moment_dtype=bf16"]  # and bf16 moments, which a checkpoint load casts to fp32
+    cases += [{"id": "resumed", "recipe": "qwen3-moe-tiny", "overrides": moments, "steps": 4, "stop_at": 2},
+              {"id": "straight", "recipe": "qwen3-moe-tiny", "overrides": moments, "steps": 4}]
     saved = run_ranks("train_layouts", 2, {"cases": cases, "run_root": str(tmp_path / "fp8")}, tmp_path, timeout=420)
     records = {key: torch.load(path, weights_only=True) for key, path in saved.items()}
     want = record_run("qwen3-moe-tiny", SHRINK, world=1, run_dir=tmp_path / "ref", steps=STEPS)

@@ -213,6 +213,9 @@ class TrainConfig(Section):
     precision: Literal["fp32", "bf16", "fp8"] = Field(
         "bf16", description="fp8: bf16 compute around fp8 GEMMs (train.fp8); master weights stay fp32.")
     fp8: Fp8Config = Field(default_factory=Fp8Config, description="Read with precision fp8 only.")
+    adam_moment_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="AdamW's two moments stored in bf16 (half their memory; each step computes in fp32, "
+        "Megatron-Core's precision-aware optimizer); master weights stay fp32.")
     seed: int = 1234
     deterministic: bool = Field(
         False, description="Deterministic kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG): "
