@@ -1,11 +1,11 @@
 """FP8 under the parallel layouts against the single-process fp8 run of the same recipe (issue 22).
 
-One 2-rank gloo job (tests/workers/train_layouts.py) trains qwen3-moe-tiny in fp8 tensorwise at TP2 with
-sequence parallelism, EP2 and FSDP2 DP2, and a DP2 run stopped and resumed (with bf16 Adam moments too).
-fp8 quantises each GEMM operand with scales taken over what the rank holds (a tensor-parallel shard's own
-amax, a micro-batch's own tokens), so layouts are not bit-equal: the losses agree within 2e-2 relative. The fp8 GEMMs a TP2 rank runs are as many as
-the single process runs (every GEMM of the model reaches the fp8 site on its shard: a module swap would have
-been bypassed by the tensor-parallel styles), and the resumed run equals the uninterrupted one bit for bit.
+One 2-rank gloo job (tests/workers/train_layouts.py) trains qwen3-moe-tiny in fp8 tensorwise at TP2 with sequence
+parallelism, EP2 and FSDP2 DP2, and a DP2 run stopped and resumed (with bf16 Adam moments too). fp8 quantises each
+GEMM operand with scales taken over what the rank holds (a tensor-parallel shard's own amax, a micro-batch's own
+tokens), so layouts are not bit-equal: the losses agree within 2e-2 relative. The fp8 GEMMs a TP2 rank runs are as
+many as the single process runs (every GEMM of the model reaches the fp8 site on its shard: a module swap would
+have been bypassed by the tensor-parallel styles), and the resumed run equals the uninterrupted one bit for bit.
 """
 
 from __future__ import annotations
