@@ -217,6 +217,7 @@ def test_deepseek_v3_blockwise_emulated_trains_like_bf16(tmp_path):
 def test_fp8_checkpoint_exports_to_hf_and_continues_in_bf16(qwen_runs, tmp_path):
     """The checkpoint holds fp32 master weights: transformers loads its export, and a bf16 run resumes it."""
     import transformers
+
     from moe_train.checkpoint.convert import to_hf
     from moe_train.checkpoint.layout import latest_checkpoint
     from moe_train.checkpoint.state import load_model_weights
