@@ -346,3 +346,13 @@ def test_bf16_moment_adamw_matches_adamw_to_bf16_rounding():
     rounded.grad = torch.ones(64, 32)
     reloaded.step()
     assert reloaded.state[rounded]["exp_avg"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_stack_of_experts_quantises_each_expert_alone(recipe):
+    experts = torch.randn(3, 130, 150, generator=torch.Generator().manual_seed(7)) * torch.tensor([1.0, 50.0, 0.01])[
+        :, None, None]
+    together = quantise(experts, recipe=recipe, role="weight").dequantise(torch.float32)
+    for expert in range(3):
+        alone = quantise(experts[expert], recipe=recipe, role="weight").dequantise(torch.float32)
+        assert torch.equal(together[expert], alone), expert

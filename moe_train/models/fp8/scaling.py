@@ -40,8 +40,9 @@ _EPS = 1e-12  # torchao's amax floor (float8_utils.EPS)
 
 @dataclass(frozen=True)
 class Quantised:
-    """An operand in fp8: `data` [rows, K] and one scale per (block_rows x block_cols) block, [ceil(rows /
-    block_rows), ceil(K / block_cols)] fp32; the dequantised value is data / scale."""
+    """An operand in fp8: `data` [..., rows, K] and one scale per (block_rows x block_cols) block of each
+    matrix, [..., ceil(rows / block_rows), ceil(K / block_cols)] fp32; the dequantised value is data / scale.
+    Leading dimensions (the experts of a grouped GEMM) are matrices of their own: no block spans two."""
 
     data: torch.Tensor
     scale: torch.Tensor
@@ -49,19 +50,23 @@ class Quantised:
     block_cols: int
 
     def dequantise(self, dtype: torch.dtype) -> torch.Tensor:
-        rows, cols = self.data.shape
-        inverse = self.scale.reciprocal()
-        inverse = inverse.repeat_interleave(self.block_rows, 0)[:rows].repeat_interleave(self.block_cols, 1)[:, :cols]
+        inverse = _expand(self.scale.reciprocal(), self.block_rows, self.block_cols, self.data.shape)
         return (self.data.to(torch.float32) * inverse).to(dtype)
+
+
+def _expand(scale: torch.Tensor, block_rows: int, block_cols: int, shape: torch.Size) -> torch.Tensor:
+    """One value per block -> one per element of a [..., rows, K] tensor."""
+    rows, cols = shape[-2:]
+    return scale.repeat_interleave(block_rows, -2)[..., :rows, :].repeat_interleave(block_cols, -1)[..., :cols]
 
 
 def fp8_dtype(recipe: Recipe, role: Role) -> torch.dtype:
     return E5M2 if recipe == "tensorwise" and role == "grad" else E4M3
 
 
-def block_shape(recipe: Recipe, role: Role, shape: tuple[int, int]) -> tuple[int, int]:
-    """(block rows, block columns) of an operand [rows, K] under `recipe`."""
-    rows, cols = shape
+def block_shape(recipe: Recipe, role: Role, shape: tuple[int, ...]) -> tuple[int, int]:
+    """(block rows, block columns) of an operand [..., rows, K] under `recipe`."""
+    rows, cols = shape[-2:]
     if recipe == "tensorwise":
         return max(rows, 1), max(cols, 1)
     if recipe == "rowwise":
@@ -72,12 +77,14 @@ def block_shape(recipe: Recipe, role: Role, shape: tuple[int, int]) -> tuple[int
 
 
 def block_amax(x: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tensor:
-    """max |x| of each (block_rows x block_cols) block of x [rows, K], the last blocks cut short."""
-    rows, cols = x.shape
+    """max |x| of each (block_rows x block_cols) block of each matrix of x [..., rows, K], the last blocks cut
+    short."""
+    *batch, rows, cols = x.shape
     pad_rows, pad_cols = -rows % block_rows, -cols % block_cols
     padded = torch.nn.functional.pad(x.abs().float(), (0, pad_cols, 0, pad_rows))
-    blocks = padded.view((rows + pad_rows) // block_rows, block_rows, (cols + pad_cols) // block_cols, block_cols)
-    return blocks.amax(dim=(1, 3))
+    blocks = padded.view(*batch, (rows + pad_rows) // block_rows, block_rows, (cols + pad_cols) // block_cols,
+                         block_cols)
+    return blocks.amax(dim=(-3, -1))
 
 
 def _scale(amax: torch.Tensor, recipe: Recipe, dtype: torch.dtype) -> torch.Tensor:
@@ -89,14 +96,13 @@ def _scale(amax: torch.Tensor, recipe: Recipe, dtype: torch.dtype) -> torch.Tens
 
 
 def quantise(x: torch.Tensor, *, recipe: Recipe, role: Role) -> Quantised:
-    """x [rows, K] (K: the product's reduction dimension) in fp8 with the recipe's scales."""
+    """x [..., rows, K] (K: the product's reduction dimension) in fp8 with the recipe's scales."""
     from torchao.float8.float8_utils import to_fp8_saturated
 
     dtype = fp8_dtype(recipe, role)
     block_rows, block_cols = block_shape(recipe, role, tuple(x.shape))
     scale = _scale(block_amax(x, block_rows, block_cols), recipe, dtype)
-    expanded = scale.repeat_interleave(block_rows, 0)[: x.shape[0]].repeat_interleave(block_cols, 1)[:, : x.shape[1]]
-    data = to_fp8_saturated(x.float() * expanded, dtype)
+    data = to_fp8_saturated(x.float() * _expand(scale, block_rows, block_cols, x.shape), dtype)
     return Quantised(data=data, scale=scale, block_rows=block_rows, block_cols=block_cols)
 
 
