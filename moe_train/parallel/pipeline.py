@@ -182,7 +182,7 @@ def _stage_io(recipe: Recipe, ctx: ParallelContext, stage: StageContents) -> tup
     train, m = recipe.train, recipe.model
     local = train.seq_length // ctx.size("cp")  # this rank's shard of each sequence under context parallelism
     seq = local // ctx.size("tp") if recipe.parallel.sequence_parallel else local
-    dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
+    dtype = torch.bfloat16 if train.compute_precision == "bf16" else torch.float32
     # Floating-point tensors between stages carry gradients back (the received ones are autograd leaves).
     hidden = torch.empty(train.micro_batch_size, seq, m.hidden_size, dtype=dtype, device="meta", requires_grad=True)
     tokens = torch.empty(train.micro_batch_size, local, dtype=torch.int64, device="meta")
