@@ -33,6 +33,7 @@ class PlanLayout(MeshShape):
     pp_schedule: str
     pp_layout: str | None
     experts_apart: bool  # routed experts an FSDP2 unit of their own (`ParallelConfig.experts_apart`)
+    device: str = "cpu"  # launch.device: the kernel table's row (moe_train/kernels.py) the ranks run
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> PlanLayout:
@@ -42,6 +43,7 @@ class PlanLayout(MeshShape):
             recompute=RecomputePolicy.from_config(p.recompute),
             micro_batch=t.micro_batch_size, global_batch=t.global_batch_size, seq_length=t.seq_length,
             pp_schedule=p.pp_schedule, pp_layout=p.pp_layout, experts_apart=p.experts_apart,
+            device=recipe.launch.device,
         )
 
     @property
