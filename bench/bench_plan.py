@@ -59,7 +59,7 @@ def timings(repeats: int) -> None:
 
 # Megatron-Core's way of moving data, where our engine's defaults differ: gradients reduced and parameters
 # gathered once per step (its distributed optimizer), and the all-to-all overlapped with another micro-batch.
-MEGATRON_LIKE = {"fsdp_once_per_step": True, "ep_overlap": 0.8}
+MEGATRON_LIKE = {"ep_overlap": 0.8}
 
 
 def published() -> None:

@@ -381,19 +381,19 @@ def _per_step(out: CommBytes, layout: PlanLayout, params: RankParams) -> None:
 
 def _fsdp(out: CommBytes, recipe: Recipe, layout: PlanLayout, params: RankParams, param_bytes: int,
           a: Assumptions) -> None:
-    """FSDP2 over dp (dp_cp) for dense units and edp for experts: each unit's padded shard gathered per micro-batch
-    (forward, and backward when resharding), its fp32 gradient reduce-scattered once per step."""
-    mb = layout.micro_batches
-    reshard = recipe.parallel.reshards_after_forward and a.fsdp_reshard_after_forward
+    """FSDP2 over dp (dp_cp) for dense units and edp for experts, at `parallel.param_gather` and
+    `parallel.grad_reduce`'s cadences: each unit's padded shard gathered once per step or per micro-batch
+    (forward, and backward when resharding), its fp32 gradient reduce-scattered once per step or after every
+    micro-batch's backward."""
+    mb, parallel = layout.micro_batches, recipe.parallel
+    reshard = parallel.reshards_after_forward and a.fsdp_reshard_after_forward
     if layout.pp > 1:
-        # torch's schedules keep a stage gathered after its first backward: resharding after forward gathers
-        # in each micro-batch's forward and once more for the backwards
+        # torch's schedules keep a stage gathered after its first backward and reduce in its last: resharding
+        # after forward gathers in each micro-batch's forward and once more for the backwards
         gathers, reduces = (mb + 1 if reshard else 1), 1
-    elif a.fsdp_once_per_step:
-        gathers, reduces = 1, 1
     else:
-        gathers = mb * (2 if reshard else 1)
-        reduces = mb if a.fsdp_reduce_every_micro_batch else 1
+        gathers = 1 if parallel.gathers_per_step else mb * (2 if reshard else 1)
+        reduces = mb if parallel.grad_reduce == "per_microbatch" else 1
     hsdp = layout.dpr > 1  # shard groups dps (edps), then each reduced shard all-reduced over the dpr replicas
     dense_group = ("dps" if hsdp else "dp") + ("_cp" if layout.cp > 1 else "")
     for unit in params.units:
