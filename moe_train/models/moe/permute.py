@@ -116,7 +116,7 @@ class _WeightedSum(torch.autograd.Function):
         grad = grad.unsqueeze(1)
         grad_slots = grad_weights = None
         if ctx.needs_input_grad[0]:
-            grad_slots = (grad * topk_weights.unsqueeze(-1)).to(slots.dtype).view(tokens * top_k, -1)
+            grad_slots = (grad * topk_weights.unsqueeze(-1)).to(slots.dtype).view(slots.shape)
         if ctx.needs_input_grad[1]:
             wide = slots.to(_wide(slots.dtype)).view(tokens, top_k, slots.shape[-1])
             grad_weights = (grad * wide).sum(dim=-1).to(topk_weights.dtype)
