@@ -43,6 +43,9 @@ def _problems(recipe: Recipe, *, fake: bool, rank: int, nproc: int | None, layer
         problems += layer_problems(recipe, layers, rank)
     if fake and nproc is not None:
         problems.append("--fake and --nproc exclude each other: --fake plays one rank of the recipe's world size")
+    if fake and recipe.model.moe is not None and recipe.model.moe.dispatcher == "hierarchical":
+        problems.append("model.moe.dispatcher: hierarchical under --fake is not supported yet (its split sizes "
+                        "are read from the device; measure it on real ranks)")
     if fake and recipe.model.moe is not None and recipe.model.moe.capacity_factor is not None:
         problems.append("model.moe.capacity_factor: token dropping under --fake is not supported yet "
                         "(which tokens drop depends on values fake tensors do not have)")

@@ -68,7 +68,9 @@ class MoEConfig(Section):
     ffn_hidden_size: int = Field(ge=1, description="Hidden size of each routed expert's SwiGLU.")
     shared_expert_ffn_hidden_size: int = Field(0, ge=0, description="0: no shared expert.")
     router: RouterConfig = RouterConfig()
-    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    dispatcher: Literal["alltoall", "allgather", "hierarchical"] = Field(
+        "alltoall", description="hierarchical: node-aware all-to-all, a token crosses the network once per "
+        "destination node and fans out inside it (models/moe/dispatch_hierarchical.py).")
     capacity_factor: float | None = Field(None, gt=0, description="null: dropless.")
     drop_policy: Literal["probs", "position"] = "probs"
     pad_to_capacity: bool = False
