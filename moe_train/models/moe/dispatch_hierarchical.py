@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from moe_train.models.moe.dispatch_alltoall import AllToAllDispatcher, AllToAllPlan
 from moe_train.models.moe.dispatch_collectives import all_to_all_rows
+from moe_train.models.moe.permute import weighted_scatter
 
 
 @dataclass
@@ -117,7 +118,7 @@ class HierarchicalDispatcher:
         if self.node_group is not None:
             weights = all_to_all_rows(weights, send_splits=plan.send_splits, recv_splits=plan.recv_splits,
                                       group=self.node_group, sent_bytes=self.metadata_bytes)
-        partial = self.inner.combine(expert_out, weights, plan.inner)  # this node's experts, per row, in fp32
+        partial = self._node_sums(expert_out, weights, plan.inner)  # this node's experts, per row, in fp32
         if self.node_group is not None:
             partial = all_to_all_rows(partial.to(expert_out.dtype), send_splits=plan.recv_splits,
                                       recv_splits=plan.send_splits, group=self.node_group,
@@ -125,6 +126,16 @@ class HierarchicalDispatcher:
         wide = torch.promote_types(partial.dtype, torch.float32)
         out = partial.new_zeros(plan.num_tokens, partial.shape[1], dtype=wide)
         return out.index_add(0, plan.token_ids, partial.to(wide))
+
+    def _node_sums(self, expert_out: torch.Tensor, weights: torch.Tensor, inner: AllToAllPlan) -> torch.Tensor:
+        """The all-to-all dispatcher's combine inside the node, weighting and summing only the kept (on-node)
+        slots of each received row: a row carries all K expert ids, most of them elsewhere, and the plain
+        combine would keep a zero row for each of those (K rows a token, not its on-node experts')."""
+        rows = self.inner.return_rows(expert_out, inner)  # [kept slots, H], expert-major as sent
+        perm, top_k = inner.permutation, weights.shape[1]
+        kept = torch.nonzero_static(perm.slot_rows < perm.num_rows, size=perm.num_rows).squeeze(1)
+        return weighted_scatter(rows.index_select(0, perm.slot_rows.index_select(0, kept)),
+                                weights.reshape(-1).index_select(0, kept), kept // top_k, weights.shape[0])
 
     def reset_counts(self) -> None:
         self.node_bytes.clear()
