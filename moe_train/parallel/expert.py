@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from moe_train.config.mesh_shape import dispatch_node_ranks, ep_split
 from moe_train.models.moe import MoELayer
 from moe_train.models.moe.dispatcher import dispatcher_for
 
@@ -38,7 +39,7 @@ def apply_expert_parallel(model: Transformer, recipe: Recipe, ctx: ParallelConte
     group = ctx.mesh("ep_etp").get_group() if etp > 1 else ctx.group("ep")
     node_group = None
     if moe.dispatcher == "hierarchical":
-        group, node_group = node_split(ctx, gpus_per_node=recipe.launch.gpus_per_node)
+        group, node_group = node_split(ctx, node_ranks=dispatch_node_ranks(recipe))
     sharded = ctx.size("ep") * etp > 1
     for module in model.modules():
         if not isinstance(module, MoELayer):
@@ -50,9 +51,9 @@ def apply_expert_parallel(model: Transformer, recipe: Recipe, ctx: ParallelConte
             _shard_experts(module.experts, ctx)
 
 
-def node_split(ctx: ParallelContext, *, gpus_per_node: int):
+def node_split(ctx: ParallelContext, *, node_ranks: int):
     """(eplocal, epnode): the ep group split into this node's ranks and, across nodes, the ranks of this rank's
-    local index (a node: gpus_per_node consecutive ranks, the NVLink domain; on CPU an emulated node), as mesh
+    local index (a node: `node_ranks` consecutive ranks, the NVLink domain; on CPU an emulated node), as mesh
     dimensions named without `_` (measure counts their bytes under these names: `ctx.named_groups`). Every rank
     makes every group, in one order (a DeviceMesh over the expert mesh with ep unflattened). Either is None
     where it has one rank."""
@@ -61,11 +62,11 @@ def node_split(ctx: ParallelContext, *, gpus_per_node: int):
     if "eplocal" in ctx.named_groups or "epnode" in ctx.named_groups:  # one split per context (every chunk)
         return ctx.named_groups.get("eplocal"), ctx.named_groups.get("epnode")
     ep_ranks = ctx.expert["ep"].mesh.tolist()
-    nodes = [rank // gpus_per_node for rank in ep_ranks]
-    local = nodes.count(nodes[0])
+    nodes = [rank // node_ranks for rank in ep_ranks]
+    _, local = ep_split(ctx.shape, node_ranks)
     if len(ep_ranks) % local or any(nodes[i] != nodes[i - i % local] for i in range(len(nodes))):
         raise ValueError(f"parallel.ep: the ep group's ranks {ep_ranks} do not split into whole nodes of "
-                         f"{gpus_per_node} ranks")
+                         f"{node_ranks} ranks")
     pp, edp, ep, etp = ctx.expert.mesh.shape
     mesh = DeviceMesh(ctx.expert.device_type, ctx.expert.mesh.reshape(pp, edp, ep // local, local, etp),
                       mesh_dim_names=("pp", "edp", "epnode", "eplocal", "etp"))
