@@ -26,6 +26,8 @@ PUBLISHED = [
         "parallel.recompute.modules=[moe_act, layernorm, core_attn]"]),  # moe_act + layernorm alone: 197 GB
     ("deepseek-v3", "B200", 256, 776.7, [
         "train.precision=fp8", "parallel.recompute.modules=[mla_up_proj, mlp]"]),
+    ("deepseek-v3", "B200", 256, 776.7, [  # the node-aware dispatcher (Megatron-Core's run: DeepEP)
+        "train.precision=fp8", "parallel.recompute.modules=[mla_up_proj, mlp]", "model.moe.dispatcher=hierarchical"]),
 ]
 
 
