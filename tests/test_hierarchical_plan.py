@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from multirank import run_ranks
 
 from moe_train.config import load_recipe
@@ -57,3 +58,30 @@ def test_plan_puts_epnode_on_the_network_and_eplocal_on_nvlink() -> None:
     assert hier["comm_links"]["epnode/all_to_all"] == "network"
     assert hier["comm_links"]["eplocal/all_to_all"] == "nvlink"
     assert hier["comm_bytes"]["epnode/all_to_all"] < flat["comm_bytes"]["ep/all_to_all"] / 2
+
+
+def test_emulated_nodes_and_refusals() -> None:
+    """All of a 2-node CPU recipe's ranks on this machine are accepted as emulated nodes (a GPU recipe's are
+    not); toggling the dispatcher continues the same run; --fake and pad_to_capacity refuse hierarchical with
+    one line (exit 2)."""
+    from cli_helpers import assert_bad_input, run_cli
+
+    from moe_train.config.loader import RecipeError
+    from moe_train.launch.rundir import recipe_differences
+    from moe_train.parallel.bootstrap import LauncherEnv, launcher_problems
+
+    shape = ["launch.nodes=2", "launch.gpus_per_node=2", "parallel.ep=4", "train.micro_batch_size=1"]
+    two_nodes = load_recipe("qwen3-moe-tiny", shape)
+    one_machine = LauncherEnv({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "RANK": "0"})
+    assert not [p for p in launcher_problems(two_nodes, one_machine) if "rank(s) on this node" in p]
+    gpu = two_nodes.model_copy(update={"launch": two_nodes.launch.model_copy(update={"device": "cuda"})})
+    assert [p for p in launcher_problems(gpu, one_machine) if "rank(s) on this node" in p]
+    hier = load_recipe("qwen3-moe-tiny", [*shape,
+                                          "model.moe.dispatcher=hierarchical"])
+    assert recipe_differences(two_nodes, hier) == []
+    assert two_nodes.model.moe.dispatcher == "alltoall"  # the comparison copies, it does not strip the recipe
+    assert_bad_input(run_cli("measure", "qwen3-moe-tiny", "--fake", "--set", "model.moe.dispatcher=hierarchical"),
+                     "model.moe.dispatcher")
+    with pytest.raises(RecipeError, match="model.moe.pad_to_capacity"):
+        load_recipe("qwen3-moe-tiny", ["model.moe.dispatcher=hierarchical", "model.moe.capacity_factor=1.0",
+                                       "model.moe.pad_to_capacity=true"])
