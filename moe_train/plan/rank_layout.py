@@ -41,6 +41,7 @@ class PlanLayout(MeshShape):
     pp_layout: str | None
     experts_apart: bool  # routed experts an FSDP2 unit of their own (`ParallelConfig.experts_apart`)
     ep_split: tuple[int, int] = (1, 1)  # (epnode, eplocal) of the hierarchical dispatcher; else (1, ep)
+    device: str = "cpu"  # launch.device: the kernel table's row (moe_train/kernels.py) the ranks run
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> PlanLayout:
@@ -53,6 +54,7 @@ class PlanLayout(MeshShape):
             pp_schedule=p.pp_schedule, pp_layout=p.pp_layout, experts_apart=p.experts_apart,
             ep_split=(ep_split(shape, dispatch_node_ranks(recipe)) if recipe.model.moe is not None
                       and recipe.model.moe.dispatcher == "hierarchical" else (1, p.ep)),
+            device=recipe.launch.device,
         )
 
     @property
