@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moe_train.kernels import kernels_for
+from moe_train.models.fp8.gemm import Fp8Gemm
 from moe_train.models.linear import batched_mm, expert_offsets, grouped_mm, linear
 
 _GROUPED_MM_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -83,6 +84,7 @@ class GroupedExperts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.use_grouped_mm = True
+        self.fp8: Fp8Gemm | None = None  # set by models/fp8/select.py when the routed experts run in fp8
 
     def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, *,
                 capacity: int | None = None) -> torch.Tensor:
@@ -98,7 +100,7 @@ class GroupedExperts(nn.Module):
         kernel, _ = expert_kernel(rows.dtype, rows.device, hidden_size=self.hidden_size, ffn_hidden_size=local_ffn)
         if kernel == "grouped_mm" and self.use_grouped_mm and rows.shape[0] > 0:
             return self._grouped(rows, tokens_per_expert)
-        if kernel == "padded_bmm" and self.use_grouped_mm and capacity is not None:
+        if kernel == "padded_bmm" and self.use_grouped_mm and capacity is not None and self.fp8 is None:
             return self._padded(rows, tokens_per_expert, capacity)
         return self._loop(rows, tokens_per_expert)
 
@@ -115,9 +117,9 @@ class GroupedExperts(nn.Module):
     def _grouped(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         gate_proj, up_proj, down_proj = self.local_weights()
         offsets = expert_offsets(tokens_per_expert)
-        gate = grouped_mm(rows, gate_proj, offsets)
-        up = grouped_mm(rows, up_proj, offsets)
-        out = grouped_mm(self.activation(gate, up), down_proj, offsets)
+        gate = grouped_mm(rows, gate_proj, offsets, fp8=self.fp8)
+        up = grouped_mm(rows, up_proj, offsets, fp8=self.fp8)
+        out = grouped_mm(self.activation(gate, up), down_proj, offsets, fp8=self.fp8)
         if out.requires_grad:  # its backward rejects stride-0 gradients, which an out.sum() downstream gives
             out.register_hook(torch.Tensor.contiguous)
         return out
@@ -147,5 +149,6 @@ class GroupedExperts(nn.Module):
         chunks = torch.split(rows, tokens_per_expert.tolist())
         weights = zip(*(w.unbind(0) for w in self.local_weights()), strict=True)
         for chunk, (gate_proj, up_proj, down_proj) in zip(chunks, weights, strict=True):
-            outputs.append(linear(self.activation(linear(chunk, gate_proj), linear(chunk, up_proj)), down_proj))
+            gate, up = linear(chunk, gate_proj, fp8=self.fp8), linear(chunk, up_proj, fp8=self.fp8)
+            outputs.append(linear(self.activation(gate, up), down_proj, fp8=self.fp8))
         return torch.cat(outputs)
