@@ -7,6 +7,7 @@ different runs sharing a folder would mix their checkpoints, so that is refused,
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import socket
@@ -40,6 +41,7 @@ IGNORED_FIELDS: tuple[tuple[str, ...], ...] = (
     ("train", "deterministic"),  # which kernels run, not what they compute (moe_train/train/determinism.py)
     ("checkpoint", "async_save"),  # how checkpoints are written and where metrics are mirrored, not the run
     ("logging", "wandb"),
+    ("model", "moe", "dispatcher"),  # how tokens travel to their experts, not what the experts compute
 )
 
 
@@ -78,7 +80,7 @@ def resolved_for_run(recipe: Recipe) -> Recipe:
 
 
 def _comparable(data: dict[str, Any]) -> dict[str, Any]:
-    data = {key: (dict(value) if isinstance(value, dict) else value) for key, value in data.items()}
+    data = copy.deepcopy(data)  # ignored fields sit at any depth (model.moe.dispatcher)
     for path in IGNORED_FIELDS:
         node = data
         for part in path[:-1]:

@@ -45,3 +45,25 @@ def layer_problems(recipe: Recipe, layers: tuple[int, ...], rank: int) -> list[s
     if elsewhere:
         return [f"--layers: {elsewhere} are not on rank {rank}'s pipeline stage(s), which hold {list(held)}"]
     return []
+
+
+def as_fake_runs(recipe: Recipe) -> Recipe:
+    """The recipe as `--fake` executes it: fake tensors have CPU semantics whatever `launch.device` says, so
+    the CPU's kernel-table row decides what attention saves (MLA's padded value width, the document mask). Plan
+    this recipe to hold a plan to a fake measurement; plan the original for the device itself."""
+    return recipe.model_copy(update={"launch": recipe.launch.model_copy(update={"device": "cpu"})})
+
+
+def fake_problems(recipe: Recipe) -> list[str]:
+    """What `--fake` cannot measure yet, one line each: values decide the shapes there."""
+    moe = recipe.model.moe
+    if moe is None:
+        return []
+    out = []
+    if moe.dispatcher == "hierarchical":
+        out.append("model.moe.dispatcher: hierarchical under --fake is not supported yet (its split sizes are read "
+                   "from the device; measure it on real ranks)")
+    if moe.capacity_factor is not None:
+        out.append("model.moe.capacity_factor: token dropping under --fake is not supported yet (which tokens drop "
+                   "depends on values fake tensors do not have)")
+    return out
