@@ -196,9 +196,8 @@ REAL = {
         ("moe-dp2-ep2-alltoall-routed", "qwen3-moe-tiny", ["parallel.ep=2", "train.global_batch_size=8"], False),
         ("dsv3-dp2-ep2-allgather-routed", "deepseek-v3-tiny",
          ["parallel.ep=2", "model.moe.dispatcher=allgather", "train.global_batch_size=4"], False),
-        # context parallelism: the ring with packed documents, MLA's all-gather (issue 23)
-        ("qwen3-cp2-p2p-docs", "qwen3-tiny", ["parallel.cp=2", "data.reset_at_eod=true", "train.global_batch_size=2"],
-         True),
+        # context parallelism: the ring, MLA's all-gather (issue 23)
+        ("qwen3-cp2-p2p", "qwen3-tiny", ["parallel.cp=2", "train.global_batch_size=2"], True),
         ("dsv3-cp2-allgather-bf16", "deepseek-v3-tiny", ["parallel.cp=2", "train.precision=bf16",
                                                          "train.global_batch_size=2"], True),
     ],
