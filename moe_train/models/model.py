@@ -124,10 +124,9 @@ class Transformer(nn.Module):
             mtp = self._forward_mtp(hidden, input_ids, position_ids, labels, *context, records)
         if records is not None and records.items:
             self._all_layers_aux_loss(records.items)
-        logits = self.lm_head(hidden)
         if labels is None:
-            return self.lm_loss.full_logits(logits)
-        return LossTerms(self.lm_loss.sum(logits, labels), mtp)
+            return self.lm_loss.full_logits(self.lm_head(hidden))
+        return LossTerms(self.lm_loss.head_sum(self.lm_head, hidden, labels), mtp)
 
     def _forward_mtp(
         self,
@@ -151,7 +150,7 @@ class Transformer(nn.Module):
             target_docs = shift_left(target_docs, fill=-1)
             targets = labels.masked_fill(target_docs != docs, IGNORE_INDEX)
             hidden = module(hidden, self.embed_tokens(input_ids), cos, sin, mask, records)
-            losses.append(self.lm_loss.mean(self.lm_head(hidden), targets))
+            losses.append(self.lm_loss.head_mean(self.lm_head, hidden, targets))
         return self.cfg.mtp_loss_weight * torch.stack(losses).mean()
 
     @torch.no_grad()

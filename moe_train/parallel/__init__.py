@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 def parallelize(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> list[Transformer]:
     """Apply the recipe's layout to `model` (built on the meta device) for this rank; returns this rank's model
     chunks in virtual-stage order (the whole model alone without pipeline parallelism)."""
+    from moe_train.config.loss_chunks import recipe_loss_chunk_tokens
     from moe_train.parallel.data_parallel import apply_fsdp
     from moe_train.parallel.expert import apply_expert_parallel
     from moe_train.parallel.pipeline import split_model
@@ -32,6 +33,7 @@ def parallelize(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> lis
     chunks = split_model(model, recipe, ctx)
     for chunk in chunks:
         apply_tensor_parallel(chunk, recipe, ctx)
+        chunk.lm_loss.chunk_tokens = recipe_loss_chunk_tokens(recipe)  # the loss tensor parallelism chose
         apply_expert_parallel(chunk, recipe, ctx)
         apply_recompute(chunk, recipe)
         apply_fsdp(chunk, recipe, ctx)

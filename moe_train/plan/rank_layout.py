@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from moe_train.config.loss_chunks import recipe_loss_chunk_tokens
 from moe_train.config.mesh_shape import DENSE_DIMS, EXPERT_DIMS, EXPERT_DP_SPLIT, MeshShape
 from moe_train.config.pp_layout import pipeline_stages
 from moe_train.config.schema import ModelConfig, Recipe
@@ -33,6 +34,7 @@ class PlanLayout(MeshShape):
     pp_schedule: str
     pp_layout: str | None
     experts_apart: bool  # routed experts an FSDP2 unit of their own (`ParallelConfig.experts_apart`)
+    loss_chunk_tokens: int  # tokens per chunk of the head + loss (config/loss_chunks.py); 0: unchunked
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> PlanLayout:
@@ -42,6 +44,7 @@ class PlanLayout(MeshShape):
             recompute=RecomputePolicy.from_config(p.recompute),
             micro_batch=t.micro_batch_size, global_batch=t.global_batch_size, seq_length=t.seq_length,
             pp_schedule=p.pp_schedule, pp_layout=p.pp_layout, experts_apart=p.experts_apart,
+            loss_chunk_tokens=recipe_loss_chunk_tokens(recipe),
         )
 
     @property

@@ -65,6 +65,7 @@ class ActivationLayout:
     etp: int = 1
     moe_imbalance: float = 1.0
     position_batch: int = 1  # rows of position ids: 1 unless documents restart (data.reset_at_eod)
+    loss_chunk_tokens: int = 0  # the chunked head + loss (config/loss_chunks.py); 0: unchunked
 
     @property
     def tokens(self) -> float:
