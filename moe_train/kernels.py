@@ -7,7 +7,7 @@ kernels take no mask at all, so a document mask would send packed sequences to t
 (`torch._grouped_mm`) runs on the CPU and on CUDA from compute capability 9.0 (Hopper) in bf16.
 
 Readers: moe_train/models/attention.py (`documents`), moe_train/models/moe/experts.py (`grouped_mm_min_major`,
-through `grouped_mm_supported`), `train.compile`'s default (`compile`, once the structure issue lands it).
+through `grouped_mm_supported`), `train.compile`'s default (`compile`: moe_train/parallel/compile.py).
 Torch-free: plan and the login half may read it.
 """
 

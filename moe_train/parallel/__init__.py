@@ -5,7 +5,8 @@ Models know nothing of process groups; `parallelize` changes a meta-device model
 own file and a no-op where its dimension is 1. The order matters: a pipeline split decides which layers a
 rank holds (one model chunk per virtual stage, each then parallelised as a whole model is); tensor parallelism
 turns their weights into sharded DTensors; expert parallelism hands MoE layers their dispatcher; recomputation
-wraps regions of the (now parallel) modules; FSDP2 shards what remains over the data-parallel dimensions last,
+wraps regions of the (now parallel) modules; regional compilation compiles each block with them (train.compile,
+parallel/compile.py); FSDP2 shards what remains over the data-parallel dimensions last,
 around everything else (each chunk its own root). Steps not built yet are refused by
 `moe_train.config.support` before a model is built.
 """
@@ -24,6 +25,7 @@ def parallelize(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> lis
     """Apply the recipe's layout to `model` (built on the meta device) for this rank; returns this rank's model
     chunks in virtual-stage order (the whole model alone without pipeline parallelism)."""
     from moe_train.config.loss_chunks import recipe_loss_chunk_tokens
+    from moe_train.parallel.compile import apply_compile
     from moe_train.parallel.data_parallel import apply_fsdp
     from moe_train.parallel.expert import apply_expert_parallel
     from moe_train.parallel.pipeline import split_model
@@ -36,5 +38,6 @@ def parallelize(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> lis
         chunk.lm_loss.chunk_tokens = recipe_loss_chunk_tokens(recipe)  # the loss tensor parallelism chose
         apply_expert_parallel(chunk, recipe, ctx)
         apply_recompute(chunk, recipe)
+        apply_compile(chunk, recipe, ctx.device)
         apply_fsdp(chunk, recipe, ctx)
     return chunks

@@ -26,9 +26,12 @@ def grouped_mm_supported(dtype: torch.dtype, device: torch.device, *, hidden_siz
     """Whether torch._grouped_mm runs for these experts.
 
     CPU: f32/bf16/f16 with every row stride a multiple of 16 bytes. CUDA: bf16 on compute capability >= 9.0
-    (Hopper's grouped GEMM), with the same alignment.
+    (Hopper's grouped GEMM), with the same alignment. Under torch.compile (train.compile) bf16 only: the
+    fake-tensor kernel compile traces it with rejects other dtypes, whatever the device's kernel takes.
     """
     if not hasattr(torch, "_grouped_mm"):
+        return False
+    if torch.compiler.is_compiling() and dtype != torch.bfloat16:
         return False
     itemsize = dtype.itemsize
     if (hidden_size * itemsize) % 16 or (ffn_hidden_size * itemsize) % 16:
@@ -92,6 +95,7 @@ class GroupedExperts(nn.Module):
             out.register_hook(torch.Tensor.contiguous)
         return out
 
+    @torch.compiler.disable  # compiled, each expert's data-dependent rows would be a graph break of its own
     def _loop(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         # unbind once: indexing the stacked weight per expert would make each expert's backward allocate (and
         # zero) a gradient the size of all experts.
