@@ -35,6 +35,7 @@ import os
 from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from moe_train.kernels import kernels_for
 from moe_train.models.decoder import DecoderBlock
@@ -56,10 +57,19 @@ def compile_backend() -> str:
     return os.environ.get(BACKEND_ENV, "inductor")
 
 
+def _plain_output(module: torch.nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+    """The vocabulary-parallel embedding's output as a plain tensor: DTensor's redistribution hands back an
+    AsyncCollectiveTensor, and a compiled block given one as its input returned no gradient for it (the
+    embedding's gradient was lost under TP2). A copy, which autograd connects as any op on it."""
+    return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
+
+
 def apply_compile(model: Transformer, recipe: Recipe, device: torch.device) -> None:
     """Compile every decoder block of `model` (MTP modules' blocks too) in place, when enabled."""
     if not compile_enabled(recipe, device):
         return
+    if model.embed_tokens is not None:
+        model.embed_tokens.register_forward_hook(_plain_output)
     backend = compile_backend()
     policy = recipe.parallel.recompute
     moe_rerun = policy.granularity == "full" or (policy.granularity == "selective" and "moe" in policy.modules)
