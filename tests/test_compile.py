@@ -35,11 +35,12 @@ SELECTIVE_ALL = ["parallel.recompute.granularity=selective",
                  "parallel.recompute.modules=[core_attn,layernorm,mla_up_proj,mlp,moe_act,shared_experts]"]
 FULL = ["parallel.recompute.granularity=full", "parallel.recompute.method=uniform", "parallel.recompute.num_layers=1"]
 MOE = ["parallel.recompute.granularity=selective", "parallel.recompute.modules=[moe,layernorm]"]
+MOE_ACT = ["parallel.recompute.granularity=selective", "parallel.recompute.modules=[moe_act,layernorm]"]
 
 # (family, recompute overrides, graphs one compiled step makes: one per block kind and graph-break segment)
 FAMILIES = [
     ("qwen3-tiny", [], 1),  # two dense blocks, one graph
-    ("qwen3-moe-tiny", MOE, None),
+    ("qwen3-moe-tiny", MOE_ACT, None),  # the MoE layer compiled with its block
     ("deepseek-v3-tiny", SELECTIVE_ALL, None),
 ]
 
