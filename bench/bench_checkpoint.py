@@ -16,7 +16,10 @@ timed alone (`--cost-steps` of them; their median is the baseline), then after a
 stall: training waits for all of it), then after a background save: cost = the stall until `save` returns
 (staging to host memory) + the slowdown of the steps that overlap the write (each step's time over the
 baseline, summed; on 2 cores the writer and the step compete) + any wait left when the write outlasts
-`--cost-steps` steps. The last column is that cost as a share of the synchronous one.
+2 x `--cost-steps` steps. The last column is that cost as a share of the synchronous one. Two background saves
+are timed in turn in the same job, under the same load: the Checkpointer's (`async`: reused staging buffers, an
+idle-class writer thread) and DCP's default `async_save` (`dcp`: a fresh copy per save, the writer at training's
+priority), so the table shows what the Checkpointer's choices change.
 
     python bench/bench_checkpoint.py [--rounds 1] [--models moe,dense] [--worlds 1,2,4] [--cost-steps 6]
 """
@@ -68,12 +71,59 @@ def _step_times(trainer, first: int, count: int, until=None) -> list[float]:
     return times
 
 
+class DcpDefaultSave:
+    """The background save as DCP's `async_save` gives it, beside the Checkpointer's (side by side in one job): a
+    fresh host copy of the state at every save, and DCP's writer thread at the training threads' priority; then
+    the same checksums and publishing on a thread. What issue 24 first shipped."""
+
+    def __init__(self, checkpointer, ckpt_dir: Path) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.checkpointer, self.ckpt_dir = checkpointer, ckpt_dir
+        self.executor = ThreadPoolExecutor(max_workers=1)
+        self.pending = None
+
+    def save(self, trainer, step: int, model_config: dict) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        from moe_train.checkpoint import collective
+        from moe_train.checkpoint.layout import publish, tmp_dir
+        from moe_train.checkpoint.state import Progress, training_state, write_model_config
+
+        tmp = tmp_dir(self.ckpt_dir, step)
+        write_model_config(tmp, model_config)
+        state = training_state(chunks=trainer.chunks, optimizers=trainer.optimizers,
+                               progress=Progress(step=step, consumed_samples=trainer.progress.consumed_samples))
+        group = self.checkpointer._background_group()
+        written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group)
+
+        def finish() -> None:
+            import torch.distributed as dist
+
+            written.result()
+            collective.write_manifest(tmp, group=group)
+            if collective.rank() == 0:
+                publish(tmp, step=step)
+            dist.barrier(group=group)
+
+        self.pending = self.executor.submit(finish)
+
+    @property
+    def in_flight(self) -> bool:
+        return self.pending is not None and not self.pending.done()
+
+    def wait(self) -> None:
+        self.pending.result()
+
+
 def save_costs(trainer, ckpt_dir: Path, model_config: dict, steps: int) -> dict:
-    """Sync vs background save, in training seconds lost (the module docstring's definitions)."""
+    """Sync vs background save, in training seconds lost (the module docstring's definitions): the
+    Checkpointer's background save (`async_*`) and DCP's default one (`dcp_*`), measured in turn in this job."""
     from moe_train.checkpoint.async_save import Checkpointer
     from moe_train.checkpoint.state import Progress
 
     checkpointer = Checkpointer(ckpt_dir, keep=None)
+    default = DcpDefaultSave(checkpointer, ckpt_dir)
 
     def save(step: int, background: bool) -> None:
         checkpointer.save(chunks=trainer.chunks, optimizers=trainer.optimizers,
@@ -81,16 +131,29 @@ def save_costs(trainer, ckpt_dir: Path, model_config: dict, steps: int) -> dict:
                           model_config=model_config, background=background)
 
     _step_times(trainer, 2, 2)  # warm
-    _timed(lambda: (save(10, True), checkpointer.wait()))  # the background path's one-off set-up (its group)
+    _timed(lambda: (save(10, True), checkpointer.wait()))  # one-off set-up: the group, the staging buffers
+    _timed(lambda: (default.save(trainer, 20, model_config), default.wait()))
+    cpu = time.process_time()
     baseline = statistics.median(_step_times(trainer, 4, steps))
+    step_cpu_s = (time.process_time() - cpu) / steps
+    cpu = time.process_time()
     sync_s, _ = _timed(lambda: save(11, False))
-    stall_s, _ = _timed(lambda: save(12, True))
-    overlapped = _step_times(trainer, 4 + steps, steps, until=lambda: not checkpointer.in_flight)
-    left_s, _ = _timed(checkpointer.wait)
-    slowdown_s = sum(max(0.0, t - baseline) for t in overlapped)
-    return {"baseline_step_s": baseline, "sync_cost_s": sync_s, "async_stall_s": stall_s,
-            "async_slowdown_s": slowdown_s, "async_wait_s": left_s, "overlapped_steps": len(overlapped),
-            "async_cost_s": stall_s + slowdown_s + left_s}
+    record = {"baseline_step_s": baseline, "sync_cost_s": sync_s, "sync_cpu_s": time.process_time() - cpu}
+    first = 4 + steps
+    for name, start, writer in (("async", lambda: save(12, True), checkpointer),
+                                ("dcp", lambda: default.save(trainer, 21, model_config), default)):
+        cpu = time.process_time()
+        stall_s, _ = _timed(start)
+        overlapped = _step_times(trainer, first, 2 * steps, until=lambda writer=writer: not writer.in_flight)
+        first += len(overlapped)
+        left_s, _ = _timed(writer.wait)
+        extra_cpu_s = time.process_time() - cpu - step_cpu_s * len(overlapped)
+        slowdown_s = sum(max(0.0, t - baseline) for t in overlapped)
+        record.update({f"{name}_stall_s": stall_s, f"{name}_slowdown_s": slowdown_s, f"{name}_wait_s": left_s,
+                       f"{name}_overlapped_steps": len(overlapped), f"{name}_cost_s": stall_s + slowdown_s + left_s,
+                       f"{name}_cpu_s": extra_cpu_s})
+    checkpointer.close()
+    return record
 
 
 def worker(recipe_name: str, overrides: list[str], out: Path, cost_steps: int) -> None:
@@ -210,16 +273,23 @@ def main() -> None:
           "in steps: ->exit in median step times.")
     if not args.cost_steps:
         return
-    print(f"\n{'model':<24}{'ranks':>6}{'step s':>8}{'sync s':>8}{'async stall':>12}{'slowdown':>9}{'wait':>6}"
-          f"{'steps':>6}{'async s':>8}{'async/sync':>11}")
+    print(f"\n{'model':<24}{'ranks':>6}{'step s':>8}{'sync s':>8}{'save':>7}{'stall':>7}{'slowdown':>9}{'wait':>6}"
+          f"{'steps':>6}{'cost s':>8}{'of sync':>8}{'sync cpu':>9}{'cpu':>6}{'of sync':>8}")
     for (model, world), runs in results.items():
         m = {key: statistics.median(r[key] for r in runs) for key in runs[0] if not key.endswith("_at")}
         name = f"{MODELS[model][0]} ({m['params'] / 1e6:.0f}M)"
-        print(f"{name:<24}{world:>6}{m['baseline_step_s']:>8.2f}{m['sync_cost_s']:>8.2f}{m['async_stall_s']:>12.2f}"
-              f"{m['async_slowdown_s']:>9.2f}{m['async_wait_s']:>6.2f}{m['overlapped_steps']:>6.0f}"
-              f"{m['async_cost_s']:>8.2f}{m['async_cost_s'] / m['sync_cost_s']:>11.0%}")
-    print("step s: a step without a save (median); sync s: a synchronous save's stall; async: stall (staging) + "
-          "slowdown of the overlapping steps + wait left = async s.")
+        for kind in ("async", "dcp"):
+            print(f"{name:<24}{world:>6}{m['baseline_step_s']:>8.2f}{m['sync_cost_s']:>8.2f}{kind:>7}"
+                  f"{m[kind + '_stall_s']:>7.2f}{m[kind + '_slowdown_s']:>9.2f}{m[kind + '_wait_s']:>6.2f}"
+                  f"{m[kind + '_overlapped_steps']:>6.0f}{m[kind + '_cost_s']:>8.2f}"
+                  f"{m[kind + '_cost_s'] / m['sync_cost_s']:>8.0%}{m['sync_cpu_s']:>9.2f}{m[kind + '_cpu_s']:>6.2f}"
+                  f"{m[kind + '_cpu_s'] / m['sync_cpu_s']:>8.0%}")
+    print("step s: a step without a save (median); sync s: a synchronous save's stall; save: async is the "
+          "Checkpointer's background save, dcp DCP's default async_save beside it; its cost s = stall (staging) "
+          "+ slowdown of the overlapping steps (at most 2 x --cost-steps) + wait left; of sync: cost s / sync s. "
+          "cpu: rank 0's CPU seconds (every thread) for the save: the synchronous save's, and the background "
+          "save's over its steps less those steps' own (the CPU a save takes from training where no core is "
+          "spare; under other jobs' load the one figure that does not swing).")
 
 
 if __name__ == "__main__":

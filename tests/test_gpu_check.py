@@ -29,6 +29,12 @@ def test_cpu_rehearsal_runs_every_stage(tmp_path: Path) -> None:
     assert figures["grouped_mm"]["max_rel_diff"] == {"out": 0.0, "grad_x": 0.0, "grad_w": 0.0}  # fp32, CPU
     assert figures["grouped_mm"]["empty_experts"] > 0
     assert figures["sdpa"]["gqa_documents"]["kernel"] == "ScaledDotProductFlashAttentionForCpuBackward0"
+    assert figures["sdpa"]["table"]["sdpa_backends"] == ["FLASH_ATTENTION", "MATH"]
+    assert figures["sdpa"]["mla_padded_causal"]["kernel"] == "ScaledDotProductFlashAttentionForCpuBackward0"
+    engine = figures["grouped_mm"]["engine_experts"]
+    assert engine["table_choice"] == "grouped_mm"  # fp32 on the CPU
+    for path in ("grouped_mm", "padded_bmm"):
+        assert max(engine[f"{path}_max_rel_diff"].values()) < 1e-5, engine
     assert figures["tiny_run"]["loss_fell"] and figures["resume"]["straight"] == figures["resume"]["resumed"]
     assert figures["proxy"]["eager"]["tokens_per_s"] > 0 and figures["hf_proxy"]["tokens_per_s"] > 0
     compiled = figures["compile"]

@@ -3,6 +3,7 @@ training device, the two process-group timeouts. CUDA-only cases are skipped wit
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import timedelta
 from pathlib import Path
@@ -14,6 +15,7 @@ from cli_helpers import assert_bad_input, run_cli
 from host_reads import HostReads
 from multirank import run_ranks
 
+from moe_train import kernels
 from moe_train.config import load_recipe
 from moe_train.config.hardware import HARDWARE_ENV, hardware_table
 from moe_train.launch.render import render_sbatch, render_torchrun, sbatch_directives
@@ -22,7 +24,7 @@ from moe_train.launch.shell import LaunchError
 from moe_train.measure.activations import SavedTensorTracker
 from moe_train.measure.driver import Target, measure
 from moe_train.measure.layers import LayerTracker
-from moe_train.models import build_model
+from moe_train.models import attention, build_model
 from moe_train.models import model as model_module
 from moe_train.models.attention import attend, attention_mask, document_mask
 from moe_train.models.model import Transformer
@@ -278,6 +280,73 @@ def test_cuda_block_mask_attention_equals_the_dense_mask() -> None:
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
+# ------------------------------------------------------------------------------------------- SDPA backends
+
+
+@pytest.fixture
+def kernel_row(monkeypatch: pytest.MonkeyPatch):
+    """Replace fields of a device kind's kernel-table row for one test (attend's backend list is cached)."""
+
+    def change(device: str, **fields) -> None:
+        monkeypatch.setitem(kernels.KERNELS, device, dataclasses.replace(kernels.KERNELS[device], **fields))
+        attention.sdpa_backends.cache_clear()
+
+    yield change
+    attention.sdpa_backends.cache_clear()
+
+
+def test_sdpa_runs_the_kernel_tables_backends(kernel_row) -> None:
+    """attend hands SDPA the table's backends: the CPU row's flash kernel (its backward node), and a row that
+    lists only the math kernel gets math, with the same output."""
+    q, k, v = (torch.randn(1, 2, 16, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    flash = attend(q, k, v, None)
+    assert flash.grad_fn.name() == "ScaledDotProductFlashAttentionForCpuBackward0"
+    kernel_row("cpu", sdpa_backends=("MATH",))
+    math = attend(q, k, v, None)
+    assert "Flash" not in math.grad_fn.name()
+    assert torch.allclose(flash, math, atol=1e-12)
+
+
+def test_mla_value_at_its_own_width_equals_the_padded_one(kernel_row) -> None:
+    """The cuda row's MLA (v at v_head_dim, no padding), run on the CPU's math kernel, which takes it: outputs and
+    gradients equal the padded flash path's (fp64); the CPU's flash kernel itself refuses unequal head dims, so
+    the cpu row pads (models/mla.py)."""
+    cfg = load_recipe("deepseek-v3-tiny", ["model.num_layers=1", "model.mtp_layers=0"]).model  # one dense layer
+    assert cfg.qk_nope_head_dim + cfg.qk_rope_head_dim != cfg.v_head_dim
+    torch.manual_seed(0)
+    model = build_model(cfg).double()
+    tokens = torch.randint(cfg.vocab_size, (2, 24))
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad()
+        logits = model(tokens)
+        logits.square().mean().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    padded, padded_grads = run()
+    kernel_row("cpu", sdpa_backends=("MATH",), mla_value="own")
+    own, own_grads = run()
+    assert torch.allclose(padded, own, atol=1e-10)
+    assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip(padded_grads, own_grads, strict=True))
+    q, k = torch.randn(1, 2, 8, 24), torch.randn(1, 2, 8, 24)
+    with pytest.raises(RuntimeError), torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.FLASH_ATTENTION]):
+        torch.nn.functional.scaled_dot_product_attention(q, k, torch.randn(1, 2, 8, 16), is_causal=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the cuda row's SDPA backends (cuDNN, flash)")
+def test_cuda_sdpa_runs_a_fused_kernel_for_gqa_and_unpadded_mla() -> None:
+    for heads, kv_heads, qk, v in ((16, 4, 128, 128), (16, 16, 192, 128)):
+        q = torch.randn(1, heads, 1024, qk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(1, kv_heads, 1024, qk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        value = torch.randn(1, kv_heads, 1024, v, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        out = attend(q, k, value, None, enable_gqa=heads != kv_heads)
+        assert "Math" not in out.grad_fn.name() and "UnsafeView" not in out.grad_fn.name(), out.grad_fn.name()
+        reference = torch.nn.functional.scaled_dot_product_attention(
+            q.float(), k.float().repeat_interleave(heads // kv_heads, 1),
+            value.float().repeat_interleave(heads // kv_heads, 1), is_causal=True)
+        assert (out.float() - reference).abs().max().item() < 2e-2
+
+
 # ------------------------------------------------------------------------------------------------ host reads
 
 # One packed read of the step's figures: loss sums, MoE counts and the gradient norm together (Trainer._figures).
@@ -311,11 +380,13 @@ def test_host_reads_of_one_step_on_one_rank(tmp_path: Path, packed: bool) -> Non
 
 
 def test_host_reads_of_one_step_under_expert_parallelism(tmp_path: Path) -> None:
-    """EP2 on two gloo ranks: at most one read per MoE dispatch (the all-to-all splits, or the all-gathered
-    token counts), with two MoE layers and two micro-batches: 4 dispatches per step."""
-    cases = [{"id": d, "recipe": "qwen3-moe-tiny", "overrides": [*MOE_SHRINK, "parallel.ep=2",
-                                                                  f"model.moe.dispatcher={d}"]}
-             for d in ("alltoall", "allgather")]
+    """EP2 on two gloo ranks: at most one read per MoE dispatch (the all-to-all splits, with the kept count of a
+    capacity's keep-mask, or the all-gathered token counts), with and without a capacity, padded or not."""
+    capacity = ["model.moe.capacity_factor=1.0"]
+    variants = {"": [], "-capacity": capacity, "-padded": [*capacity, "model.moe.pad_to_capacity=true"]}
+    cases = [{"id": d + v, "recipe": "qwen3-moe-tiny", "overrides": [*MOE_SHRINK, "parallel.ep=2",
+                                                                      f"model.moe.dispatcher={d}", *sets]}
+             for d in ("alltoall", "allgather") for v, sets in variants.items()]
     result = run_ranks("host_reads_step", 2, {"cases": cases, "run_root": str(tmp_path / "runs")}, tmp_path,
                        timeout=240)
     dispatches = 2 * 1  # layers x micro-batches of this rank (global batch 4 over dp 2, micro-batch 2)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
 import pytest
 import torch
+from host_reads import HostReads
 
 from moe_train.config.schema import MoEConfig
+from moe_train.kernels import KERNELS
 from moe_train.models.moe import (
     MoELayer,
     global_aux_loss,
@@ -17,7 +20,7 @@ from moe_train.models.moe import (
     z_loss,
 )
 from moe_train.models.moe.capacity import capacity_keep_mask, expert_capacity
-from moe_train.models.moe.experts import GroupedExperts, grouped_mm_supported
+from moe_train.models.moe.experts import GroupedExperts, expert_kernel, grouped_mm_supported
 from moe_train.models.moe.router import count_per_expert
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -371,6 +374,129 @@ def test_experts_without_rows_give_zero_gradients(dtype: torch.dtype):
     out.sum().backward()
     assert out.shape == (0, 64)
     assert all(p.grad is not None and not p.grad.any() for p in experts.parameters())
+
+
+def test_padded_batched_gemm_equals_the_loop():
+    """The fallback below Hopper, run on the CPU: each expert's rows padded to the capacity, three batched GEMMs;
+    ragged and empty counts give the loop's outputs and gradients (fp64), with no device read; an expert with more
+    rows than the capacity raises instead of writing into the next expert's block."""
+    experts = GroupedExperts(num_experts=4, hidden_size=24, ffn_hidden_size=12).double()
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, dtype=torch.float64) * 0.3)
+    for counts in ([5, 0, 7, 3], [0, 0, 0, 0], [0, 9, 0, 0], [9, 9, 9, 9]):
+        counts = torch.tensor(counts)
+        rows = torch.randn(int(counts.sum()), 24, dtype=torch.float64)
+        cotangent = torch.randn_like(rows)
+        results = []
+        for path in ("padded", "loop"):
+            experts.zero_grad()
+            x = rows.clone().requires_grad_()
+            reads = HostReads()
+            with reads.counting():
+                out = experts._padded(x, counts, 9) if path == "padded" else experts._loop(x, counts)
+            if path == "padded":
+                assert reads.total() == 0, dict(reads.by_line)
+            (out * cotangent).sum().backward()
+            results.append((out, x.grad, *(p.grad for p in experts.parameters())))
+        for a, b in zip(*results, strict=True):
+            assert torch.allclose(a, b, atol=1e-12), counts
+    with pytest.raises((IndexError, RuntimeError)):
+        experts._padded(torch.randn(10, 24, dtype=torch.float64), torch.tensor([10, 0, 0, 0]), 9)
+
+
+def test_expert_kernel_per_device_names_why_it_falls_back(monkeypatch: pytest.MonkeyPatch):
+    """torch._grouped_mm on Hopper in bf16 with 16-byte strides; below, or in another dtype, or misaligned, the
+    cuda row's padded batched GEMM, with the reason; the CPU's fallback is the loop."""
+    cuda = torch.device("cuda")
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    aligned = {"hidden_size": 2048, "ffn_hidden_size": 768}
+    hopper = ("grouped_mm", "torch._grouped_mm (compute capability 9.0)")
+    assert expert_kernel(torch.bfloat16, cuda, **aligned) == hopper
+    kernel, why = expert_kernel(torch.float32, cuda, **aligned)
+    assert kernel == "padded_bmm" and why == "torch._grouped_mm on CUDA takes bfloat16, not torch.float32"
+    kernel, why = expert_kernel(torch.bfloat16, cuda, hidden_size=2044, ffn_hidden_size=768)
+    assert kernel == "padded_bmm" and "hidden_size 2044 x 2 bytes" in why and "16 bytes" in why
+    capability[0] = (8, 0)
+    kernel, why = expert_kernel(torch.bfloat16, cuda, **aligned)
+    assert kernel == "padded_bmm" and why.startswith("compute capability 8.0 is below 9.0")
+    kernel, why = expert_kernel(torch.float64, torch.device("cpu"), **aligned)
+    assert kernel == "loop" and "not torch.float64" in why
+
+
+def test_capacity_layer_runs_the_padded_gemm_without_the_loops_read(monkeypatch: pytest.MonkeyPatch):
+    """A layer with a capacity and the padded fallback (the cpu row switched to it; fp64, which the grouped GEMM
+    does not take): the loop's outputs and gradients, and one device read fewer per forward (only the
+    dispatch's kept count stays)."""
+    monkeypatch.setitem(KERNELS, "cpu", dataclasses.replace(KERNELS["cpu"], experts_fallback="padded_bmm"))
+    layer = make_layer(32, moe_config(num_experts=4, top_k=2, capacity_factor=1.0), std=0.3).double()
+    x = torch.randn(2, 8, 32, dtype=torch.float64)
+    results, read_counts = [], []
+    for grouped in (True, False):  # use_grouped_mm False forces the loop
+        layer.experts.use_grouped_mm = grouped
+        layer.zero_grad()
+        inputs = x.clone().requires_grad_()
+        reads = HostReads()
+        with reads.counting():
+            out = layer(inputs)
+        read_counts.append(reads.total(under="models/"))
+        out.square().sum().backward()
+        results.append((out, inputs.grad, *(p.grad for p in layer.parameters() if p.grad is not None)))
+    for a, b in zip(*results, strict=True):
+        assert torch.allclose(a, b, atol=1e-12)
+    assert read_counts == [1, 2]
+
+
+def _shared_layer_outputs(layer: MoELayer, x: torch.Tensor, *, today: bool) -> list[torch.Tensor]:
+    """Output, input gradient and every parameter gradient of one forward and backward; `today`: the shared
+    experts added after the routed ones, computed after the combine (the order before the overlap)."""
+    layer.zero_grad()
+    inputs = x.clone().requires_grad_()
+    if today:
+        shared, layer.shared_experts = layer.shared_experts, None
+        try:
+            out = layer(inputs)
+        finally:
+            layer.shared_experts = shared
+        out = out + shared(inputs.reshape(-1, inputs.shape[-1])).view_as(out)
+    else:
+        out = layer(inputs)
+    out.square().sum().backward()
+    return [out, inputs.grad, *(p.grad for p in layer.parameters())]
+
+
+def test_shared_experts_start_before_the_dispatch_and_change_no_number():
+    """The shared experts run before the routed experts' dispatch (on CUDA on a side stream, overlapping its
+    all-to-all; on the CPU in the same order, on the one stream): the output and every parameter gradient equal,
+    bit for bit, to adding them after the combine; the input's gradient sums the same three terms (shared
+    experts, dispatch, router) in another order, so it equals to rounding."""
+    layer = make_layer(32, moe_config(num_experts=4, top_k=2, shared_expert_ffn_hidden_size=16), std=0.3)
+    x = torch.randn(2, 8, 32)
+    order = []
+    layer.shared_experts.register_forward_hook(lambda *_: order.append("shared"))
+    dispatch = layer.dispatcher.dispatch
+    layer.dispatcher.dispatch = lambda *a, **k: (order.append("dispatch"), dispatch(*a, **k))[1]
+    overlapped = _shared_layer_outputs(layer, x, today=False)
+    assert order == ["shared", "dispatch"]
+    (out, grad_input, *grads), (out_today, grad_input_today, *grads_today) = (
+        overlapped, _shared_layer_outputs(layer, x, today=True))
+    assert torch.equal(out, out_today)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_today, strict=True))
+    assert torch.allclose(grad_input, grad_input_today, rtol=1e-6, atol=1e-6 * grad_input.abs().max().item())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the shared experts' side stream")
+def test_shared_experts_on_the_side_stream_equal_the_one_stream(monkeypatch: pytest.MonkeyPatch):
+    layer = make_layer(256, moe_config(num_experts=8, top_k=2, ffn_hidden_size=128,
+                                       shared_expert_ffn_hidden_size=512), std=0.05).cuda()
+    x = torch.randn(4, 512, 256, device="cuda")
+    one_stream = _shared_layer_outputs(layer, x, today=False)
+    monkeypatch.setattr(MoELayer, "_overlaps_shared_experts", lambda self, x: True)
+    side = _shared_layer_outputs(layer, x, today=False)
+    torch.cuda.synchronize()
+    for a, b in zip(one_stream, side, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_grouped_mm_refuses_unaligned_shapes():

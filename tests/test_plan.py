@@ -283,7 +283,7 @@ def test_plan_never_imports_torch() -> None:
     assert out.stdout.strip() == "[] True"
 
 
-def test_executed_flops_add_recompute_and_mla_padding_to_model_flops() -> None:
+def test_executed_flops_add_recompute_and_the_cpus_mla_padding_to_model_flops() -> None:
     h100 = HARDWARE["h100"]
     unchunked = "train.loss_chunk_tokens=0"  # the chunked loss's extra head GEMM: the test below
     qwen = plan_json(estimate(load_recipe("qwen3-30b-a3b", ["parallel.recompute.modules=[moe_act,layernorm]",
@@ -301,7 +301,13 @@ def test_executed_flops_add_recompute_and_mla_padding_to_model_flops() -> None:
     dense_mlp = 2 * 2 * m.hidden_size * m.ffn_hidden_size * m.first_k_dense * tokens
     padded_v = 2 * 4096 * m.num_attention_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim - m.v_head_dim)
     padding = 3 * padded_v * (m.num_layers + m.mtp_layers) * tokens  # forward and backward
-    assert ds["executed_flops_per_step"] - ds["model_flops_per_step"] == pytest.approx(dense_mlp + padding, rel=1e-6)
+    # on cuda SDPA takes MLA's v at its own width (the kernel table's mla_value); the CPU's flash kernel pads it
+    assert recipe.launch.device == "cuda"
+    assert ds["executed_flops_per_step"] - ds["model_flops_per_step"] == pytest.approx(dense_mlp, rel=1e-6)
+    cpu_recipe = load_recipe("deepseek-v3", ["parallel.recompute.modules=[mlp]", "launch.device=cpu", "launch.gpu=cpu"])
+    on_cpu = plan_json(estimate(cpu_recipe, HARDWARE["b200"]))
+    assert on_cpu["executed_flops_per_step"] - on_cpu["model_flops_per_step"] == \
+        pytest.approx(dense_mlp + padding, rel=1e-6)
 
 
 def test_the_chunked_loss_recomputes_each_head_gemm_and_keeps_no_logits() -> None:

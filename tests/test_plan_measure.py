@@ -110,6 +110,61 @@ def test_tiny_layouts_and_recompute_policies_plan_exactly_what_measure_counts(na
     assert plan_against_measure(recipe, report, tolerance=1e-9) == []
 
 
+@pytest.mark.parametrize("policy", ["moe", "full-uniform-1"])
+def test_recomputed_moe_layer_reruns_its_shared_experts_whole(policy):
+    """The shared experts run before the dispatch, so the routed experts and the combine save after them: a
+    recomputed MoE layer re-runs the shared down projection and its tensor-parallel reduce-scatter even when no
+    balancing loss saves after the combine (aux_loss, no z-loss), as measured."""
+    recipe = tiny_recipe("deepseek-v3-tiny", 2, False, policy, "fp32", "model.moe.router.load_balancing=aux_loss",
+                         "model.moe.router.z_loss_coeff=0")
+    assert plan_against_measure(recipe, measure(recipe, Target(fake=True)), tolerance=1e-9) == []
+
+
+@pytest.mark.parametrize(("name", "precision"), [("qwen3-tiny", "fp32"), ("deepseek-v3-tiny", "bf16")])
+def test_packed_documents_plan_the_mask_measure_saves(name, precision):
+    """data.reset_at_eod (measure --fake feeds packed positions): every layer exactly as measured, and what the
+    packed step saves beyond the plain one (the one fp32 document mask every layer keeps, the rotary tables and
+    their casts per sequence) is what the plan adds to the rank's activation memory; two sequences per
+    micro-batch, so the mask and the tables are per sequence."""
+    shape = ["model.num_layers=2", "train.seq_length=64", "train.micro_batch_size=2", "train.global_batch_size=2",
+             f"train.precision={precision}", "model.mtp_layers=0"]
+    plain, packed = (load_recipe(name, [*shape, f"data.reset_at_eod={flag}"], check_files=False)
+                     for flag in ("false", "true"))
+    reports = {recipe.data.reset_at_eod: measure(recipe, Target(fake=True)) for recipe in (plain, packed)}
+    assert plan_against_measure(packed, reports[True], tolerance=1e-9) == []
+    other = {flag: report["activation_bytes_per_layer"]["other"] for flag, report in reports.items()}
+    total = {flag: sum(report["activation_bytes_per_layer"].values()) for flag, report in reports.items()}
+    assert other[True] - other[False] >= 2 * 64 * 64 * 4  # the mask at least: the step did attend through it
+    planned = (plan_json(estimate(packed, GPU))["memory_bytes"]["activations"]
+               - plan_json(estimate(plain, GPU))["memory_bytes"]["activations"])
+    assert planned == total[True] - total[False]
+
+
+def test_cuda_plan_keeps_mla_value_at_its_own_width_and_a_block_mask():
+    """The cuda row of the kernel table: MLA's v (and the output) at v_head_dim, q and k at theirs, no padding;
+    packed documents keep FlexAttention's block mask, not an s x s one. Planned only (no GPU here: measured by
+    bench/gpu/check.py's sdpa stage)."""
+    seq = 512
+    sets = ["model.num_layers=2", f"train.seq_length={seq}", "train.micro_batch_size=1", "data.reset_at_eod=true",
+            "model.mtp_layers=0"]
+    cpu = load_recipe("deepseek-v3-tiny", sets, check_files=False)
+    cuda = load_recipe("deepseek-v3-tiny", [*sets, "launch.device=cuda", "launch.gpu=h200"], check_files=False)
+    m = cpu.model
+    qk, v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+    assert qk != v
+    cpu_plan, cuda_plan = plan_json(estimate(cpu, GPU)), plan_json(estimate(cuda, GPU))
+    width = 4 if cpu.train.precision == "fp32" else 2
+    saved = (2 * qk + 2 * v) - 4 * max(qk, v)  # q, k at qk; v and the output at v; against all four padded
+    per_layer = saved * seq * m.num_attention_heads * width
+    for layer in ("0", "1"):
+        assert cuda_plan["activation_bytes_per_layer"][layer] - cpu_plan["activation_bytes_per_layer"][layer] == \
+            per_layer
+    blocks = seq // 128
+    cuda_mask = 4 * 4 * (blocks + blocks**2) + 8 * seq
+    assert cuda_plan["memory_bytes"]["activations"] - cpu_plan["memory_bytes"]["activations"] == \
+        cuda_mask - 4 * seq * seq + 2 * per_layer
+
+
 # --------------------------------------------------------------------------------------- real gloo layouts
 
 SMALL = ["model.num_layers=2", "train.seq_length=64", "train.micro_batch_size=2"]

@@ -9,18 +9,20 @@ Cases share jobs where they can (the budget of issue 24's tests is 5 minutes her
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 from slurm_cluster import node_names, slurm_cluster  # noqa: F401  (the session fixture)
+from slurm_jobs import (
+    cli,
+    job_id_of,
+    kill_and_expect_fast_failure,
+    preempt_and_finish,
+    train_losses,
+    training_process,
+    wait_for_steps,
+)
 
 from moe_train.config import load_recipe
 from moe_train.train.loop import Trainer
@@ -34,38 +36,8 @@ SHRINK = ["model.num_layers=2", "train.seq_length=32", "train.global_batch_size=
 ROW = re.compile(r"^\s+(\d+)\s+(\S+)\s+(\d+)\s+(pp \d+ dp \d+ cp \d+ tp \d+ \| edp \d+ ep \d+ etp \d+)$", re.M)
 
 
-def cli(cluster, cwd: Path, *args: str, sets: list[str]) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "moe_train.cli.main", *args,
-                             *(arg for value in sets for arg in ("--set", value))],
-                            env=cluster.env, cwd=cwd, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    return result
-
-
 def losses(run_dir: Path) -> list[float]:
-    path = run_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
-
-
-def wait_for_steps(cluster, job_id: str, run_dir: Path, count: int, timeout: float = 150) -> None:
-    deadline = time.monotonic() + timeout
-    while len(losses(run_dir)) < count:
-        state = cluster.job_state(job_id)
-        assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"job {job_id} {state}"
-        assert time.monotonic() < deadline, f"job {job_id}: {count} steps not logged within {timeout}s"
-        time.sleep(0.2)
-
-
-def rank_on_node(run_dir: Path, node: str) -> tuple[int, int] | None:
-    """(pid, global rank) of the training process on SLURM node `node` of the job training `run_dir`."""
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        with contextlib.suppress(OSError):
-            items = dict(item.split(b"=", 1) for item in environ.read_bytes().split(b"\0") if b"=" in item)
-            if (items.get(b"MOE_TRAIN_RUN_DIR") == str(run_dir).encode() and b"RANK" in items
-                    and b"LOCAL_RANK" in items and items.get(b"SLURMD_NODENAME") == node.encode()):
-                return int(environ.parent.name), int(items[b"RANK"])
-    return None
+    return [loss for _, loss in train_losses(run_dir)]
 
 
 @pytest.fixture(scope="module")
@@ -109,38 +81,22 @@ def test_two_node_preflight_and_sweep_of_dp2_and_ep2_match_one_process(slurm_clu
 def test_two_node_pp2_preempted_requeued_resumes_to_the_single_process_losses(slurm_cluster, tmp_path,  # noqa: F811
                                                                             reference):
     run_dir = tmp_path / "pp2"
-    result = cli(slurm_cluster, tmp_path, "submit", "qwen3-moe-tiny",
-                 sets=[*SHRINK, "parallel.pp=2", "launch.slurm.signal_seconds=60", "launch.slurm.max_restarts=2",
-                       f"run_dir={run_dir}"])
-    job_id = re.search(r"submitted job (\d+)", result.stdout).group(1)
-    log = run_dir / "logs" / f"slurm-{job_id}.out"
-    wait_for_steps(slurm_cluster, job_id, run_dir, 2)
-    slurm_cluster.run("scancel", "--signal=USR1", "--batch", job_id)
-    assert slurm_cluster.wait_done(job_id, timeout=300) == "COMPLETED", log.read_text()
-    text = log.read_text()
-    stopped = int(re.search(r"stopping at step (\d+): preemption notice", text).group(1))
-    assert 2 <= stopped < STEPS, text
-    for fragment in (f"requeueing job {job_id} (restart 1 of 2)", f"job {job_id} (restart 1) on 2 node(s)",
-                     f"at step {stopped}", f"complete at step {STEPS}/{STEPS}"):
-        assert fragment in text, fragment + "\n" + text
+    job_id = job_id_of(cli(slurm_cluster, tmp_path, "submit", "qwen3-moe-tiny",
+                           sets=[*SHRINK, "parallel.pp=2", "launch.slurm.signal_seconds=60",
+                                 "launch.slurm.max_restarts=2", f"run_dir={run_dir}"]))
+    _, text = preempt_and_finish(slurm_cluster, job_id, run_dir, STEPS)
+    assert f"job {job_id} (restart 1) on 2 node(s)" in text, text
     assert losses(run_dir) == pytest.approx(reference, rel=1e-5)
 
 
 def test_a_rank_killed_on_the_second_node_fails_the_two_node_job_fast(slurm_cluster, tmp_path):  # noqa: F811
     run_dir = tmp_path / "crash"
-    result = cli(slurm_cluster, tmp_path, "submit", "qwen3-tiny",
-                 sets=[*SHRINK, "train.steps=1000", f"run_dir={run_dir}"])
-    job_id = re.search(r"submitted job (\d+)", result.stdout).group(1)
+    job_id = job_id_of(cli(slurm_cluster, tmp_path, "submit", "qwen3-tiny",
+                           sets=[*SHRINK, "train.steps=1000", f"run_dir={run_dir}"]))
     wait_for_steps(slurm_cluster, job_id, run_dir, 2)
     second = node_names()[1]  # not the rendezvous host (the allocation's first node)
-    found = rank_on_node(run_dir, second)
+    found = training_process(run_dir, SLURMD_NODENAME=second)
     assert found is not None, f"no rank found on {second}"
     pid, rank = found
-    os.kill(pid, signal.SIGKILL)
-    killed = time.time()
-    assert slurm_cluster.wait_done(job_id, timeout=90) == "FAILED"
-    ended = time.mktime(time.strptime(slurm_cluster.job_field(job_id, "EndTime"), "%Y-%m-%dT%H:%M:%S"))
-    assert ended - killed < 60
-    text = (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+    text = kill_and_expect_fast_failure(slurm_cluster, job_id, run_dir, pid)
     assert re.search(rf"rank\s*: {rank} \(local_rank: 0\)\s+exitcode\s*: -9", text), text
-    assert "requeueing" not in text and not (run_dir / "COMPLETE").exists()

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 # are tiny and take a fraction of these.
 # sdpa includes compiling FlexAttention (forward and backward) for two head layouts.
 # compile: the proxy twice, inductor compiling its two block kinds' graphs (not measured on a GPU yet).
-TIMEOUTS = {"probe": 15, "grouped_mm": 25, "sdpa": 60, "tiny_run": 60, "proxy": 90, "compile": 240, "hf_proxy": 50,
+TIMEOUTS = {"probe": 15, "grouped_mm": 30, "sdpa": 60, "tiny_run": 60, "proxy": 90, "compile": 240, "hf_proxy": 50,
             "resume": 50}
 STAGES = list(TIMEOUTS)
 
@@ -148,15 +148,60 @@ def stage_grouped_mm(device: str, work: Path) -> dict:
     out["max_rel_diff"] = {k: (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
                            for k, a, b in zip(("out", "grad_x", "grad_w"), g, lp, strict=True)}
     out["output_scale"] = scale
+    out["engine_experts"] = _engine_experts(device, dtype, counts, experts, hidden, ffn)
+    return out
+
+
+def _engine_experts(device: str, dtype, counts, experts: int, hidden: int, ffn: int) -> dict:
+    """The engine's GroupedExperts: the kernel the table picks here (and why), and its three paths (grouped GEMM,
+    the padded batched GEMM that runs below Hopper, the per-expert loop) timed forward+backward on the same rows,
+    with each path's largest difference from the loop relative to the loop's largest value."""
+    import torch
+
+    from moe_train.models.moe.experts import GroupedExperts, expert_kernel
+
+    module = GroupedExperts(num_experts=experts, hidden_size=hidden, ffn_hidden_size=ffn).to(device, dtype)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.02)
+    counts = counts.to(device)
+    capacity = int(counts.max())
+    x = torch.randn(int(counts.sum()), hidden, device=device, dtype=dtype, requires_grad=True)
+    kernel, why = expert_kernel(dtype, x.device, hidden_size=hidden, ffn_hidden_size=ffn)
+    out = {"table_choice": kernel, "why": why, "capacity": capacity}
+    paths = {"loop": lambda: module._loop(x, counts), "padded_bmm": lambda: module._padded(x, counts, capacity)}
+    if kernel == "grouped_mm":
+        paths["grouped_mm"] = lambda: module._grouped(x, counts)
+    results = {}
+    for name, fn in paths.items():
+        module.zero_grad()
+        x.grad = None
+        y = fn()
+        y.float().square().sum().backward()
+        results[name] = (y.detach().float(), x.grad.float(), module.down_proj.grad.float())
+
+        def step(fn=fn):
+            fn().float().square().sum().backward()
+
+        out[f"{name}_fwd_bwd_ms"] = _timed(step, device) * 1e3
+        out[f"{name}_peak_bytes"] = _peak_bytes(step, device)
+    loop = results["loop"]
+    for name, got in results.items():
+        if name != "loop":
+            out[f"{name}_max_rel_diff"] = {
+                k: (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+                for k, a, b in zip(("out", "grad_x", "grad_down"), got, loop, strict=True)}
     return out
 
 
 def stage_sdpa(device: str, work: Path) -> dict:
-    """Which SDPA kernel runs (read off the backward node), and the forward+backward peak memory, for GQA
-    (causal), MLA's shapes (q/k 192, v 128) and a two-document mask (the engine's mask, and on CUDA its
-    FlexAttention block mask)."""
+    """Which SDPA kernel runs (read off the backward node) under the kernel table's backend order, and the
+    forward+backward peak memory, for GQA (causal), MLA's shapes (q/k 192, v 128, and v zero-padded to 192: the
+    padding the cuda row leaves out) and a two-document mask (the engine's mask, and on CUDA its FlexAttention
+    block mask)."""
     import torch
 
+    from moe_train.kernels import kernels_for
     from moe_train.models.attention import attend, attention_mask
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -165,10 +210,13 @@ def stage_sdpa(device: str, work: Path) -> dict:
     cases = {
         "gqa_causal": ((32, 128), (4, 128), (4, 128), None, {"enable_gqa": True}),
         "mla_causal": ((16, 192), (16, 192), (16, 128), None, {}),
+        "mla_padded_causal": ((16, 192), (16, 192), (16, 192), None, {}),  # v zero-padded, as the CPU row does
         "gqa_documents": ((32, 128), (4, 128), (4, 128), attention_mask(positions), {"enable_gqa": True}),
         "mla_documents": ((16, 192), (16, 192), (16, 128), attention_mask(positions), {}),
     }
-    out = {"dtype": str(dtype), "seq": s}
+    row = kernels_for(device)
+    out = {"dtype": str(dtype), "seq": s, "table": {"sdpa_backends": list(row.sdpa_backends),
+                                                    "mla_value": row.mla_value, "documents": row.documents}}
     for name, (qs, ks, vs, mask, kwargs) in cases.items():
         def make(shape):
             return torch.randn(b, shape[0], s, shape[1], device=device, dtype=dtype, requires_grad=True)

@@ -3,11 +3,20 @@
 A save has two parts. Staging copies this rank's state (model, optimizer, progress, RNG) into host memory;
 training must wait for it, since the next step changes the tensors. Writing the copy to disk, hashing it into the
 manifest and publishing it (rename, `latest`, keep-K) does not need the live tensors, so it runs on a background
-thread while training goes on: DCP's `async_save` stages and starts the write, and this module's thread waits for
-the write, then does what `save.save_checkpoint` does after it (layout.publish, layout.prune).
+thread while training goes on: the thread runs DCP's save of the staged copy, then does what
+`save.save_checkpoint` does after it (the manifest, layout.publish, layout.prune).
+
+What the background write costs training is the CPU it takes from it (bench/bench_checkpoint.py measures it,
+beside DCP's default `async_save`). The staging buffers are allocated once and reused by every later save (DCP's
+DefaultStager caches a host copy per source storage; pinned memory on a GPU node, for fast device-to-host
+copies): a fresh copy per save spent most of the stall zeroing new pages (~2 s of CPU for the 125M proxy's
+1.5 GB), where a copy into warm buffers is a memcpy, and the writer no longer pays those page faults either.
+The writer keeps the training threads' scheduling class: in the idle class (SCHED_IDLE, tried) it held the GIL
+while other processes had the cores, and the training thread waited for it (on this shared machine the write
+then spanned three steps instead of one, and cost more).
 
 The background thread's collectives (DCP's plan and metadata exchange, the manifest's shared hashing, the final
-barrier) run on a dedicated gloo group: async_save needs a CPU-capable group, and the training group's
+barrier) run on a dedicated gloo group: the staged tensors live on the host, and the training group's
 collectives (NCCL on GPUs, or gloo on CPU) must never interleave with a thread's. Every rank runs the same
 sequence on that group, in the same order, so the ranks need not agree on when their threads run.
 
@@ -28,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from moe_train.checkpoint import collective
 from moe_train.checkpoint.layout import prune, publish, step_dir_name, tmp_dir
@@ -44,6 +54,7 @@ class Checkpointer:
         self.ckpt_dir = ckpt_dir
         self.keep = keep
         self._group = None
+        self._stager: DefaultStager | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
 
@@ -51,7 +62,7 @@ class Checkpointer:
              model_config: dict, background: bool = False) -> Path:
         """Save `progress.step`; returns the checkpoint's final path (with background=True it is published
         later: `wait()` returns once it is)."""
-        self.wait()
+        self.wait()  # also: the staging buffers are free again (the write in flight reads them)
         if not background:
             return save_checkpoint(self.ckpt_dir, chunks=chunks, optimizers=optimizers, progress=progress,
                                    model_config=model_config, keep=self.keep)
@@ -61,15 +72,15 @@ class Checkpointer:
             if tmp.exists():  # left by a save that was killed midway
                 shutil.rmtree(tmp)
         write_model_config(tmp, model_config)
-        state = training_state(chunks=chunks, optimizers=optimizers, progress=progress)
+        if self._stager is None:
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
+                                                        use_shared_memory=False, use_async_staging=False,
+                                                        use_non_blocking_copy=False))
+        staged = self._stager.stage(training_state(chunks=chunks, optimizers=optimizers, progress=progress))
         group = self._background_group()
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            written = dcp.async_save(state, checkpoint_id=str(tmp), process_group=group,
-                                     no_dist=not collective.distributed())
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-        self._pending = self._executor.submit(self._publish, written, tmp, progress.step, group)
+        self._pending = self._executor.submit(self._write, staged, tmp, progress.step, group)
         return self.ckpt_dir / step_dir_name(progress.step)
 
     def wait(self) -> None:
@@ -87,6 +98,9 @@ class Checkpointer:
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def _background_group(self):
         """The dedicated gloo group (created once, by every rank together); None without a process group."""
@@ -94,9 +108,12 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo")
         return self._group
 
-    def _publish(self, written: Future, tmp: Path, step: int, group) -> None:
-        """On the background thread: wait for DCP's write, hash the files, and publish like a synchronous save."""
-        written.result()
+    def _write(self, staged: dict, tmp: Path, step: int, group) -> None:
+        """On the background thread: DCP's write of the staged copy, the checksums, then publish like a
+        synchronous save."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(staged, checkpoint_id=str(tmp), process_group=group, no_dist=not collective.distributed())
         collective.write_manifest(tmp, group=group)
         if collective.rank() == 0:
             publish(tmp, step=step)

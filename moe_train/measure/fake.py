@@ -12,7 +12,6 @@ The meshes are built on the fake process group before fake mode starts (their ra
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 
 import torch
@@ -25,23 +24,16 @@ from moe_train.measure.dtensor import on_dtensors
 
 
 class CpuKernelShapes(TorchDispatchMode):
-    """What torch's fake kernels lack for a CPU step.
-
-    - `_grouped_mm`'s meta kernel accepts only CUDA's bf16. The CPU kernel runs fp32/bf16/f16 with the same
-      output shape, so the shape is taken from the meta kernel on contiguous bf16 stand-ins, and the output
-      gets the real dtype.
-    - A floating-point value read on the host is NaN, an unknown figure nothing in the step depends on (the
-      step itself reads none: the gradient norm stays on the device, train/step.py). Integer and boolean
-      reads, which could decide shapes or control flow, still fail: a step that needs one cannot be measured
-      on fake tensors.
+    """What torch's fake kernels lack for a CPU step: `_grouped_mm`'s meta kernel accepts only CUDA's bf16.
+    The CPU kernel runs fp32/bf16/f16 with the same output shape, so the shape is taken from the meta kernel on
+    contiguous bf16 stand-ins, and the output gets the real dtype. Nothing else is stood in for: a host read
+    (the step makes none, train/step.py) fails on fake tensors, so a step that needs one cannot be measured.
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if on_dtensors(types):
             return NotImplemented
-        if func is torch.ops.aten._local_scalar_dense.default and args[0].dtype.is_floating_point:
-            return math.nan
         if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
             a, b, *rest = args
             shape = func(a.to(torch.bfloat16).contiguous(), b.to(torch.bfloat16).contiguous(), *rest, **kwargs).shape

@@ -8,7 +8,8 @@ only with data.reset_at_eod); without them `is_causal=True` keeps the fastest ke
 The mask every layer receives is in the form the device's kernel takes (moe_train/kernels.py), built once per
 forward: on the CPU an additive fp32 mask, which SDPA's flash kernel uses as it is (a boolean one it converts
 to float in every layer, one [b, s, s] copy saved per layer); on CUDA a FlexAttention block mask, since SDPA's
-fast CUDA kernels take no mask and the math kernel would save the [b, h, s, s] scores.
+fast CUDA kernels take no mask and the math kernel would save the [b, h, s, s] scores. SDPA tries the table's
+backends in its order (`sdpa_backends`: cuDNN, then flash, on CUDA), never torch's default order.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask
 
 from moe_train.config.schema import ModelConfig
@@ -89,6 +91,12 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
+@functools.cache
+def sdpa_backends(device_type: str) -> list[SDPBackend]:
+    """The kernel table's SDPA backends of a device kind, in the order SDPA tries them."""
+    return [getattr(SDPBackend, name) for name in kernels_for(device_type).sdpa_backends]
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None,
            **kwargs) -> torch.Tensor:
     """Attention over [b, heads, s, d]: causal SDPA, SDPA restricted by an additive document mask, or
@@ -97,7 +105,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         return _compiled_flex_attention()(q, k, v, block_mask=mask, **kwargs)
     if mask is not None and mask.is_floating_point() and q.dtype == torch.float64:
         mask = mask.to(q.dtype)  # torch 2.13's CPU SDPA misreads an fp32 additive mask on fp64 q (fp64: tests)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **kwargs)
+    with sdpa_kernel(sdpa_backends(q.device.type), set_priority=True):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **kwargs)
 
 
 class CoreAttention(nn.Module):

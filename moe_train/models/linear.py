@@ -1,12 +1,12 @@
 """The model's GEMM site: every matrix product with a weight runs through a function of this file.
 
 Attention projections, MLPs, shared experts, the router, MTP's projection and the head call `linear` (through
-the `Linear` module, or directly on a weight); the routed experts call `grouped_mm`; the tensor-parallel
-styles (parallel/tensor.py) call the same functions on their local shards, and the sequence-parallel column
-GEMM's hand-written backward calls `linear_input_grad` / `linear_weight_grad`. So a precision or kernel choice
-(FP8 with its scales, the chunked head + loss: `linear_cross_entropy_sum`) is made in one place, for every
-layout. No other module of models/ or parallel/ calls F.linear, matmul or a grouped GEMM
-(tests/test_gemm_site.py checks).
+the `Linear` module, or directly on a weight); the routed experts call `grouped_mm` (or `batched_mm` on rows
+padded per expert, where the grouped GEMM does not run); the tensor-parallel styles (parallel/tensor.py) call
+the same functions on their local shards, and the sequence-parallel column GEMM's hand-written backward calls
+`linear_input_grad` / `linear_weight_grad`. So a precision or kernel choice (FP8 with its scales, the chunked
+head + loss: `linear_cross_entropy_sum`) is made in one place, for every layout. No other module of
+models/ or parallel/ calls F.linear, matmul or a grouped GEMM (tests/test_gemm_site.py checks).
 """
 
 from __future__ import annotations
@@ -47,6 +47,12 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) 
     [N, out], all experts in one kernel (torch._grouped_mm; `GroupedExperts` falls back to `linear` per
     expert where it cannot run)."""
     return torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
+
+
+def batched_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [E, rows, in] @ weight [E, out, in]^T per expert -> [E, rows, out]: every expert's (padded) rows in one
+    batched GEMM (`GroupedExperts`' padded path, where torch._grouped_mm does not run)."""
+    return torch.bmm(x, weight.transpose(-2, -1))
 
 
 class Linear(nn.Linear):

@@ -4,8 +4,9 @@ q: hidden -> q_lora_rank -> RMSNorm -> heads x (nope + rope), or one plain proje
 kv: hidden -> kv_lora_rank + rope (kv_a_proj_with_mqa); the latent part is normed and expanded to
 heads x (nope + v) by kv_b_proj; the rope part is one key shared by all heads. Rotary embeddings touch only the
 rope dims, in DeepSeek's interleaved layout. With YaRN the softmax scale grows by mscale(factor,
-mscale_all_dim)^2. SDPA's fused kernels need one head size for q, k and v, so the smaller side is zero-padded
-(zeros change neither q.k nor the output columns kept).
+mscale_all_dim)^2. Where the device's attention kernel needs one head size for q, k and v (the kernel table's
+`mla_value`: the CPU's flash kernel), the smaller side is zero-padded (zeros change neither q.k nor the output
+columns kept); on CUDA, cuDNN, the memory-efficient kernel and FlexAttention take v with its own head size.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_train.config.schema import ModelConfig
+from moe_train.kernels import kernels_for
 from moe_train.models.attention import CoreAttention
 from moe_train.models.linear import Linear
 from moe_train.models.norm import RMSNorm
@@ -78,7 +80,7 @@ class MLA(nn.Module):
         q = torch.cat((q_nope, q_rot), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
 
-        pad = q.shape[-1] - self.v_dim
+        pad = q.shape[-1] - self.v_dim if kernels_for(q.device.type).mla_value == "padded" else 0
         if pad > 0:
             v = F.pad(v, (0, pad))
         elif pad < 0:

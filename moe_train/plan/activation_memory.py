@@ -6,9 +6,10 @@ policy (no torch): the saved items of plan/saved_tensors.py, less what selective
 from __future__ import annotations
 
 from moe_train.config.schema import ModelConfig
+from moe_train.kernels import kernels_for
 
 from .recompute_policy import RecomputePolicy, recompute_groups
-from .saved_tensors import FP32, ActivationLayout, Saved, layer_items, norm_items
+from .saved_tensors import FP32, INT32, INT64, ActivationLayout, Saved, layer_items, norm_items
 from .selective_recompute import apply_selective
 
 
@@ -126,6 +127,28 @@ def mtp_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, policy: Recomp
 
 
 def other_activation_bytes(cfg: ModelConfig, lay: ActivationLayout) -> float:
-    """Storages shared by every layer of one forward: the rotary tables (fp32 cos and sin)."""
+    """Storages shared by every layer of one forward: the rotary tables (fp32 cos and sin; in a bf16 run each
+    layer keeps its own cast instead, `saved_tensors._rope_casts`) and, with packed documents
+    (data.reset_at_eod), the attention mask (`document_mask_bytes`)."""
     rope_dim = cfg.qk_rope_head_dim if cfg.family == "deepseek_v3" else cfg.attention_head_dim
-    return 2 * FP32 * lay.position_batch * (lay.seq_length / lay.cp) * rope_dim / 2
+    tables = 2 * FP32 * lay.position_batch * (lay.seq_length / lay.cp) * rope_dim / 2 if lay.act_bytes == FP32 else 0
+    return tables + document_mask_bytes(lay)
+
+
+# FlexAttention's block size (torch.nn.attention.flex_attention._DEFAULT_SPARSE_BLOCK_SIZE)
+FLEX_BLOCK = 128
+
+
+def document_mask_bytes(lay: ActivationLayout) -> float:
+    """The document mask one forward builds and every layer's attention keeps (models/attention.py), in the
+    form of the device's kernel (moe_train/kernels.py `documents`): the CPU's additive fp32 mask [b, 1, s, s];
+    CUDA's FlexAttention block mask: per row of blocks the counts and per pair of blocks the indices of the
+    partial and the full blocks, both ways (int32), and the [b, s] int64 document ids its mask function reads.
+    Without packed documents attention is causal and keeps no mask."""
+    if not lay.documents:
+        return 0.0
+    seq = lay.seq_length / lay.cp
+    if kernels_for(lay.device).documents == "sdpa_additive_mask":
+        return FP32 * lay.micro_batch * seq * seq
+    blocks = -(-seq // FLEX_BLOCK)
+    return lay.micro_batch * (4 * INT32 * (blocks + blocks * blocks) + INT64 * seq)

@@ -52,7 +52,7 @@ from moe_train.config.schema import ModelConfig, Recipe
 from .assumptions import Assumptions
 from .params import RankParams, fsdp_rows
 from .rank_layout import Chunk, PlanLayout, crosses_network, ranks_within_domain
-from .recompute_policy import recompute_groups, saves_after_shared_experts
+from .recompute_policy import recompute_groups, saves_after_combine
 from .saved_tensors import ActivationLayout
 
 INT64, FP32 = 8, 4
@@ -296,12 +296,9 @@ class _ModelComm:
         """What a recomputation that ends with this layer does not re-run (everything after its last save)."""
         if not moe:
             return self._exit("forward")
-        out = []
-        shared, saves_after = self.m.moe.shared_expert_ffn_hidden_size, saves_after_shared_experts(self.m)
-        if not shared and not saves_after and self.m.moe.dispatcher == "allgather":
+        out = []  # the shared experts ran before the dispatch: their collectives are recomputed with them
+        if not saves_after_combine(self.m) and self.m.moe.dispatcher == "allgather":
             out += [c for c in self._dispatch("forward") if c[1] == "reduce_scatter"]  # the combine's
-        if shared and not saves_after:
-            out += self._exit("forward", sp=True, rows=self.tm * self.tp)
         if self.tp > 1 and not self.sp:
             out.append(("tp", "all_gather", self.a * self.tm * self.h))
         return out

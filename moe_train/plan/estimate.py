@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from moe_train.config.hardware import Hardware
 from moe_train.config.schema import ModelConfig, Recipe
+from moe_train.kernels import kernels_for
 
 from .activation_memory import (
     chunk_activation_bytes,
@@ -25,7 +26,7 @@ from .comm_bytes import CommBytes, comm_time
 from .flop_count import forward_flops_per_token, layer_flops_by_region
 from .params import RankParams, rank_params
 from .rank_layout import Chunk, PlanLayout, in_flight, rank_chunks
-from .recompute_policy import RecomputePolicy, recompute_groups, saves_after_shared_experts
+from .recompute_policy import RecomputePolicy, recompute_groups
 from .saved_tensors import ActivationLayout, expert_rows
 
 PARAM_BYTES = {"bf16": 2, "fp8": 2, "fp32": 4}  # fp8 keeps bf16 weights; the GEMMs quantise on the fly
@@ -103,6 +104,7 @@ def _activation_layout(recipe: Recipe, layout: PlanLayout, a: Assumptions) -> Ac
         sequence_parallel=layout.sequence_parallel, cp=layout.cp, ep=layout.ep, etp=layout.etp,
         moe_imbalance=a.moe_imbalance, position_batch=layout.micro_batch if recipe.data.reset_at_eod else 1,
         loss_chunk_tokens=layout.loss_chunk_tokens,
+        documents=recipe.data.reset_at_eod, device=layout.device,
     )
 
 
@@ -114,7 +116,7 @@ def _layer_flops(m: ModelConfig, layout: PlanLayout, moe_layer: bool, a: Assumpt
     """Forward FLOPs per token of the micro-batch that this rank runs for one layer, by region: sharded work
     divides by tp, MLA's replicated down projections only under SP (they run on the sequence region), routed
     experts scale by the stated imbalance."""
-    regions = dict(_regions_of(m, moe_layer, layout.seq_length))
+    regions = dict(_regions_of(m, moe_layer, layout.seq_length, layout.device))
     tp = layout.tp
     out = {"attention": (regions["attention"] - regions.get("mla_down_proj", 0.0)) / tp,
            "mla_down_proj": regions.get("mla_down_proj", 0.0) / (tp if layout.sequence_parallel else 1),
@@ -129,9 +131,10 @@ def _layer_flops(m: ModelConfig, layout: PlanLayout, moe_layer: bool, a: Assumpt
     return out
 
 
-def _regions_of(m: ModelConfig, moe_layer: bool, seq: int) -> dict[str, float]:
+def _regions_of(m: ModelConfig, moe_layer: bool, seq: int, device: str) -> dict[str, float]:
     index = m.num_layers if moe_layer else 0  # an index past first_k_dense is MoE where the model has MoE
-    return layer_flops_by_region(m, layer=index, seq_length=seq, executed=True)
+    return layer_flops_by_region(m, layer=index, seq_length=seq, executed=True,
+                                 mla_value_padded=kernels_for(device).mla_value == "padded")
 
 
 def _selective_recompute(m: ModelConfig, flops: dict[str, float], modules: set[str], moe_layer: bool) -> dict:
@@ -149,7 +152,7 @@ def _selective_recompute(m: ModelConfig, flops: dict[str, float], modules: set[s
     shared = flops.get("shared_experts", 0.0)
     if "moe" in modules:
         out["router"], out["experts"] = flops["router"], flops["experts"]
-        out["shared_experts"] = shared if saves_after_shared_experts(m) else shared * 2 / 3
+        out["shared_experts"] = shared  # they run before the dispatch: the routed experts save after them
     elif "shared_experts" in modules:
         out["shared_experts"] = shared * 2 / 3
     return out
@@ -159,9 +162,7 @@ def _group_tail(m: ModelConfig, flops: dict[str, float], moe_layer: bool) -> dic
     """What a recomputation ending with this layer does not re-run: everything after the last saved tensor."""
     if not moe_layer:
         return {"mlp": flops["mlp"] / 3}
-    if flops.get("shared_experts") and not saves_after_shared_experts(m):
-        return {"shared_experts": flops["shared_experts"] / 3}
-    return {}
+    return {}  # the combine saves last (the shared experts ran before the dispatch): no GEMM after it
 
 
 def _rank_flops(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk], a: Assumptions) -> tuple[dict, dict]:

@@ -56,25 +56,27 @@ def training_flops_per_token(cfg: ModelConfig, *, seq_length: int) -> float:
     return 3.0 * forward_flops_per_token(cfg, seq_length=seq_length)
 
 
-def layer_flops_by_region(cfg: ModelConfig, *, layer: int, seq_length: int, executed: bool = False) -> dict[str, float]:
+def layer_flops_by_region(cfg: ModelConfig, *, layer: int, seq_length: int, executed: bool = False,
+                          mla_value_padded: bool = True) -> dict[str, float]:
     """Forward FLOPs per token of one decoder layer, by the region a recompute policy names.
 
     Regions: `attention` (projections), `core_attn` (QK^T and AV), `mla_up_proj` and `mla_down_proj` (the parts
     of `attention` that MLA's up and down projections are; the down projections are replicated over tp), `mlp`
     (dense), `router`, `experts` (top_k routed), `shared_experts`. `executed` counts what runs rather than model
-    FLOPs: MLA's SDPA runs q, k, v zero-padded to one head width.
+    FLOPs: MLA's SDPA runs q, k, v zero-padded to one head width where the device's kernel needs one
+    (`mla_value_padded`: the kernel table's `mla_value`, moe_train/kernels.py).
     """
-    return dict(_regions(cfg, cfg.is_moe_layer(layer), seq_length, executed))
+    return dict(_regions(cfg, cfg.is_moe_layer(layer), seq_length, executed and mla_value_padded))
 
 
 @functools.lru_cache(maxsize=1024)
-def _regions(cfg: ModelConfig, moe_layer: bool, seq_length: int, executed: bool) -> tuple[tuple[str, float], ...]:
+def _regions(cfg: ModelConfig, moe_layer: bool, seq_length: int, padded: bool) -> tuple[tuple[str, float], ...]:
     """Layers of one kind have the same FLOPs: computed once per kind."""
     h, heads = cfg.hidden_size, cfg.num_attention_heads
     out = {"attention": 2.0 * attention_matrices(cfg)}
     if cfg.family == "deepseek_v3":
         qk_dim, v_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-        if executed:
+        if padded:
             qk_dim = v_dim = max(qk_dim, v_dim)
         q_up = (cfg.q_lora_rank or 0) * heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         kv_up = cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)

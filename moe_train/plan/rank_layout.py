@@ -35,6 +35,7 @@ class PlanLayout(MeshShape):
     pp_layout: str | None
     experts_apart: bool  # routed experts an FSDP2 unit of their own (`ParallelConfig.experts_apart`)
     loss_chunk_tokens: int  # tokens per chunk of the head + loss (config/loss_chunks.py); 0: unchunked
+    device: str = "cpu"  # launch.device: the kernel table's row (moe_train/kernels.py) the ranks run
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> PlanLayout:
@@ -45,6 +46,7 @@ class PlanLayout(MeshShape):
             micro_batch=t.micro_batch_size, global_batch=t.global_batch_size, seq_length=t.seq_length,
             pp_schedule=p.pp_schedule, pp_layout=p.pp_layout, experts_apart=p.experts_apart,
             loss_chunk_tokens=recipe_loss_chunk_tokens(recipe),
+            device=recipe.launch.device,
         )
 
     @property

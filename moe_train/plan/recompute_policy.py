@@ -3,8 +3,10 @@ in backward (parallel/recompute.py), for the memory, FLOPs and collectives the p
 
 Non-reentrant checkpointing re-runs a region's forward until the last tensor the region saved for backward is
 back, then stops (early stop): whatever runs after that last save is not repeated. In a dense MLP that is the
-down projection and the collective after it; in a MoE layer the shared expert's down projection (when nothing
-saves after it) and, without sequence parallelism, the gather of the layer's token slices.
+down projection and the collective after it; in a MoE layer (whose shared experts run before the dispatch, so
+the routed experts and the combine save after them) the all-gather dispatcher's closing reduce-scatter (when no
+balancing loss saves after the combine) and, without sequence parallelism, the gather of the layer's token
+slices.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ class RecomputePolicy:
         return cls(granularity=rc.granularity, modules=modules, method=rc.method, num_layers=rc.num_layers)
 
 
-def saves_after_shared_experts(m: ModelConfig) -> bool:
-    """Whether a MoE layer's balancing losses save tensors after its shared expert (seq_aux_loss, z-loss): then a
-    recomputation of the layer runs to its end, the shared expert's down projection included."""
+def saves_after_combine(m: ModelConfig) -> bool:
+    """Whether a MoE layer's balancing losses save tensors after the routed experts' combine (seq_aux_loss,
+    z-loss): then a recomputation of the layer runs to its end, the combine's collective included."""
     router = m.moe.router
     return (router.load_balancing == "seq_aux_loss" and router.aux_loss_coeff > 0) or router.z_loss_coeff > 0
 

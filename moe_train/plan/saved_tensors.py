@@ -10,8 +10,10 @@ parameters excluded). What the code saves, and so what is listed:
   shared expert); the router keeps an fp32 copy instead (its math runs in fp32), which in an fp32 run is the
   norm's output itself.
 - SDPA (flash-style on CPU and GPU) keeps q, k, v, its output and the fp32 logsumexp: never an s x s matrix.
-  GQA keeps k and v with their own head count. MLA zero-pads v (or q and k) to one head width for the fused
-  kernel, so its q, k, v and output are all max(qk, v) wide; o_proj then keeps a contiguous copy of the output.
+  GQA keeps k and v with their own head count. Where the device's fused kernel needs one head width (the
+  kernel table's `mla_value`: the CPU), MLA zero-pads v (or q and k) to it, so its q, k, v and output are all
+  max(qk, v) wide; elsewhere q and k are qk wide, v and the output v wide. o_proj then keeps a contiguous copy
+  of the output.
 - SwiGLU keeps gate, up, silu(gate) and their product (the down projection's input).
 - MoE: the router keeps fp32 scores [T, E], the top-k indices, the normalised top-k weights and their sum;
   the dispatch keeps the permutation; the grouped experts keep their input rows, the gate/up output (one
@@ -33,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_train.config.schema import ModelConfig
+from moe_train.kernels import kernels_for
 
 FP32 = 4
 INT64 = 8
@@ -66,6 +69,13 @@ class ActivationLayout:
     moe_imbalance: float = 1.0
     position_batch: int = 1  # rows of position ids: 1 unless documents restart (data.reset_at_eod)
     loss_chunk_tokens: int = 0  # the chunked head + loss (config/loss_chunks.py); 0: unchunked
+    documents: bool = False  # data.reset_at_eod: attention restarts at each document (a mask every layer shares)
+    device: str = "cpu"  # launch.device: the kernel table's row (MLA's value padding, the document mask's form)
+
+    @property
+    def mla_value_padded(self) -> bool:
+        """Whether MLA zero-pads v (or q and k) to one head width: where the device's SDPA kernel needs one."""
+        return kernels_for(self.device).mla_value == "padded"
 
     @property
     def tokens(self) -> float:
@@ -126,12 +136,12 @@ def _attention(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
         items += norm_items("mla_latent", "kv_a_layernorm", ts, kvl, a, fp32_input_width=kvl + (r if a == FP32 else 0))
         items.append(Saved("mla_latent", "kv_b_proj.input", a * ts * kvl))
         items += _rope_casts(cfg, lay, r)
-        width = max(qk, v)
+        qk_width, v_width = (max(qk, v), max(qk, v)) if lay.mla_value_padded else (qk, v)
         items += [
-            Saved("mla_up_proj", "sdpa.q", a * t * heads * width),
-            Saved("mla_up_proj", "sdpa.k", a * t * heads * width),
-            Saved("mla_up_proj", "sdpa.v", a * t * heads * width),
-            Saved("core_attn", "sdpa.out", a * t * heads * width),
+            Saved("mla_up_proj", "sdpa.q", a * t * heads * qk_width),
+            Saved("mla_up_proj", "sdpa.k", a * t * heads * qk_width),
+            Saved("mla_up_proj", "sdpa.v", a * t * heads * v_width),
+            Saved("core_attn", "sdpa.out", a * t * heads * v_width),
             Saved("core_attn", "sdpa.logsumexp", FP32 * t * heads),
             Saved("attention", "o_proj.input", a * t * heads * v),
         ]

@@ -51,7 +51,6 @@ def clip_grad_norm(
     if counted:
         squares = torch.stack([_norm_of([p.grad for p in params]).float() ** 2 for params in counted.values()]).sum()
     if stage_group is not None and dist.get_world_size(stage_group) > 1:
-        squares = squares.to(device)
         dist.all_reduce(squares, group=stage_group)
     elif not by_mesh:
         return squares

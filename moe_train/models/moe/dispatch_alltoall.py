@@ -25,6 +25,7 @@ import torch.distributed as dist
 from moe_train.models.moe.dispatch_collectives import all_to_all_rows
 from moe_train.models.moe.expert_group import ExpertShard
 from moe_train.models.moe.permute import Permutation, permute, unpermute, weighted_sum
+from moe_train.models.moe.router import count_per_expert
 
 
 @dataclass
@@ -69,24 +70,33 @@ class AllToAllDispatcher:
         rank, so a local expert receives the sum over the group's ranks of their pad_to rows. host_counts [E]:
         the rows per expert that topk_indices makes, identical on every rank of the group (no keep, no pad_to).
         """
-        rows, counts, permutation = permute(
-            hidden, topk_indices, num_experts=self.num_experts, keep=keep, pad_to=pad_to
-        )
         shard = self.shard
         if shard.group is None:
+            rows, counts, permutation = permute(
+                hidden, topk_indices, num_experts=self.num_experts, keep=keep, pad_to=pad_to
+            )
             return rows, counts, AllToAllPlan(permutation, [len(rows)], [len(rows)], None)
+        # The rows sent to each expert, counted before permuting, so that the one read of the splits also brings
+        # the number of slots a keep-mask kept, which permute would otherwise read on its own.
+        slots = topk_indices if keep is None else topk_indices.masked_fill(~keep, self.num_experts)
+        kept_per_expert = count_per_expert(slots, self.num_experts + 1)[: self.num_experts]
+        counts = kept_per_expert if pad_to is None else torch.full_like(kept_per_expert, pad_to)
         # received[s, j]: rows source rank s sends for this rank's local expert j.
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=shard.group)
         self.metadata_bytes["all_to_all"] += (shard.size - 1) * self.num_local_experts * counts.element_size()
         received = received.view(shard.size, self.num_local_experts)
-        if host_counts is None:  # both splits in one device-to-host read: the dispatch's only one
-            send_splits, recv_splits = torch.stack(
-                [counts.view(shard.size, self.num_local_experts).sum(dim=1), received.sum(dim=1)]).tolist()
+        if host_counts is None:  # both splits and the kept count in one device-to-host read: the dispatch's only one
+            *splits, kept = torch.cat([counts.view(shard.size, self.num_local_experts).sum(dim=1),
+                                       received.sum(dim=1), kept_per_expert.sum().view(1)]).tolist()
+            send_splits, recv_splits = splits[: shard.size], splits[shard.size:]
         else:
             per_rank = [sum(host_counts[r * self.num_local_experts: (r + 1) * self.num_local_experts])
                         for r in range(shard.size)]
-            send_splits, recv_splits = per_rank, [per_rank[shard.rank]] * shard.size
+            send_splits, recv_splits, kept = per_rank, [per_rank[shard.rank]] * shard.size, sum(host_counts)
+        rows, _, permutation = permute(
+            hidden, topk_indices, num_experts=self.num_experts, keep=keep, pad_to=pad_to, kept=kept
+        )
         arrived = all_to_all_rows(
             rows, send_splits=send_splits, recv_splits=recv_splits, group=shard.group, sent_bytes=self.sent_bytes
         )

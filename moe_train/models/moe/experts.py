@@ -6,41 +6,70 @@ down the middle would hand one rank all the gate rows and the other all the up r
 `<name>[e]`, so expert parallelism shards dim 0 and the initialisation can draw every expert by its own name.
 hf.py converts from and to transformers' per-expert and fused checkpoint layouts.
 
-One grouped GEMM per projection (`models.linear.grouped_mm`) runs all experts at once; where it cannot run
-(dtype, device, strides) a loop of per-expert `models.linear.linear` gives the same result.
+One grouped GEMM per projection (`models.linear.grouped_mm`) runs all experts at once. Where it cannot run
+(`expert_kernel` says why: dtype, device, compute capability, stride alignment) the device's fallback from the
+kernel table (moe_train/kernels.py `experts_fallback`) runs: on CUDA below Hopper a padded batched GEMM, each
+expert's rows scattered into [E, capacity, H] and one `models.linear.batched_mm` per projection, sized from a
+host-known bound on the rows per expert (the capacity) so that nothing is read back; without such a bound
+(dropless routing), and on the CPU, a loop of per-expert `models.linear.linear`, which reads the counts once.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from moe_train.models.linear import expert_offsets, grouped_mm, linear
+from moe_train.kernels import kernels_for
+from moe_train.models.fp8.gemm import Fp8Gemm
+from moe_train.models.linear import batched_mm, expert_offsets, grouped_mm, linear
 
 _GROUPED_MM_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+ExpertKernel = Literal["grouped_mm", "padded_bmm", "loop"]
+
+
+def expert_kernel(dtype: torch.dtype, device: torch.device, *, hidden_size: int,
+                  ffn_hidden_size: int) -> tuple[ExpertKernel, str]:
+    """(the kernel these experts run, why): torch._grouped_mm where it runs, else the device's fallback.
+
+    torch._grouped_mm needs every row stride a multiple of 16 bytes (hidden and the rank's ffn size times the
+    dtype's size: 8 bf16 elements); on the CPU f32/bf16/f16; on CUDA bf16 from the table's compute capability
+    (9.0: Hopper's grouped GEMM).
+    """
+    row = kernels_for(device.type)
+    fallback: ExpertKernel = row.experts_fallback
+    if not hasattr(torch, "_grouped_mm"):
+        return fallback, f"torch {torch.__version__} has no _grouped_mm"
+    for name, size in (("hidden_size", hidden_size), ("the rank's ffn_hidden_size", ffn_hidden_size)):
+        if size * dtype.itemsize % 16:
+            return fallback, (f"{name} {size} x {dtype.itemsize} bytes ({dtype}) is not a multiple of 16 bytes "
+                              f"(torch._grouped_mm's stride alignment)")
+    if torch.compiler.is_compiling() and dtype != torch.bfloat16:
+        return fallback, (f"under torch.compile torch._grouped_mm takes bfloat16, not {dtype} (its fake-tensor "
+                          f"kernel, which compile traces with, rejects other dtypes)")
+    if device.type == "cpu":
+        if dtype not in _GROUPED_MM_CPU_DTYPES:
+            return fallback, f"torch._grouped_mm on the CPU takes float32, bfloat16 or float16, not {dtype}"
+        return "grouped_mm", "torch._grouped_mm (CPU)"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if row.grouped_mm_min_major is not None and major < row.grouped_mm_min_major:
+            return fallback, (f"compute capability {major}.{minor} is below {row.grouped_mm_min_major}.0, where "
+                              f"torch._grouped_mm runs")
+        if dtype != torch.bfloat16:
+            return fallback, f"torch._grouped_mm on CUDA takes bfloat16, not {dtype}"
+        return "grouped_mm", f"torch._grouped_mm (compute capability {major}.{minor})"
+    return fallback, f"no grouped GEMM on {device.type}"
+
 
 def grouped_mm_supported(dtype: torch.dtype, device: torch.device, *, hidden_size: int, ffn_hidden_size: int) -> bool:
-    """Whether torch._grouped_mm runs for these experts.
-
-    CPU: f32/bf16/f16 with every row stride a multiple of 16 bytes. CUDA: bf16 on compute capability >= 9.0
-    (Hopper's grouped GEMM), with the same alignment. Under torch.compile (train.compile) bf16 only: the
-    fake-tensor kernel compile traces it with rejects other dtypes, whatever the device's kernel takes.
-    """
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    if torch.compiler.is_compiling() and dtype != torch.bfloat16:
-        return False
-    itemsize = dtype.itemsize
-    if (hidden_size * itemsize) % 16 or (ffn_hidden_size * itemsize) % 16:
-        return False
-    if device.type == "cpu":
-        return dtype in _GROUPED_MM_CPU_DTYPES
-    if device.type == "cuda":
-        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 9
-    return False
+    """Whether torch._grouped_mm runs for these experts (`expert_kernel`'s first answer)."""
+    kernel, _ = expert_kernel(dtype, device, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
+    return kernel == "grouped_mm"
 
 
 class GroupedExperts(nn.Module):
@@ -58,21 +87,24 @@ class GroupedExperts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.use_grouped_mm = True
+        self.fp8: Fp8Gemm | None = None  # set by models/fp8/select.py when the routed experts run in fp8
 
-    def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, *,
+                capacity: int | None = None) -> torch.Tensor:
         """rows [N, H] (expert e's rows contiguous, in expert order), tokens_per_expert [E] -> [N, H].
 
+        `capacity`: a host-known bound on every expert's rows (the layer's expert capacity, where it bounds what
+        this rank's experts receive), which lets the padded batched GEMM run without reading the counts.
         N may be 0 (an expert-parallel rank that received no tokens): the loop then gives every weight a zero
         gradient, which _grouped_mm's backward cannot (it rejects the empty strides), so the ranks' gradient
         reductions still line up.
         """
         local_ffn = self.local_weights()[0].shape[1]  # the FFN dimension this rank holds (I / etp)
-        if (
-            self.use_grouped_mm
-            and rows.shape[0] > 0
-            and grouped_mm_supported(rows.dtype, rows.device, hidden_size=self.hidden_size, ffn_hidden_size=local_ffn)
-        ):
+        kernel, _ = expert_kernel(rows.dtype, rows.device, hidden_size=self.hidden_size, ffn_hidden_size=local_ffn)
+        if kernel == "grouped_mm" and self.use_grouped_mm and rows.shape[0] > 0:
             return self._grouped(rows, tokens_per_expert)
+        if kernel == "padded_bmm" and self.use_grouped_mm and capacity is not None and self.fp8 is None:
+            return self._padded(rows, tokens_per_expert, capacity)
         return self._loop(rows, tokens_per_expert)
 
     def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -88,12 +120,30 @@ class GroupedExperts(nn.Module):
     def _grouped(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         gate_proj, up_proj, down_proj = self.local_weights()
         offsets = expert_offsets(tokens_per_expert)
-        gate = grouped_mm(rows, gate_proj, offsets)
-        up = grouped_mm(rows, up_proj, offsets)
-        out = grouped_mm(self.activation(gate, up), down_proj, offsets)
+        gate = grouped_mm(rows, gate_proj, offsets, fp8=self.fp8)
+        up = grouped_mm(rows, up_proj, offsets, fp8=self.fp8)
+        out = grouped_mm(self.activation(gate, up), down_proj, offsets, fp8=self.fp8)
         if out.requires_grad:  # its backward rejects stride-0 gradients, which an out.sum() downstream gives
             out.register_hook(torch.Tensor.contiguous)
         return out
+
+    def _padded(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, capacity: int) -> torch.Tensor:
+        """Each expert's rows scattered into its block of [E, capacity, H] (zeros after them), three batched GEMMs,
+        and the real rows gathered back. Sized by the host's `capacity`, so nothing is read from the device; the
+        zero rows add nothing to any gradient. A row past its expert's capacity is sent out of range, so the
+        index_copy raises (a device-side assert on CUDA) rather than overwrite the next expert's block."""
+        gate_proj, up_proj, down_proj = self.local_weights()
+        experts, total = gate_proj.shape[0], rows.shape[0]
+        starts = torch.cumsum(tokens_per_expert, 0) - tokens_per_expert
+        expert = torch.repeat_interleave(torch.arange(experts, device=rows.device), tokens_per_expert,
+                                         output_size=total)
+        rank = torch.arange(total, device=rows.device) - starts[expert]
+        slot = torch.where(rank < capacity, expert * capacity + rank, experts * capacity)
+        padded = rows.new_zeros(experts * capacity, rows.shape[1]).index_copy(0, slot, rows)
+        padded = padded.view(experts, capacity, rows.shape[1])
+        hidden = self.activation(batched_mm(padded, gate_proj), batched_mm(padded, up_proj))
+        out = batched_mm(hidden, down_proj)
+        return out.reshape(experts * capacity, -1).index_select(0, slot)
 
     @torch.compiler.disable  # compiled, each expert's data-dependent rows would be a graph break of its own
     def _loop(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -103,5 +153,6 @@ class GroupedExperts(nn.Module):
         chunks = torch.split(rows, tokens_per_expert.tolist())
         weights = zip(*(w.unbind(0) for w in self.local_weights()), strict=True)
         for chunk, (gate_proj, up_proj, down_proj) in zip(chunks, weights, strict=True):
-            outputs.append(linear(self.activation(linear(chunk, gate_proj), linear(chunk, up_proj)), down_proj))
+            gate, up = linear(chunk, gate_proj, fp8=self.fp8), linear(chunk, up_proj, fp8=self.fp8)
+            outputs.append(linear(self.activation(gate, up), down_proj, fp8=self.fp8))
         return torch.cat(outputs)

@@ -1,4 +1,5 @@
-"""The MoE layer: router -> (capacity) -> dispatch -> grouped experts -> combine, plus shared experts.
+"""The MoE layer: router -> (capacity) -> dispatch -> grouped experts -> combine, plus shared experts (started
+before the dispatch; on CUDA on a side stream, so they run while the all-to-all waits on the network).
 
 forward(hidden [b, s, h]) -> [b, s, h], and nothing else leaves the forward but through two channels that
 cannot be overwritten by a later forward:
@@ -20,6 +21,7 @@ Token sets of the balancing losses (`router.load_balancing`, docs/interfaces.md)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +45,12 @@ from moe_train.models.moe.experts import GroupedExperts
 from moe_train.models.moe.router import Router, count_per_expert, even_counts
 
 SWITCH_LOSSES = ("aux_loss", "global_aux_loss", "all_layers_aux_loss")
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream the shared experts run on, one per device (created on first use)."""
+    return torch.cuda.Stream(device=device)
 
 
 def router_entropy(scores: torch.Tensor) -> torch.Tensor:
@@ -133,14 +141,18 @@ class MoELayer(nn.Module):
         # Forced even routing (measure): every rank's counts follow from the shapes, no device read needed.
         even = self.router.even_routing and keep is None
         known = even_counts(tokens, top_k, self.moe.num_experts) if even else None
+        shared = self._start_shared_experts(x)  # before the dispatch: on CUDA it overlaps the all-to-all
         rows, rows_per_expert, plan = self.dispatcher.dispatch(
             x, routing.topk_indices, keep=keep, pad_to=capacity if self.moe.pad_to_capacity else None,
             host_counts=known,
         )
-        out = self.experts(rows, rows_per_expert)
+        # The capacity bounds each expert's rows where this rank holds every expert (no expert parallelism: the
+        # rows come from its own tokens alone), so the padded batched GEMM can size itself without a read.
+        bound = capacity if self.dispatcher.num_local_experts == self.moe.num_experts else None
+        out = self.experts(rows, rows_per_expert, capacity=bound)
         out = self.dispatcher.combine(out, routing.topk_weights, plan).to(hidden.dtype)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+        if shared is not None:
+            out = out + self._finish_shared_experts(shared)
 
         counts = count_per_expert(routing.topk_indices, self.moe.num_experts)
         recomputing = in_recomputation()
@@ -153,6 +165,45 @@ class MoELayer(nn.Module):
                     self.dropped_assignments += keep.numel() - keep.sum()
         out = self._attach_balancing_losses(out, routing, counts, batch, seq, records, recomputing)
         return out.view(batch, seq, hidden_size)
+
+    def _overlaps_shared_experts(self, x: torch.Tensor) -> bool:
+        """Whether the shared experts run on a side stream: on CUDA, when the dispatch communicates (there is an
+        all-to-all to hide them behind) and they hold no collective of their own (no token group: tensor,
+        sequence or context parallelism would put an all-reduce or gather on the side stream, whose order
+        against the dispatch's collectives would then be the streams' rather than the program's)."""
+        return (x.device.type == "cuda" and self.token_group is None
+                and self.dispatcher.num_local_experts < self.moe.num_experts)
+
+    def _start_shared_experts(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared experts' output, started before the routed experts' dispatch. On a side CUDA stream (see
+        `_overlaps_shared_experts`) it runs while the main stream waits on the all-to-all: the side stream first
+        waits for x (an event recorded on the main stream), and x is marked as used there (record_stream), so the
+        allocator does not hand its memory out before the side stream is done with it. Autograd runs each
+        backward op on its forward's stream, so their backward overlaps too. Elsewhere: the same order of ops,
+        on the one stream."""
+        if self.shared_experts is None:
+            return None
+        if not self._overlaps_shared_experts(x):
+            return self.shared_experts(x)
+        main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+        ready = torch.cuda.Event()
+        ready.record(main)
+        side.wait_event(ready)
+        with torch.cuda.stream(side):
+            x.record_stream(side)
+            return self.shared_experts(x)
+
+    def _finish_shared_experts(self, shared: torch.Tensor) -> torch.Tensor:
+        """`shared` made usable on the current stream: the main stream waits for the side stream's work (an event)
+        and the output, allocated on the side stream, is marked as used on the main one."""
+        if shared.device.type != "cuda" or not self._overlaps_shared_experts(shared):
+            return shared
+        main = torch.cuda.current_stream(shared.device)
+        done = torch.cuda.Event()
+        done.record(_side_stream(shared.device))
+        main.wait_event(done)
+        shared.record_stream(main)
+        return shared
 
     def _attach_balancing_losses(self, out, routing, counts, batch, seq, records, recomputing) -> torch.Tensor:
         """Each loss over its token set. With a `token_group` (sequence parallelism) the set spans equal shards
