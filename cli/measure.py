@@ -112,6 +112,9 @@ def report_table(recipe: Recipe, report: dict) -> Table:
         table.add_row(f"comm {key}", _bytes(value), f"{report['comm_calls'][key]} call(s), payload sent")
     if not report["comm_bytes"]:
         table.add_row("comm", "0", "no collective over more than one rank")
+    for key, value in report["fp8_gemms"].items():
+        table.add_row(f"fp8 GEMMs {key}", f"{value:,}", "emulated: quantised, dequantised, bf16 GEMM"
+                      if key.endswith("/emulated") else "torch._scaled_mm")
     return table
 
 

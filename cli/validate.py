@@ -58,7 +58,9 @@ def summary_table(recipe: Recipe) -> Table:
         f"{tokens:,} tokens per step = {t.global_batch_size} x {t.seq_length}; "
         f"{micro_batches} micro-batch(es) of {t.micro_batch_size} per rank",
     )
-    table.add_row("training", f"{t.steps:,} steps, {t.precision}, lr {t.lr:g} ({t.lr_schedule})")
+    precision = (f"fp8 {t.fp8.recipe} ({t.fp8.backend}: {', '.join(t.fp8.modules)})" if t.precision == "fp8"
+                 else t.precision)
+    table.add_row("training", f"{t.steps:,} steps, {precision}, lr {t.lr:g} ({t.lr_schedule})")
     table.add_row("run dir", recipe.resolved_run_dir())
     missing = unsupported(recipe)
     table.add_row(

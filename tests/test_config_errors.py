@@ -170,7 +170,17 @@ RULES = [
     ("qwen3-tiny", ["parallel.pp=2", "launch.gpus_per_node=2", "parallel.pp_layout=Et*4|x"], "unexpected 'x'"),
     ("deepseek-v3-tiny", ["parallel.pp=2", "launch.gpus_per_node=2", "parallel.pp_layout=Et*4|t*4L"], "MTP modules"),
     ("qwen3-tiny", ["parallel.vpp=2", "parallel.pp=2", "launch.gpus_per_node=2"], "parallel.pp_schedule: vpp 2"),
-    ("qwen3-tiny", ["train.precision=fp8"], "train.precision: fp8 needs launch.device: cuda"),
+    (  # fp8 on CUDA: a 40-wide MLA down projection of the tiny proxy (32 + 8) breaks the 16-multiples of fp8 GEMMs
+        "deepseek-v3-tiny", ["train.precision=fp8", "launch.device=cuda", "launch.gpu=h100"],
+        "train.fp8.modules: attention: kv_a_proj_with_mqa is 40 x 128 on a rank, and CUDA fp8 GEMMs need every "
+        "dimension a multiple of 16 (recipe deepseek-v3-tiny)",
+    ),
+    ("qwen3-moe-tiny", ["train.precision=fp8", "train.fp8.recipe=rowwise", "train.fp8.fp8_all_gather=true"],
+     "train.fp8.fp8_all_gather: torchao gathers fp8 weights for recipe tensorwise only, not rowwise"),
+    ("qwen3-moe-tiny", ["train.precision=fp8", "train.fp8.recipe=mxfp8", "launch.device=cuda", "launch.gpu=h100"],
+     "train.fp8.recipe: mxfp8 needs compute capability 10.0 (Blackwell, sm100); NVIDIA H100 80GB SXM is 9.0"),
+    ("qwen3-moe-tiny", ["train.precision=fp8", "train.fp8.backend=te"],
+     "train.fp8.backend: te (transformer-engine) runs on launch.device cuda only"),
     ("qwen3-tiny", ["launch.gpu=h900"], "launch.gpu: unknown 'h900'; allowed: a100-80gb, h100"),
     ("qwen3-tiny", ["launch.device=cuda"], "launch.gpu: name the GPU"),
     ("qwen3-tiny", ["launch.device=cuda", "launch.gpu=gb200", "launch.gpus_per_node=8", "parallel.dp=8"], "4 GPUs"),

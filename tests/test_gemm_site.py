@@ -24,6 +24,7 @@ from moe_train.models.moe.experts import GroupedExperts, grouped_mm_supported
 
 PACKAGE = Path(moe_train.__file__).parent
 SITE = PACKAGE / "models" / "linear.py"
+FP8_PRODUCTS = PACKAGE / "models" / "fp8" / "gemm.py"  # the site's fp8 half: only linear.py's functions call it
 PRODUCTS = {"matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "einsum", "_grouped_mm", "tensordot"}
 
 
@@ -52,14 +53,31 @@ def _bypasses(path: Path) -> list[str]:
 
 def test_no_module_of_models_or_parallel_multiplies_matrices_outside_the_site():
     offenders = [hit for folder in ("models", "parallel") for path in sorted((PACKAGE / folder).rglob("*.py"))
-                 if path != SITE for hit in _bypasses(path)]
+                 if path not in (SITE, FP8_PRODUCTS) for hit in _bypasses(path)]
     assert offenders == []
     # The rule sees what it must: the site itself is full of products.
     assert {hit.split()[-1] for hit in _bypasses(SITE)} >= {"F.linear", "matmul", "_grouped_mm"}
+    assert {hit.split()[-1] for hit in _bypasses(FP8_PRODUCTS)} >= {"mm", "_grouped_mm"}
+
+
+def test_only_the_site_calls_the_fp8_products():
+    """models/fp8/gemm.py's GEMMs are reached through linear.py's functions (which take the module's `fp8`), so
+    the site stays one: no other module of models/ or parallel/ names Fp8Gemm's product methods."""
+    methods = {"grouped_mm", "input_grad", "weight_grad", "linear"}
+    callers = []
+    for folder in ("models", "parallel"):
+        for path in sorted((PACKAGE / folder).rglob("*.py")):
+            if path in (SITE, FP8_PRODUCTS):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in methods
+                        and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "fp8"):
+                    callers.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert callers == []
 
 
 GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-         torch.ops.aten.baddbmm.default, torch.ops.aten._grouped_mm.default}
+         torch.ops.aten.baddbmm.default, torch.ops.aten._grouped_mm.default, torch.ops.aten._scaled_mm.default}
 ATTENTION = PACKAGE / "models" / "attention.py"
 
 
@@ -119,3 +137,29 @@ def test_every_forward_gemm_runs_through_the_site(name: str):
     assert gemms.origins.count("site") == expected_gemms(cfg)
     (terms.lm_sum + terms.mtp).backward()  # the site's products are differentiable as before
     assert model.lm_head.weight.grad is not None
+
+
+@pytest.mark.parametrize(("name", "recipe"), [("qwen3-moe-tiny", "tensorwise"), ("deepseek-v3-tiny", "blockwise")])
+def test_fp8_gemms_run_through_the_site(name: str, recipe: str):
+    """With every kind marked for fp8 (the head too), each forward GEMM is still one product from the site: one
+    torch._scaled_mm (real) or one bf16 mm (emulated) per linear, one grouped GEMM per expert projection; only
+    the router (fp32) and MTP's eh_proj stay out of fp8."""
+    from moe_train.config.schema import Fp8Config
+    from moe_train.models.fp8.gemm import count_fp8_gemms
+    from moe_train.models.fp8.select import apply_fp8
+
+    torch.set_num_threads(1)
+    cfg = load_recipe(name).model.model_copy(update={"num_layers": 2})
+    model = build_model(cfg, seed=0).bfloat16()
+    marked = apply_fp8(model, Fp8Config(recipe=recipe, modules=("attention", "mlp", "shared_experts", "experts",
+                                                                "head")))
+    assert marked["head"] == 1 and marked["experts"] == sum(
+        cfg.is_moe_layer(i) for i in range(cfg.num_layers + cfg.mtp_layers))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with GemmOrigins() as gemms, count_fp8_gemms() as tally:
+        model(tokens, labels=tokens)
+    assert "elsewhere" not in gemms.origins
+    assert gemms.origins.count("site") == expected_gemms(cfg)
+    routers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers + cfg.mtp_layers))
+    forward = sum(n for (kind, product, _), n in tally.items() if product == "forward")
+    assert forward == expected_gemms(cfg) - routers - cfg.mtp_layers  # eh_proj: one per MTP depth

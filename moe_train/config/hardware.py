@@ -32,6 +32,8 @@ class Hardware:
     # CPU cores per GPU of the vendor's reference node (DGX, an NVL72 tray): the sbatch default of
     # launch.slurm.cpus_per_gpu. Optional: a cluster's own entry may leave it out.
     cpus_per_gpu: int | None = None
+    # CUDA compute capability (9.0: Hopper), for what a kernel needs (mxfp8: 10.0). Optional like cpus_per_gpu.
+    compute_capability: float | None = None
 
     @property
     def supports_fp8(self) -> bool:
@@ -41,12 +43,13 @@ class Hardware:
 HARDWARE: dict[str, Hardware] = {
     hw.id: hw
     for hw in (
-        Hardware("a100-80gb", "NVIDIA A100 80GB SXM", 80 * GB, 312e12, 0.0, 2.039e12, 300 * GB, 25 * GB, 8, 8, 16),
-        Hardware("h100", "NVIDIA H100 80GB SXM", 80 * GB, 989e12, 1979e12, 3.35e12, 450 * GB, 50 * GB, 8, 8, 14),
-        Hardware("h200", "NVIDIA H200 141GB SXM", 141 * GB, 989e12, 1979e12, 4.8e12, 450 * GB, 50 * GB, 8, 8, 14),
-        Hardware("b200", "NVIDIA B200 180GB", 180 * GB, 2250e12, 4500e12, 8.0e12, 900 * GB, 50 * GB, 8, 8, 14),
-        Hardware("gb200", "NVIDIA GB200 NVL72", 186 * GB, 2500e12, 5000e12, 8.0e12, 900 * GB, 50 * GB, 4, 72, 36),
-        Hardware("gb300", "NVIDIA GB300 NVL72", 288 * GB, 2500e12, 5000e12, 8.0e12, 900 * GB, 100 * GB, 4, 72, 36),
+        Hardware("a100-80gb", "NVIDIA A100 80GB SXM", 80 * GB, 312e12, 0.0, 2.039e12, 300 * GB, 25 * GB, 8, 8, 16, 8.0),
+        Hardware("h100", "NVIDIA H100 80GB SXM", 80 * GB, 989e12, 1979e12, 3.35e12, 450 * GB, 50 * GB, 8, 8, 14, 9.0),
+        Hardware("h200", "NVIDIA H200 141GB SXM", 141 * GB, 989e12, 1979e12, 4.8e12, 450 * GB, 50 * GB, 8, 8, 14, 9.0),
+        Hardware("b200", "NVIDIA B200 180GB", 180 * GB, 2250e12, 4500e12, 8.0e12, 900 * GB, 50 * GB, 8, 8, 14, 10.0),
+        Hardware("gb200", "NVIDIA GB200 NVL72", 186 * GB, 2500e12, 5000e12, 8.0e12, 900 * GB, 50 * GB, 4, 72, 36, 10.0),
+        Hardware("gb300", "NVIDIA GB300 NVL72", 288 * GB, 2500e12, 5000e12, 8.0e12, 900 * GB, 100 * GB, 4, 72, 36,
+                 10.3),
         Hardware("cpu", "CPU (peak measured at start)", 0, 0.0, 0.0, 0.0, 0.0, 0.0, 1024, 1),
     )
 }
@@ -83,7 +86,7 @@ def _entry(path: Path, hw_id: str, spec: object, table: dict[str, Hardware]) -> 
     else:
         values = {"name": hw_id}
     allowed = [f.name for f in fields(Hardware) if f.name != "id"]
-    optional = {"cpus_per_gpu"}
+    optional = {"cpus_per_gpu", "compute_capability"}
     unknown = sorted(str(k) for k in spec if k not in allowed)
     if unknown:
         raise HardwareError(f"{where}: unknown field(s) {', '.join(unknown)}; allowed: extends, {', '.join(allowed)}")

@@ -37,7 +37,7 @@ def _p(dotted: str, message: str) -> Problem:
 
 def check_recipe(recipe: Recipe, *, check_files: bool = True) -> list[Problem]:
     problems: list[Problem] = []
-    for rule in (_name, _model, _moe, _layout, _pipeline, _recompute, _batch, _train, _launch):
+    for rule in (_name, _model, _moe, _layout, _pipeline, _recompute, _batch, _train, _fp8, _launch):
         problems.extend(rule(recipe))
     if check_files:
         problems.extend(_data_files(recipe))
@@ -276,8 +276,64 @@ def _train(r: Recipe) -> list[Problem]:
         out.append(_p("train.min_lr", f"{t.min_lr} exceeds lr {t.lr}"))
     if t.eval_interval is not None and r.data.valid_fraction == 0:
         out.append(_p("train.eval_interval", "evaluation needs held-out data: set data.valid_fraction > 0"))
-    if t.precision == "fp8" and r.launch.device != "cuda":
-        out.append(_p("train.precision", "fp8 needs launch.device: cuda (transformer-engine on Hopper or newer)"))
+    return out
+
+
+FP8_CUDA_MULTIPLE = 16  # cuBLAS/CUTLASS fp8 GEMMs: every dimension of a weight a multiple of 16 bytes of fp8
+
+
+def fp8_gemm_shapes(r: Recipe) -> dict[str, list[tuple[str, int, int]]]:
+    """The weight GEMMs of each `train.fp8.modules` kind as one rank holds them: (module, out, in), its tensor-
+    parallel shard (column-parallel: out / tp, row-parallel: in / tp; routed experts: ffn / etp)."""
+    m, tp, etp = r.model, r.parallel.tp, r.parallel.etp
+    h, heads = m.hidden_size, m.num_attention_heads
+    if m.family == "deepseek_v3":
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q = ([("q_a_proj", m.q_lora_rank, h), ("q_b_proj", heads * qk // tp, m.q_lora_rank)] if m.q_lora_rank
+             else [("q_proj", heads * qk // tp, h)])
+        attention = [*q, ("kv_a_proj_with_mqa", m.kv_lora_rank + m.qk_rope_head_dim, h),
+                     ("kv_b_proj", heads * (m.qk_nope_head_dim + m.v_head_dim) // tp, m.kv_lora_rank),
+                     ("o_proj", h, heads * m.v_head_dim // tp)]
+    else:
+        d = m.attention_head_dim
+        attention = [("q_proj", heads * d // tp, h), ("k_proj", m.kv_heads * d // tp, h),
+                     ("v_proj", m.kv_heads * d // tp, h), ("o_proj", h, heads * d // tp)]
+
+    def swiglu(ffn: int, shards: int) -> list[tuple[str, int, int]]:
+        return [("gate_proj", ffn // shards, h), ("up_proj", ffn // shards, h), ("down_proj", h, ffn // shards)]
+
+    dense = m.moe is None or m.first_k_dense > 0
+    shapes = {"attention": attention, "mlp": swiglu(m.ffn_hidden_size, tp) if dense else [],
+              "head": [("lm_head", m.padded_vocab_size() // tp, h)], "shared_experts": [], "experts": []}
+    if m.moe is not None:
+        if m.moe.shared_expert_ffn_hidden_size:
+            shapes["shared_experts"] = swiglu(m.moe.shared_expert_ffn_hidden_size, tp)
+        shapes["experts"] = swiglu(m.moe.ffn_hidden_size, etp)
+    return shapes
+
+
+def _fp8(r: Recipe) -> list[Problem]:
+    t, out = r.train, []
+    if t.precision != "fp8":
+        return out
+    fp8, cuda = t.fp8, r.launch.device == "cuda"
+    if fp8.fp8_all_gather and fp8.recipe != "tensorwise":
+        out.append(_p("train.fp8.fp8_all_gather", f"torchao gathers fp8 weights for recipe tensorwise only, not "
+                      f"{fp8.recipe}"))
+    if fp8.fp8_all_gather and fp8.backend != "torchao":
+        out.append(_p("train.fp8.fp8_all_gather", "only with backend torchao (FSDP2's fp8 all-gather)"))
+    if fp8.backend == "te" and not cuda:
+        out.append(_p("train.fp8.backend", "te (transformer-engine) runs on launch.device cuda only"))
+    if len(set(fp8.modules)) != len(fp8.modules):
+        out.append(_p("train.fp8.modules", "names a kind twice"))
+    if cuda:
+        for kind in dict.fromkeys(fp8.modules):
+            for module, rows, cols in fp8_gemm_shapes(r)[kind]:
+                if rows % FP8_CUDA_MULTIPLE or cols % FP8_CUDA_MULTIPLE:
+                    out.append(_p("train.fp8.modules", f"{kind}: {module} is {rows} x {cols} on a rank, and CUDA "
+                                  f"fp8 GEMMs need every dimension a multiple of {FP8_CUDA_MULTIPLE} (recipe "
+                                  f"{r.name}); leave {kind} out of train.fp8.modules"))
+                    break
     return out
 
 
@@ -303,6 +359,11 @@ def _launch(r: Recipe) -> list[Problem]:
             )
         if r.train.precision == "fp8" and hardware.id != "cpu" and not hardware.supports_fp8:
             out.append(_p("train.precision", f"{hardware.name} has no fp8 tensor cores"))
+        elif (r.train.precision == "fp8" and r.train.fp8.recipe == "mxfp8" and launch.device == "cuda"
+              and (hardware.compute_capability or 0) < 10):
+            capability = hardware.compute_capability or "unknown"
+            out.append(_p("train.fp8.recipe", f"mxfp8 needs compute capability 10.0 (Blackwell, sm100); "
+                          f"{hardware.name} is {capability}"))
     for name in launch.env:
         if not IDENTIFIER.match(name):
             out.append(_p("launch.env", f"'{name}' is not a valid environment variable name"))

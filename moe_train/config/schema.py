@@ -177,6 +177,23 @@ class ParallelConfig(Section):
 # --------------------------------------------------------------------------------------------------- train
 
 
+FP8_MODULES = ("attention", "mlp", "shared_experts", "experts", "head")
+
+
+class Fp8Config(Section):
+    """train.precision fp8: the scaling recipe, the library and the GEMMs it covers (docs/fp8.md)."""
+
+    recipe: Literal["tensorwise", "rowwise", "blockwise", "mxfp8"] = Field(
+        "tensorwise", description="Scales per tensor, per row, per 1x128/128x128 block (DeepSeek-V3) or per "
+        "32-element MX block (E8M0, sm100).")
+    backend: Literal["torchao", "te"] = Field("torchao", description="torchao's scaling at the engine's GEMM site; "
+                                              "te: transformer-engine (not built yet).")
+    modules: tuple[Literal["attention", "mlp", "shared_experts", "experts", "head"], ...] = Field(
+        ("attention", "mlp", "shared_experts", "experts"), description="The GEMMs in fp8; the head is left out "
+        "by default.")
+    fp8_all_gather: bool = Field(False, description="FSDP2 gathers weights in fp8 (torchao: tensorwise only).")
+
+
 class TrainConfig(Section):
     seq_length: int = Field(ge=1)
     micro_batch_size: int = Field(1, ge=1)
@@ -193,7 +210,12 @@ class TrainConfig(Section):
     adam_beta2: float = Field(0.95, ge=0, lt=1)
     adam_eps: float = Field(1e-8, gt=0)
     grad_clip: float | None = Field(1.0, gt=0, description="null: no clipping.")
-    precision: Literal["fp32", "bf16", "fp8"] = "bf16"
+    precision: Literal["fp32", "bf16", "fp8"] = Field(
+        "bf16", description="fp8: bf16 compute around fp8 GEMMs (train.fp8); master weights stay fp32.")
+    fp8: Fp8Config = Field(default_factory=Fp8Config, description="Read with precision fp8 only.")
+    adam_moment_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="AdamW's two moments stored in bf16 (half their memory; each step computes in fp32, "
+        "Megatron-Core's precision-aware optimizer); master weights stay fp32.")
     seed: int = 1234
     deterministic: bool = Field(
         False, description="Deterministic kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG): "
@@ -215,6 +237,11 @@ class TrainConfig(Section):
     loss_spike_window: int = Field(20, ge=1, description="Applied steps the loss-spike check averages over.")
     on_loss_spike: Literal["skip", "stop"] = Field("skip", description="A rejected spike: skip it or stop.")
     max_skipped_steps: int = Field(10, ge=0, description="Skipped steps (non-finite or spikes) tolerated per run.")
+
+    @property
+    def compute_precision(self) -> Literal["fp32", "bf16"]:
+        """The dtype activations and non-fp8 GEMMs compute in: bf16 around fp8's GEMMs."""
+        return "fp32" if self.precision == "fp32" else "bf16"
 
 
 # ---------------------------------------------------------------------------------------------------- data

@@ -24,6 +24,7 @@ from moe_train.measure.flops import PhaseFlopCounter
 from moe_train.measure.layers import LayerTracker, in_backward
 from moe_train.measure.memory import LiveBytes, grad_bytes, optimizer_bytes, param_bytes
 from moe_train.measure.traffic import CollectiveTraffic
+from moe_train.models.fp8.gemm import count_fp8_gemms
 from moe_train.parallel.bootstrap import bootstrap, shutdown
 from moe_train.parallel.context import ParallelContext
 from moe_train.train.batch import Batch, rank_batch
@@ -166,6 +167,7 @@ def _walk(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
         stack.enter_context(unmeasured_pipeline_warmup(fake=target.fake))
         for context in (local_dtensor_ops(), live, comm, flops, saved):
             stack.enter_context(context)
+        fp8_gemms = stack.enter_context(count_fp8_gemms())
         # The trainer's step without its host-side figures (fake tensors have no values): the all-reduce of the
         # loss sums and MoE telemetry and the expert-bias update it feeds; the update is taken whatever the norm.
         compute_gradients(trainable, batch, recipe=recipe, ctx=ctx)
@@ -193,6 +195,8 @@ def _walk(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
         "activation_bytes_peak": saved.peak,
         "tokens": micro_batches * recipe.train.micro_batch_size * recipe.train.seq_length,
         "comm_calls": dict(sorted(comm.calls.items())),
+        # fp8 GEMMs by "kind/product/mode" (linear|grouped, forward|input_grad|weight_grad, real|emulated)
+        "fp8_gemms": {"/".join(key): count for key, count in sorted(fp8_gemms.items())},
     }
 
 

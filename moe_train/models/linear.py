@@ -7,6 +7,10 @@ the same functions on their local shards, and the sequence-parallel column GEMM'
 `linear_input_grad` / `linear_weight_grad`. So a precision or kernel choice (FP8 with its scales, the chunked
 head + loss: `linear_cross_entropy_sum`) is made in one place, for every layout. No other module of
 models/ or parallel/ calls F.linear, matmul or a grouped GEMM (tests/test_gemm_site.py checks).
+
+FP8 (`train.precision: fp8`): each function takes the `fp8` of the module it serves (`Linear.fp8`,
+`GroupedExperts.fp8`, set by models/fp8/select.py for the GEMMs `train.fp8.modules` names; None: the compute
+dtype's GEMM) and hands the product to models/fp8/gemm.py, the site's fp8 half.
 """
 
 from __future__ import annotations
@@ -18,22 +22,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_train.models.autograd_phase import recomputation
+from moe_train.models.fp8.gemm import Fp8Gemm
 
 IGNORE_INDEX = -100  # a target that counts for nothing (models/loss.py re-exports it)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           fp8: Fp8Gemm | None = None) -> torch.Tensor:
     """x [..., in] @ weight [out, in]^T (+ bias) -> [..., out]."""
+    if fp8 is not None:
+        return fp8.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def linear_input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_input_grad(grad: torch.Tensor, weight: torch.Tensor, *, fp8: Fp8Gemm | None = None) -> torch.Tensor:
     """The gradient of `linear`'s input: grad [..., out] @ weight [out, in] -> [..., in]."""
+    if fp8 is not None:
+        return fp8.input_grad(grad, weight)
     return grad.matmul(weight)
 
 
-def linear_weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def linear_weight_grad(grad: torch.Tensor, x: torch.Tensor, *, fp8: Fp8Gemm | None = None) -> torch.Tensor:
     """The gradient of `linear`'s weight: grad [..., out]^T @ x [..., in] -> [out, in], summed over the rows."""
+    if fp8 is not None:
+        return fp8.weight_grad(grad, x)
     return grad.reshape(-1, grad.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
 
 
@@ -42,10 +54,13 @@ def expert_offsets(tokens_per_expert: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(tokens_per_expert, 0).to(torch.int32)
 
 
-def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *,
+               fp8: Fp8Gemm | None = None) -> torch.Tensor:
     """rows [N, in] sorted by expert (expert e's rows end at offsets[e]) @ weight [E, out, in]^T per expert ->
     [N, out], all experts in one kernel (torch._grouped_mm; `GroupedExperts` falls back to `linear` per
     expert where it cannot run)."""
+    if fp8 is not None:
+        return fp8.grouped_mm(rows, weight, offsets)
     return torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
 
 
@@ -56,10 +71,13 @@ def batched_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and state-dict names) whose product runs through `linear`."""
+    """nn.Linear (same parameters and state-dict names) whose product runs through `linear`; `fp8` (a class
+    default of None, set per module by models/fp8/select.py) is what its GEMMs run in fp8 with."""
+
+    fp8: Fp8Gemm | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, fp8=self.fp8)
 
 
 # ------------------------------------------------------------------------------- the chunked head + loss

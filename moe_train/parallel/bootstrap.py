@@ -59,6 +59,12 @@ def launcher_problems(recipe: Recipe, env: LauncherEnv) -> list[str]:
         out.append(f"the SLURM allocation has {env.slurm_nodes} node(s), the recipe's launch.nodes is {launch.nodes}")
     out += MeshShape.from_recipe(recipe).problems(recipe.world_size)
     out += torch_problems()
+    if recipe.train.precision == "fp8":
+        import torch
+
+        from moe_train.models.fp8.runtime import fp8_problems
+
+        out += fp8_problems(recipe.train.fp8.recipe, torch.device("cpu" if launch.device == "cpu" else "cuda"))
     if launch.device == "cuda":
         import torch
 

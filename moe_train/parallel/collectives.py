@@ -22,10 +22,15 @@ gathered again there, so storing it costs sbh/t instead of sbh.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
 from moe_train.models.linear import linear, linear_input_grad, linear_weight_grad
+
+if TYPE_CHECKING:
+    from moe_train.models.fp8.gemm import Fp8Gemm
 
 Group = dist.ProcessGroup
 
@@ -159,20 +164,21 @@ class _ColumnLinearSavingShard(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, full: torch.Tensor, weight: torch.Tensor, shard: torch.Tensor, dim: int,
-                group: Group) -> torch.Tensor:
+                group: Group, fp8: Fp8Gemm | None) -> torch.Tensor:
         ctx.save_for_backward(shard, weight)
-        ctx.dim, ctx.group = dim, group
-        return linear(full, weight)
+        ctx.dim, ctx.group, ctx.fp8 = dim, group, fp8
+        return linear(full, weight, fp8=fp8)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         shard, weight = ctx.saved_tensors
         full = _all_gather(shard, ctx.dim, ctx.group)
-        grad_input = linear_input_grad(grad, weight)
-        grad_weight = linear_weight_grad(grad, full)
-        return grad_input, grad_weight.to(weight.dtype), None, None, None
+        grad_input = linear_input_grad(grad, weight, fp8=ctx.fp8)
+        grad_weight = linear_weight_grad(grad, full, fp8=ctx.fp8)
+        return grad_input, grad_weight.to(weight.dtype), None, None, None, None
 
 
 def column_linear_saving_shard(full: torch.Tensor, weight: torch.Tensor, shard: torch.Tensor, *, dim: int,
-                               group: Group) -> torch.Tensor:
-    return _ColumnLinearSavingShard.apply(full, weight, shard, dim, group)
+                               group: Group, fp8: Fp8Gemm | None = None) -> torch.Tensor:
+    """`fp8`: the GEMM's fp8 recipe (models/fp8/gemm.py) when its module runs in fp8."""
+    return _ColumnLinearSavingShard.apply(full, weight, shard, dim, group, fp8)

@@ -5,7 +5,8 @@ Every rank holds a shard of every parameter, gathered for a module's forward and
 (unless `parallel.reshard_after_forward` is false, the default under pipeline parallelism: more memory, one
 all-gather less per micro-batch). The
 policy is one at every world size, including 1, so numerics never depend on dp: parameters are kept in fp32
-(the optimizer's master weights), computed in the recipe's precision (bf16 or fp32), and gradients are reduced
+(the optimizer's master weights), computed in the recipe's precision (bf16 or fp32; fp8 computes in bf16 around
+its fp8 GEMMs, models/fp8/), and gradients are reduced
 in fp32. On one process in fp32 that policy is the identity (nothing to gather, cast or reduce), so FSDP2 is
 not applied there: its hooks and buffer copies cost ~10% of the default run's step for bit-identical numbers.
 A bf16 run on one process keeps FSDP2, whose parameter cast is the policy.
@@ -38,7 +39,7 @@ def apply_fsdp(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> None
     """Shard each decoder block (and MTP module) as one unit, its routed experts with it or, where they live on
     other ranks (`parallel.experts_apart`), as their own unit over the expert mesh's edp dimension, and the rest
     (embedding, final norm, head) as the root unit."""
-    compute_dtype = torch.bfloat16 if recipe.train.precision == "bf16" else torch.float32
+    compute_dtype = torch.bfloat16 if recipe.train.compute_precision == "bf16" else torch.float32
     if ctx.world_size == 1 and compute_dtype == torch.float32:
         return
     options = dict(

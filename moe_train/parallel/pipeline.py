@@ -177,7 +177,7 @@ def _stage_io(recipe: Recipe, ctx: ParallelContext, stage: StageContents) -> tup
     """Meta tensors of what a stage receives and sends for one micro-batch."""
     train, m = recipe.train, recipe.model
     seq = train.seq_length // ctx.size("tp") if recipe.parallel.sequence_parallel else train.seq_length
-    dtype = torch.bfloat16 if train.precision == "bf16" else torch.float32
+    dtype = torch.bfloat16 if train.compute_precision == "bf16" else torch.float32
     # Floating-point tensors between stages carry gradients back (the received ones are autograd leaves).
     hidden = torch.empty(train.micro_batch_size, seq, m.hidden_size, dtype=dtype, device="meta", requires_grad=True)
     tokens = torch.empty(train.micro_batch_size, train.seq_length, dtype=torch.int64, device="meta")

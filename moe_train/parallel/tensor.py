@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from moe_train.config import Recipe
+    from moe_train.models.fp8.gemm import Fp8Gemm
     from moe_train.models.model import Transformer
     from moe_train.parallel.context import ParallelContext
 
@@ -91,11 +92,11 @@ class Region:
         setattr(full, SEQUENCE_SHARD, x)  # lives as long as the gathered tensor, on no module
         return full
 
-    def column(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def column(self, x: torch.Tensor, weight: torch.Tensor, fp8: Fp8Gemm | None) -> torch.Tensor:
         shard = getattr(x, SEQUENCE_SHARD, None)
         if shard is not None:
-            return column_linear_saving_shard(x, weight, shard, dim=SEQUENCE_DIM, group=self.group)
-        return linear(x, weight)
+            return column_linear_saving_shard(x, weight, shard, dim=SEQUENCE_DIM, group=self.group, fp8=fp8)
+        return linear(x, weight, fp8=fp8)
 
     def leave_region(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel GEMM's partial sums to the replicated value or this rank's sequence slice of it."""
@@ -115,7 +116,8 @@ class ColumnParallelLinear(Linear):
     enters_region: bool
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp_region.column(self.tp_region.enter(x) if self.enters_region else x, _local(self.weight))
+        return self.tp_region.column(self.tp_region.enter(x) if self.enters_region else x, _local(self.weight),
+                                     self.fp8)
 
 
 class RowParallelLinear(Linear):
@@ -124,7 +126,7 @@ class RowParallelLinear(Linear):
     tp_region: Region
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp_region.leave_region(linear(x, _local(self.weight)))
+        return self.tp_region.leave_region(linear(x, _local(self.weight), fp8=self.fp8))
 
 
 class RegionEntry(nn.Module):

@@ -32,7 +32,7 @@ from .saved_tensors import ActivationLayout, expert_rows
 PARAM_BYTES = {"bf16": 2, "fp8": 2, "fp32": 4}  # fp8 keeps bf16 weights; the GEMMs quantise on the fly
 MASTER_BYTES = 4
 GRAD_BYTES = 4  # fp32 gradients, reduced in fp32
-ADAM_BYTES = 8  # fp32 m and v
+ADAM_BYTES = {"fp32": 8, "bf16": 4}  # m and v, by train.adam_moment_dtype
 
 
 # ------------------------------------------------------------------------------------------------ plan
@@ -225,7 +225,7 @@ def _plan_rank(recipe: Recipe, layout: PlanLayout, assumptions: Assumptions, ran
     memory = {
         "weights": MASTER_BYTES * params.local,
         "grads": GRAD_BYTES * params.local,
-        "optimizer": ADAM_BYTES * params.local,
+        "optimizer": ADAM_BYTES[recipe.train.adam_moment_dtype] * params.local,
         "activations": activations,
         "buffers": _buffer_bytes(model, shapes, layout, assumptions, chunks, params, param_bytes, transient),
     }

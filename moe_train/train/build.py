@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from moe_train.models import build_model
+from moe_train.models.fp8.select import apply_fp8
 from moe_train.models.init import init_weights, materialize
 from moe_train.models.model import Transformer
 from moe_train.parallel import parallelize
@@ -56,6 +57,8 @@ def build_training(recipe: Recipe, ctx: ParallelContext, *, weights: Weights,
     else:
         model = build_model(cfg, device="meta")
     model_keys = frozenset(model.state_dict())
+    if recipe.train.precision == "fp8":
+        apply_fp8(model, recipe.train.fp8)
     if layers is not None:
         keep_layers(model, layers=[i for i in layers if i < cfg.num_layers],
                     mtp=[i - cfg.num_layers for i in layers if i >= cfg.num_layers])

@@ -322,6 +322,10 @@ class Trainer:
                 run_config=recipe.model_dump(mode="json"),
             )
             logger.message(f"data: {self.datasets.description}")
+            if train.precision == "fp8":
+                from moe_train.models.fp8.runtime import fp8_stack
+
+                logger.message(fp8_stack(train.fp8.recipe, self.ctx.device))
             for note in self.start.notes:
                 logger.message(note)
             if self.started_from is not None:
