@@ -304,7 +304,8 @@ def test_executed_flops_add_recompute_and_the_cpus_mla_padding_to_model_flops() 
     # on cuda SDPA takes MLA's v at its own width (the kernel table's mla_value); the CPU's flash kernel pads it
     assert recipe.launch.device == "cuda"
     assert ds["executed_flops_per_step"] - ds["model_flops_per_step"] == pytest.approx(dense_mlp, rel=1e-6)
-    cpu_recipe = load_recipe("deepseek-v3", ["parallel.recompute.modules=[mlp]", "launch.device=cpu", "launch.gpu=cpu"])
+    cpu_recipe = load_recipe("deepseek-v3", ["parallel.recompute.modules=[mlp]", "launch.device=cpu", "launch.gpu=cpu",
+                                             unchunked])
     on_cpu = plan_json(estimate(cpu_recipe, HARDWARE["b200"]))
     assert on_cpu["executed_flops_per_step"] - on_cpu["model_flops_per_step"] == \
         pytest.approx(dense_mlp + padding, rel=1e-6)
@@ -340,7 +341,8 @@ def test_full_recompute_keeps_each_group_input_and_rebuilds_one_group_at_a_time(
     recipe = load_recipe("qwen3-30b-a3b", ["parallel.recompute.granularity=full",
                                            "parallel.recompute.num_layers=4"])
     plan = estimate(recipe, HARDWARE["h100"])
-    lay = ActivationLayout(micro_batch=1, seq_length=4096, act_bytes=2, ep=recipe.parallel.ep)
+    lay = ActivationLayout(micro_batch=1, seq_length=4096, act_bytes=2, ep=recipe.parallel.ep,
+                           loss_chunk_tokens=PlanLayout.from_recipe(recipe).loss_chunk_tokens)
     cfg = recipe.model
     layer_input = 2 * 4096 * cfg.hidden_size
     head = head_activation_bytes(cfg, lay, vocab_parallel=True)
