@@ -34,7 +34,7 @@ def parse_layers(text: str | None) -> tuple[int, ...] | None:
 
 
 def _problems(recipe: Recipe, *, fake: bool, rank: int, nproc: int | None, layers: tuple[int, ...] | None) -> list:
-    from moe_train.measure.targets import layer_problems  # torch-free
+    from moe_train.measure.targets import fake_problems, layer_problems  # torch-free
 
     problems = unsupported(recipe)
     if not 0 <= rank < recipe.world_size:
@@ -43,9 +43,8 @@ def _problems(recipe: Recipe, *, fake: bool, rank: int, nproc: int | None, layer
         problems += layer_problems(recipe, layers, rank)
     if fake and nproc is not None:
         problems.append("--fake and --nproc exclude each other: --fake plays one rank of the recipe's world size")
-    if fake and recipe.model.moe is not None and recipe.model.moe.capacity_factor is not None:
-        problems.append("model.moe.capacity_factor: token dropping under --fake is not supported yet "
-                        "(which tokens drop depends on values fake tensors do not have)")
+    if fake:
+        problems += fake_problems(recipe)
     if not fake and recipe.launch.nodes > 1:
         problems.append(f"launch.nodes: {recipe.launch.nodes} nodes; a real measurement runs on this machine only "
                         "(use --fake, or --nproc N)")

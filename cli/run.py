@@ -32,8 +32,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch_torchrun(recipe: Recipe, run_dir: Path) -> int:
-    """Start every rank with torchrun (this interpreter's), on a free local port; returns its exit code."""
+def _launch_torchrun(recipe: Recipe, run_dir: Path, *, emulated_nodes: bool = False) -> int:
+    """Start every rank with torchrun (this interpreter's), on a free local port; returns its exit code.
+    `emulated_nodes`: all of a several-node CPU recipe's ranks start here (bootstrap emulates its nodes)."""
+    if emulated_nodes:
+        recipe = recipe.model_copy(update={"launch": recipe.launch.model_copy(
+            update={"nodes": 1, "gpus_per_node": recipe.world_size})})
     argv = torchrun_argv(recipe, run_dir, host="127.0.0.1", port=_free_port(), rdzv_id=f"run-{os.getpid()}")
     argv = [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
     env = {**os.environ, **job_environment(recipe)}  # the rendered job's defaults (CUDA, determinism) too
@@ -53,7 +57,8 @@ def run(
             "--nproc",
             min=1,
             help="Ranks on this machine (sets launch.nodes=1, launch.gpus_per_node=N); above 1, torchrun starts "
-            "them. Default: the recipe's launch section.",
+            "them. N equal to the world size of a CPU recipe of several nodes keeps its launch section: its nodes "
+            "are emulated (node = rank // gpus_per_node). Default: the recipe's launch section.",
             show_default=False,
         ),
     ] = None,
@@ -72,11 +77,15 @@ def run(
     # (measured); passive waiting costs nothing measurable. Set before torch is imported; torchrun's ranks inherit it.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     overrides = list(set or [])
+    emulated = False
     if nproc is not None:
-        overrides += ["launch.nodes=1", f"launch.gpus_per_node={nproc}"]
+        launch = load_or_exit(recipe, overrides)
+        emulated = launch.launch.nodes > 1 and launch.launch.device == "cpu" and nproc == launch.world_size
+        if not emulated:
+            overrides += ["launch.nodes=1", f"launch.gpus_per_node={nproc}"]
     resolved = load_or_exit(recipe, overrides)
     problems = unsupported(resolved)
-    if resolved.launch.nodes > 1:
+    if resolved.launch.nodes > 1 and not emulated:
         problems.append(f"launch.nodes: {resolved.launch.nodes} nodes; moe-train run trains on this machine only "
                         "(use moe-train submit, or --nproc N)")
     if problems:
@@ -98,7 +107,7 @@ def run(
     # A notice left by an earlier stop would halt this run at its first step (the SLURM job removes it too).
     (run_dir / PREEMPT_FILE).unlink(missing_ok=True)
     if resolved.world_size > 1:
-        raise typer.Exit(_launch_torchrun(resolved, run_dir))
+        raise typer.Exit(_launch_torchrun(resolved, run_dir, emulated_nodes=emulated))
     from moe_train.train import train_and_report
 
     raise typer.Exit(train_and_report(resolved))

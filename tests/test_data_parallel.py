@@ -186,3 +186,23 @@ def test_expert_parallel_on_four_ranks_equals_single_process(tmp_path: Path) -> 
     qwen = reference(tmp_path, "qwen3-moe-tiny", EP_MOE)
     for key in saved:
         assert_same_run(torch.load(saved[key], weights_only=True), qwen)
+
+
+def test_hierarchical_dispatch_on_two_emulated_nodes_equals_single_process(tmp_path: Path) -> None:
+    """4 gloo ranks as 2 nodes x 2 (launch.nodes 2, node = rank // 2): the ep group spans both nodes, EP4 alone
+    and EP4 under parallel folding with dense TP2 x DP2; the hierarchical dispatcher (each token once per node
+    across nodes, then inside the node) trains the single process's run, and so does the all-to-all dispatcher
+    in the same job."""
+    nodes = ["launch.nodes=2", "model.moe.dispatcher=hierarchical"]
+    cases = [
+        case("ep4-hierarchical", "qwen3-moe-tiny", [*EP_MOE, "parallel.ep=4", *nodes]),
+        case("tp2-dp2-ep4-hierarchical", "qwen3-moe-tiny", [*EP_MOE, "parallel.tp=2", "parallel.ep=4", *nodes]),
+        case("ep4-alltoall-two-nodes", "qwen3-moe-tiny", [*EP_MOE, "parallel.ep=4", "launch.nodes=2"]),
+    ]
+    saved = run_ranks("train_layouts", 4, {"cases": cases, "run_root": str(tmp_path / "nodes")}, tmp_path,
+                      timeout=300)
+    records = {key: torch.load(path, weights_only=True) for key, path in saved.items()}
+    qwen = reference(tmp_path, "qwen3-moe-tiny", EP_MOE)
+    for record in records.values():
+        assert_same_run(record, qwen)
+    assert records["ep4-hierarchical"]["meshes"] == records["ep4-alltoall-two-nodes"]["meshes"]

@@ -112,20 +112,21 @@ def test_flops_of_a_step_equal_the_executed_formula(deepseek_tiny_real):
 def test_activation_bytes_of_a_dense_layer_equal_a_hand_count():
     """One qwen3 layer, fp32, one sequence of T = 128 tokens: h 128, H 8 query heads, K 4 kv heads, d 16,
     f 384. What autograd keeps (parameters and tensors an op needs no gradient from aside):
-    - input_layernorm: its input x, rsqrt r [T,1], x*r [T,h]; q/k/v projections: the norm's output [T,h];
-    - q_norm: q [T,H*d], its rsqrt [T,H], q*r; k_norm: the same over K heads; (the norms' outputs are not kept:
+    - input_layernorm: its input x, rsqrt r [T,1] (x*r is formed again in backward); q/k/v projections: the
+      norm's output [T,h];
+    - q_norm: q [T,H*d], its rsqrt [T,H]; k_norm: the same over K heads; (the norms' outputs are not kept:
       the rotary muls need only cos/sin, shared under `other`); rotated q and k (SDPA's inputs), v [T,K*d];
     - SDPA (flash, CPU): its output [T,H*d] and logsumexp [T,H]; o_proj: the output made contiguous [T,H*d];
-    - post_attention_layernorm: the residual sum, rsqrt, x*r; gate/up: the norm's output;
+    - post_attention_layernorm: the residual sum, rsqrt; gate/up: the norm's output;
     - SwiGLU: gate output g (silu's input), silu(g), up output u, and silu(g)*u (down's input), each [T,f].
     """
     T, h, H, K, d, f = 128, 128, 8, 4, 16, 384
     kept = (
-        6 * T * h  # x, x*r, norm out; residual sum, x*r, norm out
+        4 * T * h  # x, norm out; residual sum, norm out
         + 2 * T  # two rsqrt
-        + 5 * T * H * d  # q, q*r, rotated q, SDPA out, contiguous out
+        + 4 * T * H * d  # q, rotated q, SDPA out, contiguous out
         + 2 * T * H  # q_norm rsqrt, logsumexp
-        + 4 * T * K * d  # k, k*r, rotated k, v
+        + 3 * T * K * d  # k, rotated k, v
         + T * K  # k_norm rsqrt
         + 4 * T * f  # g, silu(g), u, silu(g)*u
     )

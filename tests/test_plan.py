@@ -103,7 +103,7 @@ def test_sequence_parallel_shards_every_token_tensor_of_a_dense_layer() -> None:
         rope = sum(i.bytes for i in layer_items(cfg, base, layer_index=0) if i.name.startswith("rope"))
         assert layer_activation_bytes(cfg, sp, layer_index=0) - rope == pytest.approx((whole - rope) / tp)
         h, tokens = cfg.hidden_size, 4096
-        norm = 4 * tokens * h + 4 * tokens + 2 * tokens * h  # fp32 input, rstd, normalised (two norms)
+        norm = 2 * tokens * h + 4 * tokens  # its bf16 input, fp32 rstd (two norms)
         gemm_inputs = 2 * (2 * tokens * h)  # q/k/v input and MLP input: the norms' outputs
         unsharded = 2 * norm + gemm_inputs
         assert layer_activation_bytes(cfg, no_sp, layer_index=0) - rope == pytest.approx(
@@ -121,11 +121,10 @@ def test_recompute_policies_keep_less() -> None:
         assert kept < none, module
         by_module[module] = kept
     # mla_up_proj drops SDPA's q, k, v and output (each tokens x heads x max(qk, v) in bf16) and its fp32
-    # logsumexp, and keeps the rope key it reads, a view of kv_a_proj's output (tokens x (kv_lora + rope))
+    # logsumexp; the rope key it reads is a view of kv_a_proj's output, which the kv norm keeps already
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     sdpa = 4 * 2 * 4096 * cfg.num_attention_heads * max(qk, cfg.v_head_dim) + 4 * 4096 * cfg.num_attention_heads
-    kv_a = 2 * 4096 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-    assert none - by_module["mla_up_proj"] == sdpa - kv_a
+    assert none - by_module["mla_up_proj"] == sdpa
     # recomputing the whole MoE block keeps its input only: less than recomputing its activation
     assert by_module["moe"] < by_module["moe_act"]
     # the dense MLP recompute does nothing to a MoE layer

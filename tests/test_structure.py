@@ -40,6 +40,7 @@ MODELS_MAY_USE_DISTRIBUTED = frozenset({
     "models/init.py",  # DTensor-aware initialisation: each rank fills its shard of the full tensor
     "models/moe/dispatcher.py",  # the dispatcher extension point that parallelize replaces
     "models/moe/dispatch_alltoall.py",
+    "models/moe/dispatch_hierarchical.py",
     "models/moe/dispatch_allgather.py",
     "models/moe/dispatch_collectives.py",  # the dispatchers' autograd collectives
     "models/moe/expert_group.py",  # the dispatchers' process group and its rank

@@ -148,6 +148,22 @@ class MeshShape:
         return _unravel(rank, self.expert)
 
 
+def dispatch_node_ranks(recipe: Recipe) -> int:
+    """Consecutive ranks that make one "node" for the hierarchical dispatcher: the fast (NVLink) domain of the
+    recipe's GPU (a node of 8 H100s, an NVL72 rack of GB200s); on CPU the emulated node, gpus_per_node ranks."""
+    if recipe.launch.device != "cuda":
+        return recipe.launch.gpus_per_node
+    from moe_train.config.hardware import hardware_table
+
+    return hardware_table()[recipe.launch.gpu].nvlink_domain
+
+
+def ep_split(shape: MeshShape, node_ranks: int) -> tuple[int, int]:
+    """(epnode, eplocal): the nodes an ep group spans and its ranks inside each (ep ranks are etp apart)."""
+    local = max(1, min(shape.ep, node_ranks // shape.etp))
+    return shape.ep // local, local
+
+
 def _unravel(rank: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     coords = []
     for size in reversed(shape):

@@ -141,6 +141,12 @@ def _layout(r: Recipe) -> list[Problem]:
     if dp is not None and dp % p.dp_replicate:
         out.append(_p("parallel.dp_replicate", f"{p.dp_replicate} must divide dp = {dp} (HSDP: dp = dp_replicate "
                       "replicas x shards)"))
+    if p.gathers_per_step and p.reshard_after_forward:
+        out.append(_p("parallel.param_gather", "per_step keeps a step's gathered parameters, which "
+                      "reshard_after_forward true frees after every forward; set it false (or null)"))
+    if p.grad_reduce == "per_microbatch" and p.pp > 1:
+        out.append(_p("parallel.grad_reduce", "per_microbatch needs pp = 1: torch's pipeline schedules reduce "
+                      "gradients once per step, in a stage's last backward"))
     if m.moe is None:
         for field in ("ep", "etp"):
             if getattr(p, field) > 1:
@@ -157,6 +163,9 @@ def _layout(r: Recipe) -> list[Problem]:
                           f"(dp*cp*tp / ep*etp): experts replicate over the same replicas"))
         if m.moe.num_experts % p.ep:
             out.append(_p("parallel.ep", f"{p.ep} must divide model.moe.num_experts {m.moe.num_experts}"))
+        if m.moe.dispatcher == "hierarchical" and m.moe.pad_to_capacity:
+            out.append(_p("model.moe.pad_to_capacity", "is not taken by the hierarchical dispatcher yet (use "
+                          "alltoall or allgather)"))
         if p.etp > 1 and m.moe.dispatcher != "allgather":
             out.append(_p("parallel.etp", f"{p.etp} needs model.moe.dispatcher allgather (it gathers tokens over the "
                           "ep x etp ranks and sums the experts' partial outputs)"))

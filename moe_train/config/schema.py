@@ -68,7 +68,9 @@ class MoEConfig(Section):
     ffn_hidden_size: int = Field(ge=1, description="Hidden size of each routed expert's SwiGLU.")
     shared_expert_ffn_hidden_size: int = Field(0, ge=0, description="0: no shared expert.")
     router: RouterConfig = RouterConfig()
-    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    dispatcher: Literal["alltoall", "allgather", "hierarchical"] = Field(
+        "alltoall", description="hierarchical: node-aware all-to-all, a token crosses the network once per "
+        "destination node and fans out inside it (models/moe/dispatch_hierarchical.py).")
     capacity_factor: float | None = Field(None, gt=0, description="null: dropless.")
     drop_policy: Literal["probs", "position"] = "probs"
     pad_to_capacity: bool = False
@@ -160,9 +162,28 @@ class ParallelConfig(Section):
         "forwards and backwards, so resharding would gather once per micro-batch)."
     )
 
+    param_gather: Literal["per_microbatch", "per_step"] | None = Field(
+        None, description="FSDP2: gather each unit's parameters for every micro-batch (per_microbatch) or once "
+        "per step, keeping them unsharded over the step's micro-batches (per_step: more memory, fewer "
+        "all-gathers; needs reshard_after_forward false or null). null: per_microbatch without pipeline "
+        "parallelism, per_step with it (what torch's schedules do with a stage that does not reshard)."
+    )
+    grad_reduce: Literal["per_microbatch", "per_step"] = Field(
+        "per_step", description="FSDP2: reduce-scatter gradients after every micro-batch's backward (holding "
+        "sharded gradients only) or once, in the last micro-batch's (holding the unsharded fp32 gradients over "
+        "the step). Pipeline schedules reduce once per step: per_microbatch needs pp = 1."
+    )
+
+    @property
+    def gathers_per_step(self) -> bool:
+        """Whether FSDP2 gathers each unit's parameters once per step (`param_gather`, resolved)."""
+        return self.param_gather == "per_step" if self.param_gather is not None else self.pp > 1
+
     @property
     def reshards_after_forward(self) -> bool:
-        return self.reshard_after_forward if self.reshard_after_forward is not None else self.pp == 1
+        """`reshard_after_forward`, resolved: null frees gathered parameters after forward exactly when they are
+        gathered for every micro-batch."""
+        return self.reshard_after_forward if self.reshard_after_forward is not None else not self.gathers_per_step
 
     @property
     def experts_apart(self) -> bool:

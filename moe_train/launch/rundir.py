@@ -7,6 +7,7 @@ different runs sharing a folder would mix their checkpoints, so that is refused,
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import socket
@@ -41,6 +42,7 @@ IGNORED_FIELDS: tuple[tuple[str, ...], ...] = (
     ("checkpoint", "async_save"),  # how checkpoints are written and where metrics are mirrored, not the run
     ("logging", "wandb"),
     ("train", "compile"),  # compiled blocks compute what eager ones do (moe_train/parallel/compile.py)
+    ("model", "moe", "dispatcher"),  # how tokens travel to their experts, not what the experts compute
 )
 
 
@@ -79,7 +81,7 @@ def resolved_for_run(recipe: Recipe) -> Recipe:
 
 
 def _comparable(data: dict[str, Any]) -> dict[str, Any]:
-    data = {key: (dict(value) if isinstance(value, dict) else value) for key, value in data.items()}
+    data = copy.deepcopy(data)  # ignored fields sit at any depth (model.moe.dispatcher)
     for path in IGNORED_FIELDS:
         node = data
         for part in path[:-1]:

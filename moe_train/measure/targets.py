@@ -45,3 +45,18 @@ def layer_problems(recipe: Recipe, layers: tuple[int, ...], rank: int) -> list[s
     if elsewhere:
         return [f"--layers: {elsewhere} are not on rank {rank}'s pipeline stage(s), which hold {list(held)}"]
     return []
+
+
+def fake_problems(recipe: Recipe) -> list[str]:
+    """What `--fake` cannot measure yet, one line each: values decide the shapes there."""
+    moe = recipe.model.moe
+    if moe is None:
+        return []
+    out = []
+    if moe.dispatcher == "hierarchical":
+        out.append("model.moe.dispatcher: hierarchical under --fake is not supported yet (its split sizes are read "
+                   "from the device; measure it on real ranks)")
+    if moe.capacity_factor is not None:
+        out.append("model.moe.capacity_factor: token dropping under --fake is not supported yet (which tokens drop "
+                   "depends on values fake tensors do not have)")
+    return out

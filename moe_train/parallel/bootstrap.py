@@ -52,7 +52,11 @@ def launcher_problems(recipe: Recipe, env: LauncherEnv) -> list[str]:
     shape = f"launch.nodes {launch.nodes} x launch.gpus_per_node {launch.gpus_per_node} = {recipe.world_size}"
     if env.world_size != recipe.world_size:
         out.append(f"world size {env.world_size} from the launcher does not match the recipe's {shape}")
-    if env.under_launcher and env.local_world_size != launch.gpus_per_node:
+    # On CPU every rank of a several-node recipe may run on this machine, each node emulated by gpus_per_node
+    # consecutive ranks (rank // gpus_per_node): what tests the node-aware dispatcher here (`run --nproc N`
+    # with N the recipe's world size).
+    emulated = launch.device == "cpu" and env.local_world_size == env.world_size == recipe.world_size
+    if env.under_launcher and env.local_world_size != launch.gpus_per_node and not emulated:
         out.append(f"{env.local_world_size} rank(s) on this node, the recipe's launch.gpus_per_node is "
                    f"{launch.gpus_per_node}")
     if env.slurm_nodes is not None and env.slurm_nodes != launch.nodes:

@@ -3,7 +3,8 @@ block when edp is dp), and explicit prefetch one block ahead.
 
 Every rank holds a shard of every parameter, gathered for a module's forward and backward and resharded after
 (unless `parallel.reshard_after_forward` is false, the default under pipeline parallelism: more memory, one
-all-gather less per micro-batch). The
+all-gather less per micro-batch). `parallel.param_gather` and `parallel.grad_reduce` set the cadences over a
+step's micro-batches (`set_cadence`). The
 policy is one at every world size, including 1, so numerics never depend on dp: parameters are kept in fp32
 (the optimizer's master weights), computed in the recipe's precision (bf16 or fp32; fp8 computes in bf16 around
 its fp8 GEMMs, models/fp8/), and gradients are reduced
@@ -83,8 +84,13 @@ def _prefetch_one_block_ahead(units: list[list[FSDPModule]]) -> None:
         after[0].set_modules_to_backward_prefetch(list(reversed(before)))
 
 
-def set_gradient_sync(model: nn.Module, sync: bool) -> None:
-    """Whether the next backward reduces gradients over the data-parallel ranks (FSDP2 reduces once per step, in
-    the last micro-batch's backward); a model without FSDP2 (one fp32 process) has nothing to reduce."""
+def set_cadence(model: nn.Module, *, reduce_gradients: bool, reshard_after_backward: bool) -> None:
+    """Before a micro-batch's backward (no pipeline; torch's schedules set the same for their stages): whether it
+    reduce-scatters the gradients over the data-parallel ranks (`parallel.grad_reduce`: every micro-batch, or
+    the last one only, accumulating unsharded fp32 gradients until then) and whether it frees the gathered
+    parameters after (`parallel.param_gather`: per_step keeps them, with reshard_after_forward false, until the
+    last micro-batch's backward, so each unit is gathered once per step; the last one must reshard, since the
+    optimizer updates the shards). A model without FSDP2 (one fp32 process) has nothing to gather or reduce."""
     if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(sync)
+        model.set_requires_gradient_sync(reduce_gradients)
+        model.set_reshard_after_backward(reshard_after_backward)

@@ -1,5 +1,6 @@
 """Expert parallelism: each rank of the expert-parallel group holds num_experts / ep experts of every MoE layer,
-and tokens travel to their experts through the dispatcher the recipe names (alltoall | allgather). Expert
+and tokens travel to their experts through the dispatcher the recipe names (alltoall | allgather |
+hierarchical, which splits the ep group at node boundaries: `node_split`). Expert
 tensor parallelism (etp) splits each expert's FFN dimension further: gate and up by rows, down by columns (the
 stacks are separate parameters, so no rank ever holds a fused [gate; up] split down the middle), and the
 partial outputs are summed by the allgather dispatcher's reduce-scatter over the ep x etp ranks.
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from moe_train.config.mesh_shape import dispatch_node_ranks, ep_split
 from moe_train.models.moe import MoELayer
 from moe_train.models.moe.dispatcher import dispatcher_for
 
@@ -32,17 +34,47 @@ def apply_expert_parallel(model: Transformer, recipe: Recipe, ctx: ParallelConte
     if moe is None:
         return
     etp = ctx.size("etp")
-    # allgather gathers over the ep x etp ranks (etp fastest); alltoall exchanges over ep (etp = 1, rules.py).
+    # allgather gathers over the ep x etp ranks (etp fastest); alltoall exchanges over ep (etp = 1, rules.py);
+    # hierarchical over the ep ranks inside this node and, across nodes, those of this rank's local index.
     group = ctx.mesh("ep_etp").get_group() if etp > 1 else ctx.group("ep")
+    node_group = None
+    if moe.dispatcher == "hierarchical":
+        group, node_group = node_split(ctx, node_ranks=dispatch_node_ranks(recipe))
     sharded = ctx.size("ep") * etp > 1
     for module in model.modules():
         if not isinstance(module, MoELayer):
             continue
         module.dispatcher = dispatcher_for(moe.dispatcher, num_experts=moe.num_experts, group=group,
-                                           expert_tp_size=etp)
+                                           expert_tp_size=etp, node_group=node_group)
         module.balance_group = ctx.group("dp")
         if sharded:
             _shard_experts(module.experts, ctx)
+
+
+def node_split(ctx: ParallelContext, *, node_ranks: int):
+    """(eplocal, epnode): the ep group split into this node's ranks and, across nodes, the ranks of this rank's
+    local index (a node: `node_ranks` consecutive ranks, the NVLink domain; on CPU an emulated node), as mesh
+    dimensions named without `_` (measure counts their bytes under these names: `ctx.named_groups`). Every rank
+    makes every group, in one order (a DeviceMesh over the expert mesh with ep unflattened). Either is None
+    where it has one rank."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if "eplocal" in ctx.named_groups or "epnode" in ctx.named_groups:  # one split per context (every chunk)
+        return ctx.named_groups.get("eplocal"), ctx.named_groups.get("epnode")
+    ep_ranks = ctx.expert["ep"].mesh.tolist()
+    nodes = [rank // node_ranks for rank in ep_ranks]
+    _, local = ep_split(ctx.shape, node_ranks)
+    if len(ep_ranks) % local or any(nodes[i] != nodes[i - i % local] for i in range(len(nodes))):
+        raise ValueError(f"parallel.ep: the ep group's ranks {ep_ranks} do not split into whole nodes of "
+                         f"{node_ranks} ranks")
+    pp, edp, ep, etp = ctx.expert.mesh.shape
+    mesh = DeviceMesh(ctx.expert.device_type, ctx.expert.mesh.reshape(pp, edp, ep // local, local, etp),
+                      mesh_dim_names=("pp", "edp", "epnode", "eplocal", "etp"))
+    split = {}
+    for name in ("eplocal", "epnode"):
+        if mesh[name].size() > 1:
+            split[name] = ctx.named_groups[name] = mesh[name].get_group()
+    return split.get("eplocal"), split.get("epnode")
 
 
 def _shard_experts(experts: nn.Module, ctx: ParallelContext) -> None:

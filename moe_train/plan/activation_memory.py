@@ -86,7 +86,7 @@ def head_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, *, vocab_para
     as the loss reads it (under sequence parallelism gathered, every token) and one fp32 log-sum-exp per
     token, no logits (models/linear.py `linear_cross_entropy_sum`)."""
     a, ts, h = lay.act_bytes, lay.seq_tokens, cfg.hidden_size
-    norm = FP32 * ts * h + FP32 * ts + a * ts * h if final_norm else 0
+    norm = a * ts * h + FP32 * ts if final_norm else 0  # its input and rstd (models/norm.py)
     if lay.loss_chunk_tokens:
         return norm + a * lay.tokens * h + FP32 * lay.tokens
     padded = cfg.padded_vocab_size()
@@ -97,13 +97,11 @@ def head_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, *, vocab_para
 
 def mtp_items(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) -> list[Saved]:
     """One MTP module's saves (its head and loss aside): the embedding's norm, the hidden state's norm (whose
-    input, the main model's final norm output, the head keeps too: counted there in an fp32 run), the 2h -> h
+    input, the main model's final norm output, the head keeps too: counted there), the 2h -> h
     projection's input, one decoder block of the last layer's kind (selective recompute applies, full does not:
     MTP blocks are not part of the stack) and the final norm."""
     a, ts, h = lay.act_bytes, lay.seq_tokens, cfg.hidden_size
-    hnorm = norm_items("mtp", "hnorm", ts, h, a)
-    if a == FP32:
-        hnorm = hnorm[1:]
+    hnorm = norm_items("mtp", "hnorm", ts, h, a)[1:]  # its input is the head's
     items = [*norm_items("mtp", "enorm", ts, h, a), *hnorm, Saved("mtp", "eh_proj.input", a * ts * 2 * h)]
     block = layer_items(cfg, lay, layer_index=cfg.num_layers)
     if policy.granularity == "selective":

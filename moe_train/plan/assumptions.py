@@ -56,18 +56,9 @@ class Assumptions:
     """CUDA context, NCCL buffers and the allocator's own slack, per GPU."""
     fsdp_prefetch_units: int = 2
     """Unsharded layers' parameters live at once under FSDP2 (the current one and the prefetched next)."""
-    fsdp_reduce_every_micro_batch: bool = False
-    """Without pipelining: False, what our trainer does: gradients accumulated unsharded in fp32 and reduced
-    once per step (`set_requires_gradient_sync(False)` until the last micro-batch; measure counts one
-    reduce-scatter per unit). True: FSDP2's own default, reduce-scattered after every micro-batch's backward
-    (sharded gradients, micro-batches times the gradient traffic)."""
     fsdp_reshard_after_forward: bool = True
     """Without pipelining, FSDP2 frees unsharded parameters after forward and all-gathers them again in
     backward."""
-    fsdp_once_per_step: bool = False
-    """Gather parameters and reduce gradients once per step: a rank keeps its unsharded parameters and fp32
-    gradients over the step's micro-batches (Megatron-Core's distributed optimizer moves this little). With
-    pp > 1 this is what torch.distributed.pipelining's schedules do to FSDP2 modules whatever this says."""
     moe_sync_s: float = 0.5e-3
     """Each MoE layer forward (and its recompute) waits for the token counts on the host (the all-to-all
     split sizes, the grouped GEMM offsets): the GPU queue drains and refills. Seconds per layer forward."""

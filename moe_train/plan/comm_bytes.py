@@ -44,6 +44,7 @@ layer's only.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from moe_train.config.hardware import Hardware
@@ -97,7 +98,8 @@ class CommBytes:
         model = _CachedComm(_ModelComm(m, layout, lay))
         sizes = {"pp": layout.pp, "dp": layout.dp, "dp_cp": layout.dp * layout.cp, "tp": layout.tp,
                  "edp": layout.edp, "ep": layout.ep, "etp": layout.etp, "ep_etp": layout.ep * layout.etp,
-                 "dpr": layout.dpr, "dps": layout.dps, "edps": layout.edps}
+                 "dpr": layout.dpr, "dps": layout.dps, "edps": layout.edps,
+                 "epnode": layout.ep_split[0], "eplocal": layout.ep_split[1]}
         mb = layout.micro_batches
         policy = layout.recompute
         modules = set(policy.modules) if policy.granularity == "selective" else set()
@@ -191,6 +193,24 @@ def even_share(slots: int, num_experts: int, local_experts: int) -> int:
     return local_experts * base + min(extra, local_experts)
 
 
+def even_node_tokens(tokens: int, top_k: int, num_experts: int, nodes: int) -> list[int]:
+    """Under forced even routing (token t to experts (tK + j) mod E), how many of `tokens` tokens need each node
+    (experts [b E/N, (b + 1) E/N) on node b): the rows the hierarchical dispatcher sends there. The pattern
+    repeats every E / gcd(K, E) tokens."""
+    per_node = num_experts // nodes
+    period = num_experts // math.gcd(top_k, num_experts)
+
+    def needs(t: int) -> set[int]:
+        return {((t * top_k + j) % num_experts) // per_node for j in range(top_k)}
+
+    counts = [0] * nodes
+    cycles, rest = divmod(tokens, period)
+    for t in range(period):
+        for node in needs(t):
+            counts[node] += cycles + (t < rest)
+    return counts
+
+
 class _ModelComm:
     """The collectives of each piece of the model for one micro-batch on this rank (see the module docstring)."""
 
@@ -278,6 +298,8 @@ class _ModelComm:
             mine = even_share(int(slots), moe.num_experts, local)
             out = [("ep", "all_to_all", (ep - 1) * local * INT64)] if forward else []
             return out + [("ep", "all_to_all", (slots - mine) * h * a), ("ep", "all_to_all", (ep - 1) * mine * h * a)]
+        if moe.dispatcher == "hierarchical":
+            return self._hierarchical(forward)
         group, n = ("ep_etp" if etp > 1 else "ep"), ep * etp
         if n == 1:
             return []
@@ -288,6 +310,39 @@ class _ModelComm:
                     (group, "reduce_scatter", n * tm * h * FP32)]
         return [(group, "reduce_scatter", n * tm * h * a), (group, "reduce_scatter", n * tm * k * FP32),
                 (group, "all_gather", tm * h * FP32)]
+
+    def _hierarchical(self, forward: bool) -> list[Collective]:
+        """dispatch_hierarchical.py at even routing, on node 0's local rank 0 (the most loaded: remainders go
+        to the first experts): over epnode each token once per other node it needs (with its K expert ids, and
+        in combine its K fp32 weights) and each node's partial sums back; over eplocal the all-to-all
+        dispatcher's traffic for the (token, expert) pairs the node's rank of each node sends here."""
+        moe, a, h = self.m.moe, self.a, self.h
+        nodes, local = self.layout.ep_split
+        k, e, tm = moe.top_k, moe.num_experts, int(self.tm)
+        per_node, mine_experts = e // nodes, e // (nodes * local)
+        need = even_node_tokens(tm, k, e, nodes)
+        sent, received = sum(need) - need[0], (nodes - 1) * need[0]  # rows to / from the other nodes
+        out: list[Collective] = []
+        if nodes > 1:
+            if forward:
+                out += [("epnode", "all_to_all", (nodes - 1) * INT64), ("epnode", "all_to_all", sent * k * INT64),
+                        ("epnode", "all_to_all", sent * h * a), ("epnode", "all_to_all", sent * k * FP32),
+                        ("epnode", "all_to_all", received * h * a)]
+            else:
+                out += [("epnode", "all_to_all", received * h * a), ("epnode", "all_to_all", received * k * FP32),
+                        ("epnode", "all_to_all", sent * h * a)]
+        if local > 1:
+            # pairs the node receives for each of its experts: every node's rank of this local index sends its
+            # tokens' slots on those experts (even: expert x gets its share of each source's T K slots)
+            node_pairs = nodes * even_share(tm * k, e, per_node)
+            mine = nodes * even_share(tm * k, e, mine_experts)
+            to_others, from_others = node_pairs - mine, (local - 1) * mine
+            if forward:
+                out += [("eplocal", "all_to_all", (local - 1) * mine_experts * INT64),
+                        ("eplocal", "all_to_all", to_others * h * a), ("eplocal", "all_to_all", from_others * h * a)]
+            else:
+                out += [("eplocal", "all_to_all", from_others * h * a), ("eplocal", "all_to_all", to_others * h * a)]
+        return out
 
     def block(self, moe: bool, direction: str) -> list[Collective]:
         return self.attention(direction) + (self.moe(direction) if moe else self.mlp(direction))
@@ -381,19 +436,19 @@ def _per_step(out: CommBytes, layout: PlanLayout, params: RankParams) -> None:
 
 def _fsdp(out: CommBytes, recipe: Recipe, layout: PlanLayout, params: RankParams, param_bytes: int,
           a: Assumptions) -> None:
-    """FSDP2 over dp (dp_cp) for dense units and edp for experts: each unit's padded shard gathered per micro-batch
-    (forward, and backward when resharding), its fp32 gradient reduce-scattered once per step."""
-    mb = layout.micro_batches
-    reshard = recipe.parallel.reshards_after_forward and a.fsdp_reshard_after_forward
+    """FSDP2 over dp (dp_cp) for dense units and edp for experts, at `parallel.param_gather` and
+    `parallel.grad_reduce`'s cadences: each unit's padded shard gathered once per step or per micro-batch
+    (forward, and backward when resharding), its fp32 gradient reduce-scattered once per step or after every
+    micro-batch's backward."""
+    mb, parallel = layout.micro_batches, recipe.parallel
+    reshard = parallel.reshards_after_forward and a.fsdp_reshard_after_forward
     if layout.pp > 1:
-        # torch's schedules keep a stage gathered after its first backward: resharding after forward gathers
-        # in each micro-batch's forward and once more for the backwards
+        # torch's schedules keep a stage gathered after its first backward and reduce in its last: resharding
+        # after forward gathers in each micro-batch's forward and once more for the backwards
         gathers, reduces = (mb + 1 if reshard else 1), 1
-    elif a.fsdp_once_per_step:
-        gathers, reduces = 1, 1
     else:
-        gathers = mb * (2 if reshard else 1)
-        reduces = mb if a.fsdp_reduce_every_micro_batch else 1
+        gathers = 1 if parallel.gathers_per_step else mb * (2 if reshard else 1)
+        reduces = mb if parallel.grad_reduce == "per_microbatch" else 1
     hsdp = layout.dpr > 1  # shard groups dps (edps), then each reduced shard all-reduced over the dpr replicas
     dense_group = ("dps" if hsdp else "dp") + ("_cp" if layout.cp > 1 else "")
     for unit in params.units:
@@ -410,7 +465,8 @@ def comm_time(counter: CommBytes, layout: PlanLayout, hw: Hardware, a: Assumptio
     hide behind compute (the caller caps the hidden total at the compute there is to hide behind)."""
     overlap = {"tp": a.tp_overlap, "ep": a.ep_overlap, "etp": a.ep_overlap, "ep_etp": a.ep_overlap,
                "dp": a.dp_overlap, "dp_cp": a.dp_overlap, "edp": a.dp_overlap, "pp": a.pp_overlap,
-               "dpr": a.dp_overlap, "dps": a.dp_overlap, "dps_cp": a.dp_overlap, "edps": a.dp_overlap}
+               "dpr": a.dp_overlap, "dps": a.dp_overlap, "dps_cp": a.dp_overlap, "edps": a.dp_overlap,
+               "epnode": a.ep_overlap, "eplocal": a.ep_overlap}
     nvlink = hw.nvlink_bytes_per_s * a.nvlink_efficiency
     network = hw.network_bytes_per_s * a.network_efficiency
     total, hideable = {}, {}

@@ -227,7 +227,7 @@ def _plan_rank(recipe: Recipe, layout: PlanLayout, assumptions: Assumptions, ran
         "grads": GRAD_BYTES * params.local,
         "optimizer": ADAM_BYTES[recipe.train.adam_moment_dtype] * params.local,
         "activations": activations,
-        "buffers": _buffer_bytes(model, shapes, layout, assumptions, chunks, params, param_bytes, transient),
+        "buffers": _buffer_bytes(recipe, shapes, layout, assumptions, chunks, params, param_bytes, transient),
     }
     memory["total"] = sum(memory.values())
     per_layer = _bytes_per_layer(model, shapes, layout.recompute, chunks) if detail else {}
@@ -276,18 +276,21 @@ def _bytes_per_layer(model: ModelConfig, shapes: ActivationLayout, policy: Recom
     return per_layer
 
 
-def _buffer_bytes(model: ModelConfig, shapes: ActivationLayout, layout: PlanLayout, assumptions: Assumptions,
+def _buffer_bytes(recipe: Recipe, shapes: ActivationLayout, layout: PlanLayout, assumptions: Assumptions,
                   chunks: list[Chunk], params: RankParams, param_bytes: int, recompute_transient: float) -> float:
     """Memory beside weights, optimizer and saved activations: the runtime reserve, FSDP's unsharded units and
     gradient buffers, and the largest transient (a MoE dispatch, the loss's logits, a recomputed group)."""
+    model = recipe.model
     stage = params.dense + params.experts
-    if (layout.pp > 1 or assumptions.fsdp_once_per_step) and layout.micro_batches > 1:
-        # the stage stays unsharded (parameter dtype) and accumulates unreduced fp32 gradients all step
-        fsdp = param_bytes * stage + GRAD_BYTES * stage
+    several, parallel = layout.micro_batches > 1, recipe.parallel
+    held_grads = several and (layout.pp > 1 or parallel.grad_reduce == "per_step")  # reduced once, at the end
+    if (layout.pp > 1 or parallel.gathers_per_step) and several:
+        # the stage stays gathered (parameter dtype) over the step, and its fp32 gradients whole until reduced
+        fsdp = param_bytes * stage + GRAD_BYTES * (stage if held_grads else params.largest_unit)
     else:
         fsdp = (assumptions.fsdp_prefetch_units * param_bytes * params.largest_unit
                 + GRAD_BYTES * params.largest_unit)
-        if not assumptions.fsdp_reduce_every_micro_batch and layout.micro_batches > 1:
+        if held_grads:
             fsdp += GRAD_BYTES * stage
     dispatch = 0.0
     if model.moe is not None and any(c.moe_layers for c in chunks):

@@ -13,7 +13,14 @@ import functools
 from dataclasses import dataclass
 
 from moe_train.config.loss_chunks import recipe_loss_chunk_tokens
-from moe_train.config.mesh_shape import DENSE_DIMS, EXPERT_DIMS, EXPERT_DP_SPLIT, MeshShape
+from moe_train.config.mesh_shape import (
+    DENSE_DIMS,
+    EXPERT_DIMS,
+    EXPERT_DP_SPLIT,
+    MeshShape,
+    dispatch_node_ranks,
+    ep_split,
+)
 from moe_train.config.pp_layout import pipeline_stages
 from moe_train.config.schema import ModelConfig, Recipe
 
@@ -35,17 +42,21 @@ class PlanLayout(MeshShape):
     pp_layout: str | None
     experts_apart: bool  # routed experts an FSDP2 unit of their own (`ParallelConfig.experts_apart`)
     loss_chunk_tokens: int  # tokens per chunk of the head + loss (config/loss_chunks.py); 0: unchunked
+    ep_split: tuple[int, int] = (1, 1)  # (epnode, eplocal) of the hierarchical dispatcher; else (1, ep)
     device: str = "cpu"  # launch.device: the kernel table's row (moe_train/kernels.py) the ranks run
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> PlanLayout:
         p, t = recipe.parallel, recipe.train
+        shape = MeshShape.from_recipe(recipe)
         return cls(
-            **vars(MeshShape.from_recipe(recipe)), vpp=p.vpp, sequence_parallel=p.sequence_parallel,
+            **vars(shape), vpp=p.vpp, sequence_parallel=p.sequence_parallel,
             recompute=RecomputePolicy.from_config(p.recompute),
             micro_batch=t.micro_batch_size, global_batch=t.global_batch_size, seq_length=t.seq_length,
             pp_schedule=p.pp_schedule, pp_layout=p.pp_layout, experts_apart=p.experts_apart,
             loss_chunk_tokens=recipe_loss_chunk_tokens(recipe),
+            ep_split=(ep_split(shape, dispatch_node_ranks(recipe)) if recipe.model.moe is not None
+                      and recipe.model.moe.dispatcher == "hierarchical" else (1, p.ep)),
             device=recipe.launch.device,
         )
 
@@ -110,6 +121,10 @@ def group_span(layout: PlanLayout, group: str) -> tuple[int, int]:
     `embedding`: a first-stage rank and its last-stage peer, as far apart as the pipeline spans)."""
     if group == "embedding":
         return 2, group_span(layout, "pp")[1]
+    if group in ("epnode", "eplocal"):  # the hierarchical dispatcher's split of ep (`layout.ep_split`)
+        nodes, local = layout.ep_split
+        stride = layout.strides(EXPERT_DIMS)["ep"]
+        return (nodes, stride * local * nodes) if group == "epnode" else (local, stride * local)
     dims = group.split("_")
     expert = any(d in (*EXPERT_DIMS[1:], *EXPERT_DP_SPLIT[1:]) for d in dims)
     stride = layout.strides(EXPERT_DIMS if expert else DENSE_DIMS)

@@ -4,11 +4,11 @@ The list mirrors what our own modules save (moe_train/models), not a textbook la
 storage that autograd keeps, found by reading the modules and checked against
 `torch.autograd.graph.saved_tensors_hooks` (tests/test_plan.py, world size 1, storages de-duplicated,
 parameters excluded). What the code saves, and so what is listed:
-- RMSNorm computes in fp32: it keeps the fp32 input (a copy, or the input itself when it is fp32), the fp32
-  reciprocal rms per token, and the normalised value in the activation dtype (for the weight's gradient).
+- RMSNorm computes in fp32 but keeps its input as it came (bf16 runs: not an fp32 copy) and the fp32
+  reciprocal rms per token; its backward forms the normalised value again (models/norm.py).
 - A linear layer keeps its input. The norm's output is kept by its first consumer (q/k/v, the dense MLP, the
-  shared expert); the router keeps an fp32 copy instead (its math runs in fp32), which in an fp32 run is the
-  norm's output itself.
+  shared expert); the router keeps that output too, not an fp32 copy (its math runs in fp32, its backward
+  widens the kept input again).
 - SDPA (flash-style on CPU and GPU) keeps q, k, v, its output and the fp32 logsumexp: never an s x s matrix.
   GQA keeps k and v with their own head count. Where the device's fused kernel needs one head width (the
   kernel table's `mla_value`: the CPU), MLA zero-pads v (or q and k) to it, so its q, k, v and output are all
@@ -17,8 +17,8 @@ parameters excluded). What the code saves, and so what is listed:
 - SwiGLU keeps gate, up, silu(gate) and their product (the down projection's input).
 - MoE: the router keeps fp32 scores [T, E], the top-k indices, the normalised top-k weights and their sum;
   the dispatch keeps the permutation; the grouped experts keep their input rows, the gate/up output (one
-  storage), silu(gate) and the product; the combine keeps the gathered expert outputs in fp32 (the weighted
-  sum runs in fp32) and the weights.
+  storage), silu(gate) and the product; the combine keeps the gathered expert outputs in the activation dtype
+  (the weighted sum runs in fp32 and widens them again in backward) and the weights.
 - Rotary tables: cos/sin are computed once per forward and shared by every layer (counted once, under
   `other`); in a bf16 run FSDP2 hands each layer its own bf16 cast of them, kept by its rotations.
 
@@ -93,12 +93,11 @@ class ActivationLayout:
         return self.tokens / self.tp
 
 
-def norm_items(region: str, prefix: str, tokens: float, width: float, a: int, *, fp32_input_width: float | None = None):
-    """RMSNorm: fp32 input (copy), fp32 reciprocal rms per token, normalised value in the activation dtype."""
+def norm_items(region: str, prefix: str, tokens: float, width: float, a: int, *, storage_width: float | None = None):
+    """RMSNorm: its input as it came (the whole storage it views: `storage_width`), fp32 reciprocal rms per token."""
     return [
-        Saved(region, f"{prefix}.input_fp32", FP32 * tokens * (fp32_input_width or width)),
+        Saved(region, f"{prefix}.input", a * tokens * (storage_width or width)),
         Saved(region, f"{prefix}.rstd", FP32 * tokens),
-        Saved(region, f"{prefix}.normalized", a * tokens * width),
     ]
 
 
@@ -132,8 +131,8 @@ def _attention(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
             items += norm_items("mla_latent", "q_a_layernorm", ts, cfg.q_lora_rank, a)
             items.append(Saved("mla_latent", "q_b_proj.input", a * ts * cfg.q_lora_rank))
         kvl = cfg.kv_lora_rank
-        # In fp32 the norm's input is a view of kv_a_proj's whole output (latent + rope key): that storage.
-        items += norm_items("mla_latent", "kv_a_layernorm", ts, kvl, a, fp32_input_width=kvl + (r if a == FP32 else 0))
+        # The norm's input is a view of kv_a_proj's whole output (latent + rope key): it keeps that storage.
+        items += norm_items("mla_latent", "kv_a_layernorm", ts, kvl, a, storage_width=kvl + r)
         items.append(Saved("mla_latent", "kv_b_proj.input", a * ts * kvl))
         items += _rope_casts(cfg, lay, r)
         qk_width, v_width = (max(qk, v), max(qk, v)) if lay.mla_value_padded else (qk, v)
@@ -180,9 +179,9 @@ def _moe(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
     t = lay.moe_tokens
     e, k = moe.num_experts, moe.top_k
     router = moe.router
-    items = [Saved("moe", "router.input_fp32", FP32 * t * h)]
-    if a != FP32:  # the fp32 copy of the router weight is not the parameter
-        items.append(Saved("moe", "router.weight_fp32", FP32 * e * h))
+    # The router keeps its input as it is (the norm's output; the shared expert's input too) and its weight
+    # (a parameter), widening both to fp32 again in backward.
+    items = [Saved("moe", "router.input", a * t * h)]
     items += [
         Saved("moe", "router.scores", FP32 * t * e),
         Saved("moe", "router.topk_indices", INT64 * t * k),
@@ -212,20 +211,18 @@ def _moe(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
         Saved("moe_act", "experts.silu", a * rows * ffn),
         Saved("moe_act", "experts.down_input", a * rows * ffn),
     ]
+    # The combine weights and sums in fp32 but keeps the expert outputs in the activation dtype (permute.py).
     if gathered:
-        # the local rows weighted in fp32 and scatter-added into per-token sums (dispatch_allgather.py): the
-        # rows and the weighted rows in fp32, their weights, and three indices (rows, slots, tokens)
+        # the local rows weighted and scatter-added into per-token sums (dispatch_allgather.py): the rows, their
+        # weights, and three indices (rows, slots, tokens)
         items += [Saved("moe", "combine.indices", 3 * INT64 * rows), Saved("moe", "combine.weights", FP32 * rows),
-                  Saved("moe", "combine.rows_fp32", FP32 * rows * h),
-                  Saved("moe", "combine.weighted_fp32", FP32 * rows * h)]
+                  Saved("moe", "combine.rows", a * rows * h)]
     else:
         items += [Saved("moe", "combine.slot_rows", INT64 * t * k),
-                  Saved("moe", "combine.expert_out_fp32", FP32 * t * k * h),
+                  Saved("moe", "combine.expert_out", a * t * k * h),
                   Saved("moe", "combine.weights", FP32 * t * k)]
     if moe.shared_expert_ffn_hidden_size:
-        # The shared expert's input is the norm's output: the router's fp32 input itself in an fp32 run.
-        if a != FP32:
-            items.append(Saved("shared_experts_input", "shared_experts.input", a * t * h))
+        # The shared expert's input is the norm's output, which the router keeps already (one storage).
         # Tensor-parallel like a dense MLP: the tp ranks' token shares gathered, the ffn sharded.
         items += _swiglu("shared_experts", "shared_experts", lay.tokens, moe.shared_expert_ffn_hidden_size / lay.tp, a)
     return items

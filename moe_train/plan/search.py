@@ -93,6 +93,8 @@ def layouts(recipe: Recipe) -> list[dict]:
             "parallel.pp_schedule": "interleaved_1f1b" if vpp > 1 else "1f1b", "parallel.pp_layout": layout,
             "parallel.ep": ep, "parallel.etp": etp, "parallel.dp": None, "parallel.cp": 1,
             "parallel.sequence_parallel": tp > 1, "train.micro_batch_size": mbs,
+            # the recipe's FSDP2 cadence where it can run: pipeline schedules reduce once per step
+            "parallel.grad_reduce": recipe.parallel.grad_reduce if pp == 1 else "per_step",
         })
     return out
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from moe_train.config.schema import ModelConfig
 
-from .saved_tensors import FP32, ActivationLayout, Saved
+from .saved_tensors import ActivationLayout, Saved
 
 # Recomputed regions (parallel/recompute.py) keep their inputs; what their outputs' consumers save stays too.
 SWIGLU = ("gate", "up", "silu", "down_input")
@@ -16,9 +16,9 @@ def _without(items: list[Saved], names: set[str]) -> list[Saved]:
 
 
 def _layernorm_recomputed(items: list[Saved], lay: ActivationLayout, h: int) -> list[Saved]:
-    """Both pre-norms run again in backward: each keeps its input (the residual stream, a x Ts x h) instead of
-    its fp32 copy, rstd and normalised value. Their outputs stay where a consumer saved them (the next GEMM's
-    input, the router's fp32 copy): our checkpoint keeps a region's output like any tensor (Megatron-Core's
+    """Both pre-norms run again in backward: each keeps its input (the residual stream, a x Ts x h), which the
+    norm keeps anyway, and drops its rstd. Their outputs stay where a consumer saved them (the next GEMM's
+    input, the router's): our checkpoint keeps a region's output like any tensor (Megatron-Core's
     checkpoint-without-output discards those too)."""
     kept = [i for i in items if i.region not in ("input_layernorm", "post_attention_layernorm")]
     residual = lay.act_bytes * lay.seq_tokens * h
@@ -30,15 +30,12 @@ def _mla_up_recomputed(items: list[Saved], cfg: ModelConfig, lay: ActivationLayo
     """MLA's up projections, rotary embeddings and attention run again: SDPA's q, k, v, output and logsumexp
     go; the region keeps its inputs: the latents (already kept by the up projections), the rotary tables (in
     bf16 the layer's casts, already an item) and the shared rope key: under SP the gathered key (a x T x r, a
-    storage of its own), without SP a view of kv_a_proj's output, which keeps that whole storage
-    (a x Ts x (kv_lora + r)) unless the fp32 kv norm already keeps it."""
+    storage of its own), without SP a view of kv_a_proj's output, whose whole storage the kv norm keeps already."""
     a, r = lay.act_bytes, cfg.qk_rope_head_dim
     dropped = {"sdpa.q", "sdpa.k", "sdpa.v", "sdpa.out", "sdpa.logsumexp"}  # the rotary casts are its inputs
     out = _without(items, dropped)
     if lay.sequence_parallel and lay.tp > 1:
         out.append(Saved("mla_up_proj", "mla_up_proj.rope_key", a * lay.tokens * r))
-    elif a != FP32:
-        out.append(Saved("mla_up_proj", "kv_a_proj.output", a * lay.seq_tokens * (cfg.kv_lora_rank + r)))
     return out
 
 

@@ -26,7 +26,7 @@ import torch
 
 from moe_train.models.model import LossTerms, Transformer
 from moe_train.models.moe import MoELayer
-from moe_train.parallel.data_parallel import set_gradient_sync
+from moe_train.parallel.data_parallel import set_cadence
 from moe_train.parallel.pipeline import Pipeline, sync_shared_gradients
 from moe_train.parallel.tensor import reduce_replicated_gradients
 from moe_train.train.batch import Batch
@@ -36,7 +36,7 @@ from moe_train.train.optimizer import set_lr
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from moe_train.config.schema import Recipe
+    from moe_train.config.schema import ParallelConfig, Recipe
     from moe_train.parallel.context import ParallelContext
     from moe_train.train.build import Trainable
 
@@ -64,8 +64,10 @@ def forward_backward(
     *,
     micro_batch_size: int,
     loss: StepLoss,
+    parallel: ParallelConfig,
 ) -> None:
-    """Accumulate the step's gradients in the chunks' parameters (FSDP2 reduces them once, at the end)."""
+    """Accumulate the step's gradients in the chunks' parameters, gathering and reducing at the cadences
+    `parallel` sets (default: reduced once, at the end)."""
     for chunk in chunks:
         chunk.balancing.start_step(scale=loss.share)
     if pipeline is not None:
@@ -74,7 +76,9 @@ def forward_backward(
     (model,) = chunks
     micro_batches = batch.micro_batches(micro_batch_size)
     for index, micro in enumerate(micro_batches):
-        set_gradient_sync(model, index == len(micro_batches) - 1)
+        last = index == len(micro_batches) - 1
+        set_cadence(model, reduce_gradients=last or parallel.grad_reduce == "per_microbatch",
+                    reshard_after_backward=last or not parallel.gathers_per_step)
         loss(model(micro.inputs, micro.positions, labels=micro.labels)).backward()
 
 
@@ -131,7 +135,8 @@ def compute_gradients(trainable: Trainable, batch: Batch, *, recipe: Recipe, ctx
                     device=batch.inputs.device)
     reset_telemetry(trainable.chunks)
     zero_gradients(trainable)
-    forward_backward(trainable.chunks, trainable.pipeline, batch, micro_batch_size=train.micro_batch_size, loss=loss)
+    forward_backward(trainable.chunks, trainable.pipeline, batch, micro_batch_size=train.micro_batch_size, loss=loss,
+                     parallel=recipe.parallel)
     reduce_gradients(trainable.chunks, tp_group=ctx.group("tp"), shared_embedding=trainable.shared_embedding)
     grad_norm = clip_grad_norm([p for chunk in trainable.chunks for p in chunk.parameters()], train.grad_clip,
                                stage_group=ctx.group("pp"), duplicates=trainable.duplicates,

@@ -30,7 +30,8 @@ def main() -> None:
 
     reports = {}
     for case in spec["cases"]:
-        recipe = load_recipe(case["recipe"], [*case["overrides"], f"launch.gpus_per_node={world}"])
+        nodes = next((int(o.split("=")[1]) for o in case["overrides"] if o.startswith("launch.nodes=")), 1)
+        recipe = load_recipe(case["recipe"], [*case["overrides"], f"launch.gpus_per_node={world // nodes}"])
         ctx = bootstrap(recipe, distinct_groups=True)
         ep = ctx.size("ep")
         local = recipe.model.moe.num_experts // ep if recipe.model.moe is not None else 1

@@ -78,7 +78,8 @@ def record_run(recipe_name: str, overrides: list[str], *, world: int, run_dir: P
     first step."""
     from moe_train.train.loop import Trainer
 
-    recipe = load_recipe(recipe_name, [*overrides, f"launch.gpus_per_node={world}", f"run_dir={run_dir}",
+    nodes = next((int(o.split("=")[1]) for o in overrides if o.startswith("launch.nodes=")), 1)  # emulated
+    recipe = load_recipe(recipe_name, [*overrides, f"launch.gpus_per_node={world // nodes}", f"run_dir={run_dir}",
                                        f"train.steps={steps}"])
     trainer = Trainer(recipe, ctx)
     if prepare is not None:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from moe_train.models.moe.dispatch_collectives import all_gather_rows, reduce_scatter_rows
 from moe_train.models.moe.expert_group import ExpertShard
-from moe_train.models.moe.permute import Permutation, permute, unpermute, weighted_sum
+from moe_train.models.moe.permute import Permutation, permute, unpermute, weighted_scatter, weighted_sum
 from moe_train.models.moe.router import count_per_expert
 
 
@@ -136,13 +136,14 @@ class AllGatherDispatcher:
         weights = F.pad(topk_weights, (0, 0, 0, plan.max_tokens - plan.num_tokens))
         weights = all_gather_rows(weights, group=shard.group, sent_bytes=self.metadata_bytes)
         # Scatter-add only the local rows (not all G*T_max*K slots, mostly other ranks' experts) into per-token
-        # sums, in fp32 at least. On CUDA index_add uses atomics: the order of a token's K terms may vary.
+        # sums, in fp32 at least.
         top_k = weights.shape[1]
-        rows = expert_out.index_select(0, plan.local_rows)
-        rows = rows.to(torch.promote_types(rows.dtype, torch.float32))
-        rows = rows * weights.reshape(-1).index_select(0, plan.local_slots).unsqueeze(-1)
-        per_token = rows.new_zeros(shard.size * plan.max_tokens, rows.shape[1])
-        per_token = per_token.index_add(0, plan.local_slots // top_k, rows)
+        per_token = weighted_scatter(
+            expert_out.index_select(0, plan.local_rows),
+            weights.reshape(-1).index_select(0, plan.local_slots),
+            plan.local_slots // top_k,
+            shard.size * plan.max_tokens,
+        )
         return reduce_scatter_rows(per_token, group=shard.group, sent_bytes=self.sent_bytes)[: plan.num_tokens]
 
     def reset_counts(self) -> None:

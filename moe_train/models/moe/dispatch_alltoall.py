@@ -112,6 +112,11 @@ class AllToAllDispatcher:
 
     def combine(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
         """expert_out [N, H] (rows as dispatch returned them) -> [T, H] fp32 on the tokens' own rank."""
+        return weighted_sum(unpermute(self.return_rows(expert_out, plan), plan.permutation), topk_weights)
+
+    def return_rows(self, expert_out: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
+        """expert_out [N, H] (rows as dispatch returned them) -> the source rank's sent buffer [kept slots, H]:
+        the local sort undone and the rows sent home."""
         if self.shard.group is not None:
             if plan.local_order is not None:
                 source_major = torch.empty_like(plan.local_order)
@@ -124,7 +129,7 @@ class AllToAllDispatcher:
                 group=self.shard.group,
                 sent_bytes=self.sent_bytes,
             )
-        return weighted_sum(unpermute(expert_out, plan.permutation), topk_weights)
+        return expert_out
 
     def reset_counts(self) -> None:
         self.sent_bytes.clear()

@@ -6,7 +6,8 @@ parallelism replaces only this piece. Every dispatcher has the same pair:
         -> (rows [N, H] sorted by local expert, tokens_per_local_expert [E_local] int64, plan)
     combine(expert_out [N, H], topk_weights [T, K], plan) -> [T, H] fp32
 `LocalDispatcher` is the no-communication case (every expert on this process); the expert-parallel ones
-(dispatch_alltoall.py, dispatch_allgather.py) are built by `dispatcher_for` from `model.moe.dispatcher`.
+(dispatch_alltoall.py, dispatch_allgather.py, dispatch_hierarchical.py) are built by `dispatcher_for` from
+`model.moe.dispatcher`.
 `host_counts` (the rows per expert, known on the host and the same on every rank: forced even routing) lets an
 expert-parallel dispatcher size its collectives without reading the device.
 """
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from moe_train.models.moe.dispatch_allgather import AllGatherDispatcher
 from moe_train.models.moe.dispatch_alltoall import AllToAllDispatcher
+from moe_train.models.moe.dispatch_hierarchical import HierarchicalDispatcher
 from moe_train.models.moe.permute import Permutation, permute, unpermute, weighted_sum
 
 
@@ -80,20 +82,26 @@ class LocalDispatcher:
         self.sent_bytes.clear()
 
 
-DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher}
+DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher,
+               "hierarchical": HierarchicalDispatcher}
 
 
 def dispatcher_for(
-    name: str, *, num_experts: int, group: dist.ProcessGroup | None, expert_tp_size: int = 1
+    name: str, *, num_experts: int, group: dist.ProcessGroup | None, expert_tp_size: int = 1,
+    node_group: dist.ProcessGroup | None = None,
 ) -> TokenDispatcher:
     """The dispatcher that `model.moe.dispatcher` names, over its group (None: no expert parallelism).
 
-    alltoall takes the ep group; allgather takes the ep x etp group (etp fastest) and `expert_tp_size`.
+    alltoall takes the ep group; allgather takes the ep x etp group (etp fastest) and `expert_tp_size`;
+    hierarchical takes this node's part of the ep group (eplocal) as `group` and the ranks with this rank's
+    local index across nodes (epnode) as `node_group` (None: one node).
     """
     if name not in DISPATCHERS:
         raise ValueError(f"model.moe.dispatcher must be one of {', '.join(DISPATCHERS)}, got {name!r}")
     if name == "allgather":
         return AllGatherDispatcher(num_experts=num_experts, group=group, expert_tp_size=expert_tp_size)
     if expert_tp_size != 1:
-        raise ValueError("model.moe.dispatcher alltoall with expert tensor parallelism (etp > 1) is not supported yet")
+        raise ValueError(f"model.moe.dispatcher {name} with expert tensor parallelism (etp > 1) is not supported yet")
+    if name == "hierarchical":
+        return HierarchicalDispatcher(num_experts=num_experts, node_group=node_group, local_group=group)
     return AllToAllDispatcher(num_experts=num_experts, group=group)

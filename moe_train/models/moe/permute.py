@@ -79,8 +79,66 @@ def unpermute(rows: torch.Tensor, perm: Permutation) -> torch.Tensor:
 def weighted_sum(slots: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """slots [T*K, H], topk_weights [T, K] -> [T, H] fp32 (fp64 for fp64 slots): sum_k weight * slot.
 
-    Weighting and summing run in fp32 at least (a bf16 sum of K terms loses bits the residual stream would keep).
+    Weighting and summing run in fp32 at least (a bf16 sum of K terms loses bits the residual stream would keep),
+    but the slots are kept for backward in their own dtype and widened again there (`_WeightedSum`): autograd
+    would keep the fp32 copy, 4 T K H bytes (a quarter of a DeepSeek-V3 MoE layer's saved bytes in bf16).
     """
-    tokens, top_k = topk_weights.shape
-    slots = slots.to(torch.promote_types(slots.dtype, torch.float32))
-    return (slots.view(tokens, top_k, slots.shape[-1]) * topk_weights.unsqueeze(-1)).sum(dim=1)
+    return _WeightedSum.apply(slots, topk_weights)
+
+
+def weighted_scatter(rows: torch.Tensor, weights: torch.Tensor, tokens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """rows [n, H], weights [n], tokens [n] int64 -> [num_tokens, H] fp32 at least: row i times weights[i] added
+    into tokens[i]'s sum (the all-gather dispatcher's combine). Kept for backward: the rows in their own dtype,
+    the weights and the token index, not the fp32 rows nor their weighted copies. On CUDA index_add uses atomics:
+    the order of a token's terms may vary."""
+    return _WeightedScatter.apply(rows, weights, tokens, num_tokens)
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _WeightedSum(torch.autograd.Function):
+    """The weighted sum over a token's K slots, its gradients the ones autograd forms for the same ops (the
+    same products, the same reductions: equal bit for bit on CPU)."""
+
+    @staticmethod
+    def forward(ctx, slots: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        tokens, top_k = topk_weights.shape
+        ctx.save_for_backward(slots, topk_weights)
+        wide = slots.to(_wide(slots.dtype)).view(tokens, top_k, slots.shape[-1])
+        return (wide * topk_weights.unsqueeze(-1)).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        slots, topk_weights = ctx.saved_tensors
+        tokens, top_k = topk_weights.shape
+        grad = grad.unsqueeze(1)
+        grad_slots = grad_weights = None
+        if ctx.needs_input_grad[0]:
+            grad_slots = (grad * topk_weights.unsqueeze(-1)).to(slots.dtype).view(slots.shape)
+        if ctx.needs_input_grad[1]:
+            wide = slots.to(_wide(slots.dtype)).view(tokens, top_k, slots.shape[-1])
+            grad_weights = (grad * wide).sum(dim=-1).to(topk_weights.dtype)
+        return grad_slots, grad_weights
+
+
+class _WeightedScatter(torch.autograd.Function):
+    """`weighted_scatter`, its gradients the ones autograd forms for index_add of the widened weighted rows."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, weights: torch.Tensor, tokens: torch.Tensor, num_tokens: int):
+        ctx.save_for_backward(rows, weights, tokens)
+        wide = rows.to(_wide(rows.dtype)) * weights.unsqueeze(-1)
+        return wide.new_zeros(num_tokens, rows.shape[1]).index_add(0, tokens, wide)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows, weights, tokens = ctx.saved_tensors
+        grad = grad.index_select(0, tokens)
+        grad_rows = grad_weights = None
+        if ctx.needs_input_grad[0]:
+            grad_rows = (grad * weights.unsqueeze(-1)).to(rows.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_weights = (grad * rows.to(_wide(rows.dtype))).sum(dim=-1).to(weights.dtype)
+        return grad_rows, grad_weights, None, None

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from moe_train.config.schema import MoEConfig
-from moe_train.models.linear import linear
+from moe_train.models.linear import linear, linear_input_grad, linear_weight_grad
 
 
 @dataclass
@@ -63,7 +63,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Routing:
         """x [T, H] -> Routing."""
-        logits = linear(x.float(), self.weight.float())
+        logits = _Fp32Logits.apply(x, self.weight)
         scores = logits.softmax(dim=-1) if self.score_function == "softmax" else logits.sigmoid()
         with torch.no_grad():
             if self.even_routing:
@@ -91,6 +91,27 @@ class Router(nn.Module):
         group_idx = torch.topk(group_scores, self.group_top_k, dim=-1).indices
         group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
         return grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(tokens, -1)
+
+
+class _Fp32Logits(torch.autograd.Function):
+    """x [T, H] @ weight [E, H]^T in fp32 whatever their dtypes, keeping x and the weight for backward as they
+    are and widening them again there: autograd would keep the fp32 copies (4 T H bytes, and 4 E H of a bf16
+    weight). Widening bf16 to fp32 is exact, so the backward's operands are the same numbers."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return linear(x.float(), weight.float())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        x, weight = ctx.saved_tensors
+        grad_x = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_x = linear_input_grad(grad, weight.float()).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_weight = linear_weight_grad(grad, x.float()).to(weight.dtype)
+        return grad_x, grad_weight
 
 
 def even_topk_indices(tokens: int, top_k: int, num_experts: int, *, device: torch.device) -> torch.Tensor:

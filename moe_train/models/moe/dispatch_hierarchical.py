@@ -1,0 +1,143 @@
+"""The hierarchical (node-aware) dispatcher: a token crosses the network once per destination node, not once per
+(token, expert) pair, and fans out to that node's expert ranks inside the node (DeepEP's internode kernels,
+Megatron-Core's HybridEP, with collectives instead of fused kernels).
+
+The expert-parallel group is `epnode` x `eplocal` (eplocal fastest: ep rank = node x L + local): experts
+[b x E/N, (b + 1) x E/N) live on node b, spread over its L ranks as the all-to-all dispatcher spreads them.
+dispatch: (1) every token goes, once, to the rank of each node it needs that has this rank's local index (an
+all-to-all over `epnode`, the network), with its top-k expert ids relative to that node (-1 for experts
+elsewhere); (2) on that rank the all-to-all dispatcher over `eplocal` (NVLink) sends each (token, expert) pair
+to the rank holding the expert. combine, in reverse: (2) the pairs' outputs come back inside the node and are
+weighted and summed per token there, in fp32 (the node's partial sum); (1) one row per (token, node) returns
+over the network, in the activation dtype (DeepEP's bf16 combine), and the source sums its nodes' partials in
+fp32. So in fp32 and fp64 it equals the all-to-all dispatcher up to the order of a token's terms; in bf16 each
+node's partial is rounded once more before the final sum.
+
+Split sizes are host values read once per stage (one device-to-host read each); `moe-train measure --fake`, which
+has no values to read, does not take this dispatcher yet, nor does pad-to-capacity.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe_train.models.moe.dispatch_alltoall import AllToAllDispatcher, AllToAllPlan
+from moe_train.models.moe.dispatch_collectives import all_to_all_rows
+from moe_train.models.moe.permute import weighted_scatter
+
+
+@dataclass
+class HierarchicalPlan:
+    """What `combine` needs: which token each network row carried, the network splits and the node's plan."""
+
+    token_ids: torch.Tensor  # [S] int64 source token of each row sent over the network (destination-node major)
+    send_splits: list[int]  # rows sent to each node (to the rank with this rank's local index)
+    recv_splits: list[int]  # rows received from each node
+    inner: AllToAllPlan  # the pairs' dispatch inside this node
+    num_tokens: int
+
+
+class HierarchicalDispatcher:
+    """Expert-parallel dispatch over `node_group` (epnode: the ranks with this rank's local index, one per node)
+    and `local_group` (eplocal: this node's ranks of the expert group); either None where it has one rank.
+
+    `node_bytes` counts the token rows sent over the network (to other nodes) under "all_to_all", forward and
+    backward: dispatch sends each token once per other node it needs, combine sends each node's partial sums
+    back; `inner.sent_bytes` the pairs sent inside the node. `sent_bytes` is their sum; `metadata_bytes` the row
+    counts, the expert ids and the routing weights sent over the network.
+    """
+
+    def __init__(self, *, num_experts: int, node_group: dist.ProcessGroup | None,
+                 local_group: dist.ProcessGroup | None):
+        self.nodes = 1 if node_group is None else dist.get_world_size(node_group)
+        if num_experts % self.nodes:
+            raise ValueError(f"model.moe.num_experts ({num_experts}) must divide over {self.nodes} nodes")
+        self.node_group = node_group
+        self.node = 0 if node_group is None else dist.get_rank(node_group)
+        self.experts_per_node = num_experts // self.nodes
+        self.inner = AllToAllDispatcher(num_experts=self.experts_per_node, group=local_group)
+        self.num_experts = num_experts
+        self.num_local_experts = self.inner.num_local_experts
+        self.node_bytes: Counter[str] = Counter()
+        self.metadata_bytes: Counter[str] = Counter()
+
+    @property
+    def sent_bytes(self) -> Counter[str]:
+        return self.node_bytes + self.inner.sent_bytes
+
+    def dispatch(
+        self,
+        hidden: torch.Tensor,
+        topk_indices: torch.Tensor,
+        *,
+        keep: torch.Tensor | None = None,
+        pad_to: int | None = None,
+        host_counts: Sequence[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, HierarchicalPlan]:
+        """hidden [T, H], topk_indices [T, K] (global expert ids) -> (rows [N, H] sorted by local expert,
+        rows per local expert [E_local] int64, plan). keep [T, K] drops slots on the source rank. host_counts is
+        not used (the splits are read from the device)."""
+        if pad_to is not None:
+            raise ValueError("model.moe.dispatcher hierarchical with pad_to_capacity is not supported yet")
+        tokens = topk_indices.shape[0]
+        node_of = topk_indices // self.experts_per_node
+        if keep is not None:
+            node_of = node_of.masked_fill(~keep, self.nodes)  # a dropped slot needs no node
+        needed = torch.zeros(tokens, self.nodes + 1, dtype=torch.bool, device=hidden.device)
+        needed = needed.scatter_(1, node_of, True)[:, : self.nodes]
+        send_counts = needed.sum(dim=0)
+        if self.node_group is None:
+            send_splits = recv_splits = [int(send_counts.sum())] if tokens else [0]
+        else:
+            recv_counts = torch.empty_like(send_counts)
+            dist.all_to_all_single(recv_counts, send_counts, group=self.node_group)
+            self.metadata_bytes["all_to_all"] += (self.nodes - 1) * send_counts.element_size()
+            send_splits, recv_splits = torch.stack([send_counts, recv_counts]).tolist()  # the one read here
+        flat = torch.nonzero_static(needed.t().reshape(-1), size=sum(send_splits)).squeeze(1)
+        token_ids, row_node = flat % tokens, flat // tokens
+        # each row's experts relative to its destination node; -1 where an expert is elsewhere (or dropped)
+        ids = topk_indices.index_select(0, token_ids) - (row_node * self.experts_per_node).unsqueeze(1)
+        ids = ids.masked_fill(node_of.index_select(0, token_ids) != row_node.unsqueeze(1), -1)
+        rows = hidden.index_select(0, token_ids)
+        if self.node_group is not None:
+            rows = all_to_all_rows(rows, send_splits=send_splits, recv_splits=recv_splits, group=self.node_group,
+                                   sent_bytes=self.node_bytes)
+            ids = all_to_all_rows(ids, send_splits=send_splits, recv_splits=recv_splits, group=self.node_group,
+                                  sent_bytes=self.metadata_bytes)
+        out, counts, inner = self.inner.dispatch(rows, ids.clamp(min=0), keep=ids >= 0)
+        return out, counts, HierarchicalPlan(token_ids, send_splits, recv_splits, inner, tokens)
+
+    def combine(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, plan: HierarchicalPlan) -> torch.Tensor:
+        """expert_out [N, H] (rows as dispatch returned them) -> [T, H] fp32 on the tokens' own rank."""
+        weights = topk_weights.index_select(0, plan.token_ids)
+        if self.node_group is not None:
+            weights = all_to_all_rows(weights, send_splits=plan.send_splits, recv_splits=plan.recv_splits,
+                                      group=self.node_group, sent_bytes=self.metadata_bytes)
+        partial = self._node_sums(expert_out, weights, plan.inner)  # this node's experts, per row, in fp32
+        if self.node_group is not None:
+            partial = all_to_all_rows(partial.to(expert_out.dtype), send_splits=plan.recv_splits,
+                                      recv_splits=plan.send_splits, group=self.node_group,
+                                      sent_bytes=self.node_bytes)
+        wide = torch.promote_types(partial.dtype, torch.float32)
+        out = partial.new_zeros(plan.num_tokens, partial.shape[1], dtype=wide)
+        return out.index_add(0, plan.token_ids, partial.to(wide))
+
+    def _node_sums(self, expert_out: torch.Tensor, weights: torch.Tensor, inner: AllToAllPlan) -> torch.Tensor:
+        """The all-to-all dispatcher's combine inside the node, weighting and summing only the kept (on-node)
+        slots of each received row: a row carries all K expert ids, most of them elsewhere, and the plain
+        combine would keep a zero row for each of those (K rows a token, not its on-node experts')."""
+        rows = self.inner.return_rows(expert_out, inner)  # [kept slots, H], expert-major as sent
+        perm, top_k = inner.permutation, weights.shape[1]
+        kept = torch.nonzero_static(perm.slot_rows < perm.num_rows, size=perm.num_rows).squeeze(1)
+        return weighted_scatter(rows.index_select(0, perm.slot_rows.index_select(0, kept)),
+                                weights.reshape(-1).index_select(0, kept), kept // top_k, weights.shape[0])
+
+    def reset_counts(self) -> None:
+        self.node_bytes.clear()
+        self.inner.reset_counts()
+        self.metadata_bytes.clear()

@@ -1,0 +1,89 @@
+"""FSDP2's cadences over a step's micro-batches (`parallel.param_gather`, `parallel.grad_reduce`): parameters
+gathered once per step give bit for bit the results of gathering them for every micro-batch (the same values,
+the same gradient sums), on real gloo ranks; gradients reduce-scattered after every micro-batch equal the
+single reduction within fp32 rounding (another summation order). measure counts one all-gather per unit per
+step (and one reduce-scatter per unit per micro-batch), exactly what plan says, and plan's memory for keeping a
+step's parameters gathered is the stage's parameters in the compute dtype.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import assert_bad_input, run_cli
+from multirank import run_ranks
+from test_data_parallel import BF16, FP32, assert_same_run, case
+from test_plan_measure import GPU, plan_against_measure
+
+from moe_train.config import load_recipe
+from moe_train.measure.driver import Target, measure
+from moe_train.plan.estimate import estimate, plan_json
+
+PER_STEP = "parallel.param_gather=per_step"
+REDUCE_EACH = "parallel.grad_reduce=per_microbatch"
+MOE = FP32["qwen3-moe-tiny"]  # 4 micro-batches per rank at DP2
+
+
+def test_per_step_gathers_equal_per_microbatch_bit_for_bit_on_two_ranks(tmp_path: Path) -> None:
+    cases = [
+        case("fp32", "qwen3-moe-tiny", MOE),
+        case("fp32-gather-per-step", "qwen3-moe-tiny", [*MOE, PER_STEP]),
+        case("fp32-reduce-each", "qwen3-moe-tiny", [*MOE, REDUCE_EACH]),
+        case("fp32-gather-per-step-reduce-each", "qwen3-moe-tiny", [*MOE, PER_STEP, REDUCE_EACH]),
+        case("bf16", "qwen3-moe-tiny", [*BF16, "train.micro_batch_size=1"]),
+        case("bf16-gather-per-step", "qwen3-moe-tiny", [*BF16, "train.micro_batch_size=1", PER_STEP]),
+    ]
+    saved = run_ranks("train_layouts", 2, {"cases": cases, "run_root": str(tmp_path / "dp2")}, tmp_path,
+                      timeout=420)
+    records = {key: torch.load(path, weights_only=True) for key, path in saved.items()}
+    for base, other in (("fp32", "fp32-gather-per-step"), ("bf16", "bf16-gather-per-step"),
+                        ("fp32-reduce-each", "fp32-gather-per-step-reduce-each")):
+        want, got = records[base], records[other]
+        assert got["losses"] == want["losses"], other
+        for section in ("grads", "state"):
+            assert got[section].keys() == want[section].keys()
+            for name, value in want[section].items():
+                assert torch.equal(got[section][name], value), (other, section, name)
+    # reduce-scattered after each micro-batch: the sum of per-micro-batch shards, not the shard of one sum
+    assert_same_run(records["fp32-reduce-each"], records["fp32"])
+    assert any(not torch.equal(records["fp32-reduce-each"]["grads"][name], value)
+               for name, value in records["fp32"]["grads"].items()), "grad_reduce changed nothing"
+
+
+def _dp2(*extra: str):
+    return load_recipe("qwen3-moe-tiny", ["model.num_layers=2", "train.seq_length=32", "train.global_batch_size=8",
+                                          "train.micro_batch_size=1", "train.precision=bf16",
+                                          "launch.gpus_per_node=2", *extra], check_files=False)
+
+
+def test_measure_counts_the_cadences_plan_predicts() -> None:
+    """DP2 bf16, 4 micro-batches per rank, 4 FSDP2 units (two blocks, their experts with them, the root):
+    per micro-batch each unit is gathered for forward and again for backward (8 gathers a unit), per step once;
+    gradients reduced once per step, or after each of the 4 backwards. Every key exact against plan."""
+    units = 3
+    calls, memory = {}, {}
+    for label, extra in (("default", ()), ("per_step", (PER_STEP,)), ("reduce_each", (REDUCE_EACH,))):
+        recipe = _dp2(*extra)
+        report = measure(recipe, Target(fake=True))
+        assert plan_against_measure(recipe, report, tolerance=0.0) == [], label
+        calls[label] = (report["comm_calls"]["dp/all_gather"], report["comm_calls"]["dp/reduce_scatter"])
+        memory[label] = plan_json(estimate(recipe, GPU))["memory_bytes"]["buffers"]
+    assert calls == {"default": (units * 8, units), "per_step": (units, units), "reduce_each": (units * 8, units * 4)}
+    # per_step holds the whole stage gathered in bf16 instead of two units (the prefetch working set) and the
+    # unit being reduced; both hold the stage's fp32 gradients over the step
+    params = estimate(_dp2(PER_STEP), GPU).ranks[0].params
+    assert memory["per_step"] - memory["default"] == pytest.approx(2 * (params.dense + params.experts)
+                                                                   - (2 * 2 + 4) * params.largest_unit)
+    # reducing after every micro-batch holds one unit's fp32 gradient, not the stage's
+    assert memory["default"] - memory["reduce_each"] == pytest.approx(4 * (params.dense + params.experts))
+
+
+def test_cadences_that_cannot_run_are_refused(tmp_path: Path) -> None:
+    assert_bad_input(run_cli("validate", "qwen3-moe-tiny", "--set", PER_STEP, "--set",
+                             "parallel.reshard_after_forward=true"), "parallel.param_gather")
+    assert_bad_input(run_cli("validate", "qwen3-moe-tiny", "--set", REDUCE_EACH, "--set", "parallel.pp=2",
+                             "--set", "launch.gpus_per_node=2"), "parallel.grad_reduce")
+    # null reshard_after_forward follows the gather cadence
+    assert not _dp2(PER_STEP).parallel.reshards_after_forward and _dp2().parallel.reshards_after_forward

@@ -1,0 +1,125 @@
+"""Worker: the hierarchical dispatcher on 4 gloo ranks as 2 emulated nodes x 2 (node = rank // 2), against the
+single-process reference and the all-to-all dispatcher over the same 4 ranks: every routing case of
+tests/workers/dispatch.py in fp64 (1e-12) and one in fp32 (1e-6), outputs, gradients of the hidden states, the
+routing weights and the local experts; and the bytes crossing nodes, counted by the dispatcher, equal to what
+the routing implies, with the all-to-all dispatcher's (pairs to ranks on the other node) beside them.
+Rank 0 writes {"checks": [n per rank], "failures": [...], "network": {case: [[hierarchical, alltoall] per rank]}}.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from workers.common import finish, start  # noqa: E402
+from workers.dispatch import CASES, HIDDEN, close, expert_weights, make_shards, reference, run  # noqa: E402
+
+from moe_train.models.moe.dispatcher import dispatcher_for  # noqa: E402
+from moe_train.models.moe.router import even_topk_indices  # noqa: E402
+
+LOCAL = 2  # ranks per emulated node
+
+
+def network_rows(shards, me: int, num_experts: int, kind: str) -> int:
+    """Rows rank `me` sends to the other node per forward, as the routing implies: hierarchical, each token once
+    per other node it needs, plus the partial sums it returns to the ranks of its local index there; alltoall,
+    each (token, expert) pair held on the other node, plus the outputs of pairs it returns there."""
+    size = len(shards)
+    per_rank = num_experts // size
+    node_of_rank = [rank // LOCAL for rank in range(size)]
+
+    def kept(rank):
+        shard = shards[rank]
+        return shard.indices if shard.keep is None else shard.indices.masked_fill(~shard.keep, -1)
+
+    def to_nodes(rank, node):  # tokens of `rank` needing `node`, or pairs of `rank` held on `node`
+        ids = kept(rank)
+        on = (ids >= 0) & (ids // per_rank // LOCAL == node)
+        return int(on.any(dim=1).sum()) if kind == "hierarchical" else int(on.sum())
+
+    mine = node_of_rank[me]
+    others = [node for node in set(node_of_rank) if node != mine]
+    sent = sum(to_nodes(me, node) for node in others)
+    if kind == "hierarchical":  # partials go back to the same-local-index rank of each other node
+        peers = [rank for rank in range(size) if rank % LOCAL == me % LOCAL and node_of_rank[rank] != mine]
+        returned = sum(to_nodes(peer, mine) for peer in peers)
+    else:  # outputs of the pairs other-node ranks sent to my experts
+        returned = sum(int(((kept(rank) >= 0) & (kept(rank) // per_rank == me)).sum())
+                       for rank in range(size) if node_of_rank[rank] != mine)
+    return sent + returned
+
+
+def main() -> None:
+    spec, result_path, rank, world = start()
+    assert world == 4
+    torch.set_num_threads(1)
+    local_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    node_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    local_group, node_group = local_groups[rank // LOCAL], node_groups[rank % LOCAL]
+    failures, checks, network = [], 0, {}
+
+    def check(case: str, num_experts: int, dtype: torch.dtype, tol: float, *, shards=None) -> None:
+        nonlocal checks
+        checks += 1
+        label = f"E{num_experts} {case} {dtype}"
+        try:
+            shards = shards or make_shards(case, size=world, num_experts=num_experts, local=num_experts // world,
+                                           dtype=dtype)
+            for shard in shards:
+                shard.pad_to = None  # pad-to-capacity: not taken by this dispatcher
+                shard.host_counts = None
+            experts = expert_weights(num_experts, dtype)
+            first = rank * num_experts // world
+            hier = dispatcher_for("hierarchical", num_experts=num_experts, group=local_group, node_group=node_group)
+            flat = dispatcher_for("alltoall", num_experts=num_experts, group=dist.group.WORLD)
+            got, a2a = run(hier, shards[rank], experts, first), run(flat, shards[rank], experts, first)
+            want = reference(shards, experts, num_experts)[rank]
+            mine = slice(first, first + hier.num_local_experts)
+            for name, value, expected in (("output", got.out, want.out),
+                                          ("hidden grad", got.grad_hidden, want.grad_hidden),
+                                          ("routing weight grad", got.grad_weights, want.grad_weights),
+                                          ("expert grad", got.grad_experts[mine], want.grad_experts[mine])):
+                close(name, value, expected, tol)
+            for name in ("out", "grad_hidden", "grad_weights"):
+                close(f"vs alltoall {name}", getattr(got, name), getattr(a2a, name), tol)
+            itemsize = dtype.itemsize
+            rows = network_rows(shards, rank, num_experts, "hierarchical")
+            assert hier.node_bytes == ({"all_to_all": 2 * rows * HIDDEN * itemsize} if rows else {}), (
+                f"network bytes {dict(hier.node_bytes)} != 2 x {rows} rows")
+            # per rank either may send more (a rank forwards its node's share); the test compares the totals
+            network[label] = [rows, network_rows(shards, rank, num_experts, "alltoall")]
+        except AssertionError as error:
+            failures.append(f"rank {rank}: {label}: {error}")
+
+    for num_experts in (4, 8):
+        for case in CASES:
+            check(case, num_experts, torch.float64, 1e-12)
+    check("random", 8, torch.float32, 1e-6)
+    # top-4 of 8 experts over 64 tokens: most tokens need both nodes' experts several times over
+    generator = torch.Generator().manual_seed(7)
+    wide = make_shards("random", size=world, num_experts=8, local=2, dtype=torch.float64)
+    for shard in wide:
+        tokens = 64
+        shard.indices = torch.rand(tokens, 8, generator=generator).topk(4, dim=-1).indices
+        shard.hidden = torch.randn(tokens, HIDDEN, generator=generator, dtype=torch.float64)
+        shard.weights = torch.rand(tokens, 4, generator=generator, dtype=torch.float64)
+        shard.cotangent = torch.randn(tokens, HIDDEN, generator=generator, dtype=torch.float64)
+    check("top4", 8, torch.float64, 1e-12, shards=wide)
+    even = make_shards("random", size=world, num_experts=8, local=2, dtype=torch.float64)
+    for shard in even:
+        shard.indices = even_topk_indices(len(shard.hidden), 2, 8, device=torch.device("cpu"))
+    check("even", 8, torch.float64, 1e-12, shards=even)
+
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"checks": checks, "failures": failures, "network": network})
+    result = {"checks": [g["checks"] for g in gathered], "failures": [f for g in gathered for f in g["failures"]],
+              "network": {k: [g["network"].get(k, [0, 0]) for g in gathered] for k in gathered[0]["network"]}}
+    finish(result, result_path, rank)
+
+
+if __name__ == "__main__":
+    main()
