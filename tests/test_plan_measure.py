@@ -21,6 +21,7 @@ from moe_train.config import load_recipe
 from moe_train.config.hardware import HARDWARE
 from moe_train.config.mesh_shape import MeshShape
 from moe_train.measure.driver import Target, measure
+from moe_train.measure.targets import as_fake_runs
 from moe_train.measure.versus_plan import Figure, against
 from moe_train.plan.estimate import estimate, plan_json
 from moe_train.plan.rank_layout import PlanLayout, in_flight
@@ -61,7 +62,7 @@ def disagreements(figures: list[Figure], *, tolerance: float) -> list[str]:
 
 def plan_against_measure(recipe, report: dict, *, tolerance: float, plan: dict | None = None) -> list[str]:
     """`plan`: the plan JSON to hold `report` to (default: the recipe's most loaded rank)."""
-    plan = plan or plan_json(estimate(recipe, GPU))
+    plan = plan or plan_json(estimate(as_fake_runs(recipe), GPU))
     return disagreements(against(plan, report), tolerance=tolerance)
 
 

@@ -23,6 +23,7 @@ from moe_train.measure.dtensor import local_dtensor_ops
 from moe_train.measure.flops import PhaseFlopCounter
 from moe_train.measure.layers import LayerTracker, in_backward
 from moe_train.measure.memory import LiveBytes, grad_bytes, optimizer_bytes, param_bytes
+from moe_train.measure.targets import as_fake_runs
 from moe_train.measure.traffic import CollectiveTraffic
 from moe_train.models.fp8.gemm import count_fp8_gemms
 from moe_train.parallel.bootstrap import bootstrap, shutdown
@@ -217,8 +218,7 @@ def measure(recipe: Recipe, target: Target) -> dict:
 
     if torch.distributed.is_initialized():
         raise RuntimeError("--fake plays one rank of its own fake process group; this process already has one")
-    # Fake tensors have CPU semantics whatever the recipe's device; the meshes are real (built before fake mode).
-    on_cpu = recipe.model_copy(update={"launch": recipe.launch.model_copy(update={"device": "cpu"})})
+    on_cpu = as_fake_runs(recipe)  # the meshes are real (built before fake mode), the tensors fake
     threads = torch.get_num_threads()  # bootstrap sets one thread per rank; this process is one rank of none
     with fake_process_group(rank=target.rank, world_size=recipe.world_size):
         ctx = bootstrap(on_cpu, distinct_groups=True)

@@ -47,6 +47,13 @@ def layer_problems(recipe: Recipe, layers: tuple[int, ...], rank: int) -> list[s
     return []
 
 
+def as_fake_runs(recipe: Recipe) -> Recipe:
+    """The recipe as `--fake` executes it: fake tensors have CPU semantics whatever `launch.device` says, so
+    the CPU's kernel-table row decides what attention saves (MLA's padded value width, the document mask). Plan
+    this recipe to hold a plan to a fake measurement; plan the original for the device itself."""
+    return recipe.model_copy(update={"launch": recipe.launch.model_copy(update={"device": "cpu"})})
+
+
 def fake_problems(recipe: Recipe) -> list[str]:
     """What `--fake` cannot measure yet, one line each: values decide the shapes there."""
     moe = recipe.model.moe
