@@ -20,8 +20,8 @@ v as it is (torch's sdp_utils and flex_attention's checks), so the padding's ext
 
 Readers: moe_train/models/attention.py (`documents`, `sdpa_backends`), moe_train/models/fp8/gemm.py
 (`fp8_scaled_mm`), moe_train/models/mla.py and plan/saved_tensors.py (`mla_value`), moe_train/models/moe/experts.py
-(`grouped_mm_min_major`, `experts_fallback`, through `expert_kernel`), `train.compile`'s default (`compile`, once
-the structure issue lands it).
+(`grouped_mm_min_major`, `experts_fallback`, through `expert_kernel`), `train.compile`'s default (`compile`:
+moe_train/parallel/compile.py).
 Torch-free: plan and the login half may read it.
 """
 

@@ -13,7 +13,7 @@ from processes import run_bounded
 
 REPO = Path(__file__).resolve().parents[1]
 CHECK = REPO / "bench" / "gpu" / "check.py"
-STAGES = ["probe", "grouped_mm", "sdpa", "tiny_run", "proxy", "hf_proxy", "resume"]
+STAGES = ["probe", "grouped_mm", "sdpa", "tiny_run", "proxy", "compile", "hf_proxy", "resume"]
 
 
 def test_cpu_rehearsal_runs_every_stage(tmp_path: Path) -> None:
@@ -37,7 +37,10 @@ def test_cpu_rehearsal_runs_every_stage(tmp_path: Path) -> None:
         assert max(engine[f"{path}_max_rel_diff"].values()) < 1e-5, engine
     assert figures["tiny_run"]["loss_fell"] and figures["resume"]["straight"] == figures["resume"]["resumed"]
     assert figures["proxy"]["eager"]["tokens_per_s"] > 0 and figures["hf_proxy"]["tokens_per_s"] > 0
-    assert figures["proxy"]["compile"].startswith("not built yet")
+    compiled = figures["compile"]
+    assert compiled["backend"] == "aot_eager" and compiled["passed"], compiled
+    assert compiled["compiled"]["graphs"] > 0 and compiled["eager"]["graphs"] == 0
+    assert compiled["loss_max_rel_diff"] < 1e-5 and compiled["speedup"] > 0
 
 
 def test_stage_runs_in_its_own_process_under_a_timeout(tmp_path: Path) -> None:

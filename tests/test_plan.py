@@ -284,13 +284,15 @@ def test_plan_never_imports_torch() -> None:
 
 def test_executed_flops_add_recompute_and_the_cpus_mla_padding_to_model_flops() -> None:
     h100 = HARDWARE["h100"]
-    qwen = plan_json(estimate(load_recipe("qwen3-30b-a3b", ["parallel.recompute.modules=[moe_act,layernorm]"]),
-                              h100))
+    unchunked = "train.loss_chunk_tokens=0"  # the chunked loss's extra head GEMM: the test below
+    qwen = plan_json(estimate(load_recipe("qwen3-30b-a3b", ["parallel.recompute.modules=[moe_act,layernorm]",
+                                                           unchunked]), h100))
     # no padding, no matmul recomputed (moe_act and layernorm are elementwise): the ranks' sum is the formula
     assert qwen["executed_flops_per_step"] == pytest.approx(qwen["model_flops_per_step"], rel=1e-9)
-    full = plan_json(estimate(load_recipe("qwen3-30b-a3b", ["parallel.recompute.granularity=full"]), h100))
+    full = plan_json(estimate(load_recipe("qwen3-30b-a3b", ["parallel.recompute.granularity=full", unchunked]),
+                              h100))
     assert 0.2 < full["flops"]["recompute"] / full["flops"]["forward"] < 1.0
-    recipe = load_recipe("deepseek-v3", ["parallel.recompute.modules=[mlp]"])
+    recipe = load_recipe("deepseek-v3", ["parallel.recompute.modules=[mlp]", unchunked])
     ds = plan_json(estimate(recipe, HARDWARE["b200"]))
     m = recipe.model
     tokens = 2048 * 4096
@@ -301,17 +303,45 @@ def test_executed_flops_add_recompute_and_the_cpus_mla_padding_to_model_flops() 
     # on cuda SDPA takes MLA's v at its own width (the kernel table's mla_value); the CPU's flash kernel pads it
     assert recipe.launch.device == "cuda"
     assert ds["executed_flops_per_step"] - ds["model_flops_per_step"] == pytest.approx(dense_mlp, rel=1e-6)
-    cpu_recipe = load_recipe("deepseek-v3", ["parallel.recompute.modules=[mlp]", "launch.device=cpu", "launch.gpu=cpu"])
+    cpu_recipe = load_recipe("deepseek-v3", ["parallel.recompute.modules=[mlp]", "launch.device=cpu", "launch.gpu=cpu",
+                                             unchunked])
     on_cpu = plan_json(estimate(cpu_recipe, HARDWARE["b200"]))
     assert on_cpu["executed_flops_per_step"] - on_cpu["model_flops_per_step"] == \
         pytest.approx(dense_mlp + padding, rel=1e-6)
+
+
+def test_the_chunked_loss_recomputes_each_head_gemm_and_keeps_no_logits() -> None:
+    """train.loss_chunk_tokens: one more head GEMM per head (the main one and each MTP module's), booked as
+    recompute; the head keeps its input and one fp32 log-sum-exp per token instead of the fp32 logits. Its
+    default (null) chunks Qwen3-30B-A3B (2.5 GB of logits per 4,096-token micro-batch) but not the tiny recipes."""
+    h100 = HARDWARE["h100"]
+    for name in ("qwen3-30b-a3b", "deepseek-v3"):
+        plans = {chunk: plan_json(estimate(load_recipe(name, [f"train.loss_chunk_tokens={chunk}"]), h100))
+                 for chunk in (0, 1024)}
+        recipe = load_recipe(name)
+        m, p = recipe.model, recipe.parallel
+        tokens = recipe.train.global_batch_size * recipe.train.seq_length
+        heads = 1 + m.mtp_layers
+        head = 2 * m.hidden_size * m.padded_vocab_size() * tokens * heads
+        executed = {chunk: plan["executed_flops_per_step"] for chunk, plan in plans.items()}
+        assert executed[1024] - executed[0] == pytest.approx(head, rel=1e-9), name
+        lay = ActivationLayout(micro_batch=1, seq_length=recipe.train.seq_length, act_bytes=2, tp=p.tp,
+                               sequence_parallel=p.sequence_parallel)
+        chunked = ActivationLayout(**{**vars(lay), "loss_chunk_tokens": 1024})
+        logits = 4 * lay.tokens * m.padded_vocab_size() / p.tp
+        saved = {layout: head_activation_bytes(m, layout, vocab_parallel=True) for layout in (lay, chunked)}
+        gathered = (lay.tokens - lay.seq_tokens) * 2 * m.hidden_size  # SP: the chunked loss keeps every token
+        assert saved[lay] - saved[chunked] == pytest.approx(logits - 4 * lay.tokens - gathered, rel=1e-9)
+    assert PlanLayout.from_recipe(load_recipe("qwen3-30b-a3b")).loss_chunk_tokens == 1024
+    assert PlanLayout.from_recipe(load_recipe("qwen3-moe-tiny")).loss_chunk_tokens == 0
 
 
 def test_full_recompute_keeps_each_group_input_and_rebuilds_one_group_at_a_time() -> None:
     recipe = load_recipe("qwen3-30b-a3b", ["parallel.recompute.granularity=full",
                                            "parallel.recompute.num_layers=4"])
     plan = estimate(recipe, HARDWARE["h100"])
-    lay = ActivationLayout(micro_batch=1, seq_length=4096, act_bytes=2, ep=recipe.parallel.ep)
+    lay = ActivationLayout(micro_batch=1, seq_length=4096, act_bytes=2, ep=recipe.parallel.ep,
+                           loss_chunk_tokens=PlanLayout.from_recipe(recipe).loss_chunk_tokens)
     cfg = recipe.model
     layer_input = 2 * 4096 * cfg.hidden_size
     head = head_activation_bytes(cfg, lay, vocab_parallel=True)

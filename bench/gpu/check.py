@@ -10,9 +10,10 @@ here states an expected GPU figure: each stage measures and writes what it saw.
 Stages: probe (versions, the APIs the engine needs), grouped_mm (torch._grouped_mm forward/backward against the
 per-expert loop, ragged and zero counts), sdpa (the SDPA kernel chosen for GQA, MLA and document-masked inputs,
 with peak memory), tiny_run (`moe-train run` of qwen3-moe-tiny: the loss falls), proxy (qwen3-30b-a3b cut to
-4 layers, EP 1, one GPU, bf16: tokens/s, TFLOP/s, MFU, peak memory next to plan's estimate; eager, and compile
-when the engine has it), hf_proxy (the same config in transformers, grouped_mm experts, the same batch), resume
-(train.deterministic: a run resumed from its checkpoint equals the uninterrupted run bit for bit).
+4 layers, EP 1, one GPU, bf16: tokens/s, TFLOP/s, MFU, peak memory next to plan's estimate, eager), compile
+(the proxy eager and with train.compile side by side: speed-up, first-step compile time, losses), hf_proxy
+(the same config in transformers, grouped_mm experts, the same batch), resume (train.deterministic: a run
+resumed from its checkpoint equals the uninterrupted run bit for bit).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ REPO = Path(__file__).resolve().parents[2]
 # Seconds per stage on the GPU (the whole script: about 6 minutes with the install); the CPU rehearsal's shapes
 # are tiny and take a fraction of these.
 # sdpa includes compiling FlexAttention (forward and backward) for two head layouts.
-TIMEOUTS = {"probe": 15, "grouped_mm": 30, "sdpa": 60, "tiny_run": 60, "proxy": 90, "hf_proxy": 50, "resume": 50}
+# compile: the proxy twice, inductor compiling its two block kinds' graphs (not measured on a GPU yet).
+TIMEOUTS = {"probe": 15, "grouped_mm": 30, "sdpa": 60, "tiny_run": 60, "proxy": 90, "compile": 240, "hf_proxy": 50,
+            "resume": 50}
 STAGES = list(TIMEOUTS)
 
 
@@ -282,7 +285,7 @@ def stage_tiny_run(device: str, work: Path) -> dict:
     return out
 
 
-def _proxy_recipe(device: str, work: Path, name: str = "proxy"):
+def _proxy_recipe(device: str, work: Path, name: str = "proxy", extra: tuple[str, ...] = ()):
     from moe_train.config import load_recipe
 
     if device == "cuda":
@@ -294,13 +297,11 @@ def _proxy_recipe(device: str, work: Path, name: str = "proxy"):
         sets = ["model.num_layers=2", "train.seq_length=64", "train.global_batch_size=4", "train.micro_batch_size=2",
                 "launch.device=cpu"]
         base = "qwen3-moe-tiny"
-    return load_recipe(base, [*sets, f"run_dir={work / name}", "train.steps=100"])
+    return load_recipe(base, [*sets, f"run_dir={work / name}", "train.steps=100", *extra])
 
 
 def stage_proxy(device: str, work: Path) -> dict:
     """A Qwen3-MoE proxy that fills the GPU, eager: timed steps with the trainer's own step."""
-    import torch
-
     from moe_train.config.hardware import hardware_table
     from moe_train.plan.estimate import estimate
     from moe_train.train.loop import Trainer
@@ -310,7 +311,15 @@ def stage_proxy(device: str, work: Path) -> dict:
                  "tokens_per_step": recipe.train.global_batch_size * recipe.train.seq_length}
     plan = estimate(recipe, hardware_table()[recipe.launch.gpu if device == "cuda" else "h200"])
     out["plan"] = {"peak_memory_bytes": plan.peak, "tokens_per_s": plan.tokens_per_s, "mfu": plan.mfu}
-    trainer = Trainer(recipe)
+    out["eager"] = _timed_steps(Trainer(recipe), device, tokens_per_step=out["tokens_per_step"])
+    out["compile"] = "the compile stage: eager and train.compile side by side"
+    return out
+
+
+def _timed_steps(trainer, device: str, *, tokens_per_step: int) -> dict:
+    """The trainer's own steps, timed (the first warms caches and kernels, and compiles: left out of the rates)."""
+    import torch
+
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     seconds, losses = [], []
@@ -320,15 +329,47 @@ def stage_proxy(device: str, work: Path) -> dict:
         _sync(device)
         seconds.append(time.perf_counter() - start)
         losses.append(result.loss)
-    timed = seconds[1:]  # the first step warms caches and kernels
-    tokens_per_s = out["tokens_per_step"] * len(timed) / sum(timed)
+    timed = seconds[1:]
+    tokens_per_s = tokens_per_step * len(timed) / sum(timed)
     tflops = trainer.flops_per_token * tokens_per_s / 1e12
-    out["eager"] = {"step_seconds": seconds, "losses": losses, "tokens_per_s": tokens_per_s,
-                    "tflops_per_device": tflops, "mfu": tflops * 1e12 / trainer.peak}
+    out = {"step_seconds": seconds, "losses": losses, "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
+           "mfu": tflops * 1e12 / trainer.peak}
     if device == "cuda":
-        out["eager"]["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
-        out["eager"]["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
-    out["compile"] = "not built yet: train.compile waits for the structure issue's one GEMM site"
+        out["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
+        out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+    return out
+
+
+def stage_compile(device: str, work: Path) -> dict:
+    """The proxy eager and with train.compile (each decoder block compiled, inductor), side by side in one
+    process: step times, tokens/s, MFU and peak memory of each, the compiled first step (which compiles), the
+    speed-up, the losses' largest relative difference and the graphs made after the first step (none
+    expected). The CPU rehearsal cuts the proxy to one layer and compiles with aot_eager (inductor's C++ build
+    takes minutes on two cores; the GPU runs inductor)."""
+    from torch._dynamo.utils import counters
+
+    from moe_train.parallel.compile import BACKEND_ENV
+    from moe_train.train.loop import Trainer
+
+    if device == "cpu":
+        os.environ.setdefault(BACKEND_ENV, "aot_eager")
+    figures = {}
+    for mode in ("eager", "compiled"):
+        cut = ("model.num_layers=1",) if device == "cpu" else ()
+        extra = (f"train.compile={str(mode == 'compiled').lower()}", *cut)
+        recipe = _proxy_recipe(device, work, name=f"compile-{mode}", extra=extra)
+        trainer = Trainer(recipe)
+        graphs = counters["stats"]["unique_graphs"]
+        figures[mode] = _timed_steps(trainer, device, tokens_per_step=recipe.train.global_batch_size
+                                     * recipe.train.seq_length)
+        figures[mode]["graphs"] = counters["stats"]["unique_graphs"] - graphs
+    eager, compiled = figures["eager"], figures["compiled"]
+    out = {"backend": os.environ.get(BACKEND_ENV, "inductor"), **figures,
+           "first_step_seconds": compiled["step_seconds"][0],
+           "speedup": compiled["tokens_per_s"] / eager["tokens_per_s"],
+           "loss_max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(compiled["losses"], eager["losses"],
+                                                                         strict=True))}
+    out["passed"] = compiled["graphs"] > 0 and out["loss_max_rel_diff"] < (2e-2 if device == "cuda" else 1e-5)
     return out
 
 

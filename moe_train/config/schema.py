@@ -255,6 +255,14 @@ class TrainConfig(Section):
     deterministic: bool = Field(
         False, description="Deterministic kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG): "
         "bitwise resume and layout equality on CUDA, at a speed cost (docs/gpu.md).")
+    loss_chunk_tokens: int | None = Field(
+        None, ge=0, description="Tokens per chunk of the head GEMM + cross-entropy, which then keeps one fp32 "
+        "log-sum-exp per token instead of the logits and recomputes each chunk's logits in backward; 0: "
+        "unchunked; null: chunks of 1,024 where a micro-batch's fp32 logits would exceed 1 GiB "
+        "(moe_train/config/loss_chunks.py).")
+    compile: bool | None = Field(
+        None, description="Regional torch.compile of each decoder block; null: on for cuda, off for cpu "
+        "(moe_train/kernels.py). Changes no number: an ignored field of the run folder.")
     eval_interval: int | None = Field(None, ge=1, description="null: no evaluation.")
     eval_steps: int = Field(1, ge=1)
     on_nonfinite: Literal["skip", "stop"] = "skip"

@@ -41,6 +41,7 @@ IGNORED_FIELDS: tuple[tuple[str, ...], ...] = (
     ("train", "deterministic"),  # which kernels run, not what they compute (moe_train/train/determinism.py)
     ("checkpoint", "async_save"),  # how checkpoints are written and where metrics are mirrored, not the run
     ("logging", "wandb"),
+    ("train", "compile"),  # compiled blocks compute what eager ones do (moe_train/parallel/compile.py)
     ("model", "moe", "dispatcher"),  # how tokens travel to their experts, not what the experts compute
 )
 

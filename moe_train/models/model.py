@@ -136,10 +136,9 @@ class Transformer(nn.Module):
             mtp = self._forward_mtp(hidden, *shifted, *context, records)
         if records is not None and records.items:
             self._all_layers_aux_loss(records.items)
-        logits = self.lm_head(hidden)
         if labels is None:
-            return self.lm_loss.full_logits(logits)
-        return LossTerms(self.lm_loss.sum(logits, labels), mtp)
+            return self.lm_loss.full_logits(self.lm_head(hidden))
+        return LossTerms(self.lm_loss.head_sum(self.lm_head, hidden, labels), mtp)
 
     def _forward_mtp(
         self,
@@ -156,7 +155,7 @@ class Transformer(nn.Module):
         losses = []
         for depth, module in enumerate(self.mtp.values()):
             hidden = module(hidden, self.embed_tokens(inputs[:, depth]), cos, sin, mask, records)
-            losses.append(self.lm_loss.mean(self.lm_head(hidden), targets[:, depth]))
+            losses.append(self.lm_loss.head_mean(self.lm_head, hidden, targets[:, depth]))
         return self.cfg.mtp_loss_weight * torch.stack(losses).mean()
 
     @torch.no_grad()

@@ -6,9 +6,10 @@ own file and a no-op where its dimension is 1. The order matters: a pipeline spl
 rank holds (one model chunk per virtual stage, each then parallelised as a whole model is); tensor parallelism
 turns their weights into sharded DTensors; context parallelism makes attention span the cp ranks' shards of
 each sequence (and sets the MoE layers' token groups, over cp and tp); expert parallelism hands MoE layers their
-dispatcher; recomputation wraps regions of the (now parallel) modules; FSDP2 shards what remains over the
-data-parallel dimensions (dp x cp for dense parameters) last, around everything else (each chunk its own root).
-Steps not built yet are refused by `moe_train.config.support` before a model is built.
+dispatcher; recomputation wraps regions of the (now parallel) modules; regional compilation compiles each block
+with them (train.compile, parallel/compile.py); FSDP2 shards what remains over the data-parallel dimensions
+(dp x cp for dense parameters) last, around everything else (each chunk its own root). Steps not built yet are
+refused by `moe_train.config.support` before a model is built.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
 def parallelize(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> list[Transformer]:
     """Apply the recipe's layout to `model` (built on the meta device) for this rank; returns this rank's model
     chunks in virtual-stage order (the whole model alone without pipeline parallelism)."""
+    from moe_train.config.loss_chunks import recipe_loss_chunk_tokens
+    from moe_train.parallel.compile import apply_compile
     from moe_train.parallel.context_parallel import apply_context_parallel
     from moe_train.parallel.data_parallel import apply_fsdp
     from moe_train.parallel.expert import apply_expert_parallel
@@ -34,8 +37,10 @@ def parallelize(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> lis
     chunks = split_model(model, recipe, ctx)
     for chunk in chunks:
         apply_tensor_parallel(chunk, recipe, ctx)
+        chunk.lm_loss.chunk_tokens = recipe_loss_chunk_tokens(recipe)  # the loss tensor parallelism chose
         apply_context_parallel(chunk, recipe, ctx)
         apply_expert_parallel(chunk, recipe, ctx)
         apply_recompute(chunk, recipe)
+        apply_compile(chunk, recipe, ctx.device)
         apply_fsdp(chunk, recipe, ctx)
     return chunks

@@ -62,6 +62,9 @@ class ContextParallelAttention(nn.Module):
         super().__init__()
         self.group, self.comm = group, comm
 
+    # Eager inside a compiled block (train.compile): the exchange's point-to-point ops and its hand-written
+    # backward are not traceable, so the block's graph breaks around attention instead of failing.
+    @torch.compiler.disable
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: ShardMask, *,
                 scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
         scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -82,20 +85,27 @@ class ShardMasks:
 
 
 class ContextParallelLoss:
-    """The model's loss under CP: sums as the wrapped loss does (this rank's tokens), means over the valid
-    targets of every cp rank (one all-reduce of the count), so MTP's per-rank means add up to the whole
-    sequence's mean."""
+    """The model's loss under CP: sums as the wrapped loss does (this rank's tokens, its head chunked where
+    train.loss_chunk_tokens says), means over the valid targets of every cp rank (one all-reduce of the count),
+    so MTP's per-rank means add up to the whole sequence's mean."""
 
     def __init__(self, inner, *, group: dist.ProcessGroup) -> None:
         self.inner, self.group = inner, group
 
-    def sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.inner.sum(logits, targets)
+    @property
+    def chunk_tokens(self) -> int:
+        return self.inner.chunk_tokens
 
-    def mean(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def head_sum(self, head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.inner.head_sum(head, hidden, targets)
+
+    def head_mean(self, head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.inner.head_sum(head, hidden, targets) / self._count(targets)
+
+    def _count(self, targets: torch.Tensor) -> torch.Tensor:
         count = (targets != IGNORE_INDEX).sum()
         dist.all_reduce(count, group=self.group)
-        return self.inner.sum(logits, targets) / count.clamp(min=1)
+        return count.clamp(min=1)
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return self.inner.full_logits(logits)

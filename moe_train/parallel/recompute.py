@@ -45,7 +45,12 @@ def _contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractC
 
 
 def recomputed(fn: Callable[..., torch.Tensor], *args, **kwargs) -> torch.Tensor:
-    """fn(*args, **kwargs), keeping only its inputs for backward, where it runs again (non-reentrant)."""
+    """fn(*args, **kwargs), keeping only its inputs for backward, where it runs again (non-reentrant). Traced
+    by torch.compile (train.compile, parallel/compile.py), the region becomes part of the compiled graph and
+    its partitioner recomputes it inside the compiled backward, where no Python runs again: nothing to mark
+    (and compile takes no context function but selective checkpointing's)."""
+    if torch.compiler.is_compiling():
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
     return checkpoint(fn, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
 
 

@@ -6,15 +6,26 @@ target's logit (all-reduce sum; only the rank whose slice holds the target contr
 loss = log(sum) - (target logit - max). Padding columns (ids >= vocab_size, DECISIONS: the padded size does not
 depend on tp) are masked to -inf inside the loss, so they get probability 0 and gradient 0, as in the
 single-device `moe_train.models.loss`. The backward is softmax - one-hot on each rank's own slice, without
-communication.
+communication. Chunked (`train.loss_chunk_tokens`), the same three all-reduces run per chunk of tokens inside
+the GEMM site's `linear_cross_entropy_sum`, on this rank's head rows, after the head's region entry (a copy,
+or under sequence parallelism the gathered sequence, which the chunked loss keeps whole for backward).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
+from moe_train.models.linear import Linear, linear_cross_entropy_sum
 from moe_train.models.loss import IGNORE_INDEX, LanguageModelLoss
+
+
+def _all_reduce(x: torch.Tensor, *, op: dist.ReduceOp, group: dist.ProcessGroup) -> torch.Tensor:
+    dist.all_reduce(x, op=op, group=group)
+    return x
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -57,11 +68,24 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 class VocabParallelLoss(LanguageModelLoss):
     """The model's language-model loss when the head's output is sharded by vocabulary over `group`."""
 
-    def __init__(self, *, vocab_size: int, padded_vocab_size: int, group: dist.ProcessGroup) -> None:
-        super().__init__(vocab_size=vocab_size)
+    def __init__(self, *, vocab_size: int, padded_vocab_size: int, group: dist.ProcessGroup,
+                 chunk_tokens: int = 0) -> None:
+        super().__init__(vocab_size=vocab_size, chunk_tokens=chunk_tokens)
         self.group = group
         self.shard = padded_vocab_size // dist.get_world_size(group)
         self.start = dist.get_rank(group) * self.shard
+
+    def head_sum(self, head: Linear, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The head (a column-parallel Linear entering its own region, parallel/tensor.py) and the loss, in
+        chunks of `chunk_tokens` when set."""
+        if not self.chunk_tokens:
+            return super().head_sum(head, hidden, targets)
+        x = head.tp_region.enter(hidden)
+        weight = head.weight.to_local() if isinstance(head.weight, DTensor) else head.weight
+        return linear_cross_entropy_sum(
+            x.flatten(0, -2), weight, targets.flatten(), chunk_tokens=self.chunk_tokens, vocab_size=self.vocab_size,
+            start=self.start, reduce_max=functools.partial(_all_reduce, op=dist.ReduceOp.MAX, group=self.group),
+            reduce_sum=functools.partial(_all_reduce, op=dist.ReduceOp.SUM, group=self.group))
 
     def sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         losses = _VocabParallelCrossEntropy.apply(

@@ -82,12 +82,16 @@ def head_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, *, vocab_para
                           final_norm: bool = True) -> float:
     """Final norm (an MTP module's is its own: `mtp_items`), the head's input and the fp32 log-softmax of the
     loss over the (tp-sharded) padded vocabulary, with the boolean mask of its padding columns (the loss masks
-    padding; the head is never sliced, models/model.py)."""
+    padding; the head is never sliced, models/model.py). Chunked (`lay.loss_chunk_tokens`): the head's input
+    as the loss reads it (under sequence parallelism gathered, every token) and one fp32 log-sum-exp per
+    token, no logits (models/linear.py `linear_cross_entropy_sum`)."""
     a, ts, h = lay.act_bytes, lay.seq_tokens, cfg.hidden_size
+    norm = a * ts * h + FP32 * ts if final_norm else 0  # its input and rstd (models/norm.py)
+    if lay.loss_chunk_tokens:
+        return norm + a * lay.tokens * h + FP32 * lay.tokens
     padded = cfg.padded_vocab_size()
     vocab = padded / lay.tp if vocab_parallel and lay.tp > 1 else padded
     mask = vocab if padded > cfg.vocab_size else 0
-    norm = a * ts * h + FP32 * ts if final_norm else 0  # its input and rstd (models/norm.py)
     return norm + a * ts * h + FP32 * lay.tokens * vocab + mask
 
 

@@ -166,7 +166,7 @@ class _CachedComm:
         self.model = model
         self.key = (id(model.m), model.tp, model.sp, model.a, model.t, model.ts, model.tm, model.batch,
                     model.layout.ep, model.layout.etp, model.layout.dp > 1, model.cp, model.cp_comm,
-                    model.layout.device)
+                    model.layout.device, model.chunked_loss)
 
     def _get(self, name: str, *args) -> list[Collective]:
         key = (*self.key, name, args)
@@ -231,6 +231,7 @@ class _ModelComm:
         self.a, self.h = lay.act_bytes, m.hidden_size
         self.t, self.ts, self.tm = lay.tokens, lay.seq_tokens, lay.moe_tokens
         self.batch = lay.micro_batch
+        self.chunked_loss = lay.loss_chunk_tokens > 0
 
     # ---- tensor parallelism: one region entered with `width` features, one row-parallel exit of h
     def _enter(self, width: float, direction: str, *, gemms: int, sp: bool | None = None,
@@ -427,10 +428,12 @@ class _ModelComm:
         return [("tp", "reduce_scatter", full), ("tp", "all_gather", full / self.tp)]
 
     def head(self) -> list[Collective]:
-        """A head's region (its column-parallel GEMM over the vocabulary) and the vocabulary-parallel loss."""
+        """A head's region (its column-parallel GEMM over the vocabulary) and the vocabulary-parallel loss. The
+        chunked loss keeps the gathered input whole: no gather again in backward."""
         if self.tp == 1:
             return []
-        region = self._enter(self.h, "forward", gemms=1) + self._enter(self.h, "backward", gemms=1)
+        gemms = 0 if self.chunked_loss else 1
+        region = self._enter(self.h, "forward", gemms=1) + self._enter(self.h, "backward", gemms=gemms)
         return region + [("tp", "all_reduce", FP32 * self.t)] * 3
 
 

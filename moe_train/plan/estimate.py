@@ -105,6 +105,7 @@ def _activation_layout(recipe: Recipe, layout: PlanLayout, a: Assumptions) -> Ac
         moe_imbalance=a.moe_imbalance,
         # position ids per row with packed documents, and under cp (each row's shard has its own positions)
         position_batch=layout.micro_batch if recipe.data.reset_at_eod or layout.cp > 1 else 1,
+        loss_chunk_tokens=layout.loss_chunk_tokens,
         documents=recipe.data.reset_at_eod, device=layout.device,
     )
 
@@ -212,11 +213,15 @@ def _rank_flops(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk], a: Assu
                         add(rec, {k: v for k, v in kinds[moe].items() if k != "mla_up_proj"}, count)
                 last = m.is_moe_layer(group[-1])
                 add(rec, _group_tail(m, kinds[last], last), -1.0)
+        # the chunked loss computes each chunk's logits again in backward (models/linear.py)
+        heads = chunk.loss + chunk.mtp
         if chunk.loss:
             add(fwd, {"head": head})
         for _ in range(chunk.mtp):
             forward_layer(m.moe is not None)
             add(fwd, {"eh_proj": 2.0 * 2 * m.hidden_size * m.hidden_size / layout.tp * replicated, "head": head})
+        if layout.loss_chunk_tokens and heads:
+            add(rec, {"head": head}, heads)
     forward = sum(fwd.values())
     recompute = sum(rec.values())
     # context-parallel attention's backward is 2.5x its forward where everything else is 2x
@@ -310,7 +315,10 @@ def _buffer_bytes(recipe: Recipe, shapes: ActivationLayout, layout: PlanLayout, 
         dispatch = 2 * shapes.act_bytes * expert_rows(model, shapes) * model.hidden_size
     loss_transient = 0.0
     if any(c.loss for c in chunks):
-        loss_transient = (shapes.act_bytes + 4) * shapes.tokens * model.padded_vocab_size() / layout.tp
+        # the logits and their fp32 copy; chunked, one chunk's at a time (with its gradient in the activation dtype)
+        rows = min(shapes.tokens, layout.loss_chunk_tokens) if layout.loss_chunk_tokens else shapes.tokens
+        extra = shapes.act_bytes if layout.loss_chunk_tokens else 0
+        loss_transient = (shapes.act_bytes + 4 + extra) * rows * model.padded_vocab_size() / layout.tp
     return assumptions.runtime_reserve_bytes + fsdp + max(dispatch, loss_transient, recompute_transient)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from moe_train.config.loss_chunks import recipe_loss_chunk_tokens
 from moe_train.config.mesh_shape import (
     DENSE_DIMS,
     EXPERT_DIMS,
@@ -40,6 +41,7 @@ class PlanLayout(MeshShape):
     pp_schedule: str
     pp_layout: str | None
     experts_apart: bool  # routed experts an FSDP2 unit of their own (`ParallelConfig.experts_apart`)
+    loss_chunk_tokens: int  # tokens per chunk of the head + loss (config/loss_chunks.py); 0: unchunked
     ep_split: tuple[int, int] = (1, 1)  # (epnode, eplocal) of the hierarchical dispatcher; else (1, ep)
     device: str = "cpu"  # launch.device: the kernel table's row (moe_train/kernels.py) the ranks run
 
@@ -52,6 +54,7 @@ class PlanLayout(MeshShape):
             recompute=RecomputePolicy.from_config(p.recompute),
             micro_batch=t.micro_batch_size, global_batch=t.global_batch_size, seq_length=t.seq_length,
             pp_schedule=p.pp_schedule, pp_layout=p.pp_layout, experts_apart=p.experts_apart,
+            loss_chunk_tokens=recipe_loss_chunk_tokens(recipe),
             ep_split=(ep_split(shape, dispatch_node_ranks(recipe)) if recipe.model.moe is not None
                       and recipe.model.moe.dispatcher == "hierarchical" else (1, p.ep)),
             device=recipe.launch.device,

@@ -68,6 +68,7 @@ class ActivationLayout:
     etp: int = 1
     moe_imbalance: float = 1.0
     position_batch: int = 1  # rows of position ids: 1 unless documents restart (data.reset_at_eod)
+    loss_chunk_tokens: int = 0  # the chunked head + loss (config/loss_chunks.py); 0: unchunked
     documents: bool = False  # data.reset_at_eod: attention restarts at each document (a mask every layer shares)
     device: str = "cpu"  # launch.device: the kernel table's row (MLA's value padding, the document mask's form)
 

@@ -48,6 +48,9 @@ def expert_kernel(dtype: torch.dtype, device: torch.device, *, hidden_size: int,
         if size * dtype.itemsize % 16:
             return fallback, (f"{name} {size} x {dtype.itemsize} bytes ({dtype}) is not a multiple of 16 bytes "
                               f"(torch._grouped_mm's stride alignment)")
+    if torch.compiler.is_compiling() and dtype != torch.bfloat16:
+        return fallback, (f"under torch.compile torch._grouped_mm takes bfloat16, not {dtype} (its fake-tensor "
+                          f"kernel, which compile traces with, rejects other dtypes)")
     if device.type == "cpu":
         if dtype not in _GROUPED_MM_CPU_DTYPES:
             return fallback, f"torch._grouped_mm on the CPU takes float32, bfloat16 or float16, not {dtype}"
@@ -142,6 +145,7 @@ class GroupedExperts(nn.Module):
         out = batched_mm(hidden, down_proj)
         return out.reshape(experts * capacity, -1).index_select(0, slot)
 
+    @torch.compiler.disable  # compiled, each expert's data-dependent rows would be a graph break of its own
     def _loop(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         # unbind once: indexing the stacked weight per expert would make each expert's backward allocate (and
         # zero) a gradient the size of all experts.
