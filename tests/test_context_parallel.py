@@ -78,7 +78,8 @@ def test_cp2_equals_single_process(tmp_path: Path, reference) -> None:
     """CP2 on 2 ranks (dp 1): qwen3-tiny with both K/V exchanges (and evaluation) and with packed documents,
     DeepSeek-V3-tiny (MLA, MTP, expert bias, seq_aux_loss over each sequence's shards) and qwen3-moe-tiny: the
     single process's losses, step-1 gradients, parameters and buffers after three steps, and expert balance
-    figures; and a CP2 run resumed at CP1 (DP2) from its step-2 checkpoint against four straight steps."""
+    figures; and a CP2 run resumed at CP1 (DP2) from its step-2 checkpoint, and a CP1 (DP2) run resumed at CP2,
+    each against four straight steps."""
     dense, moe = dp.FP32["qwen3-tiny"], dp.FP32["qwen3-moe-tiny"]
     cases = [
         dp.case("cp2-p2p-qwen3-tiny", "qwen3-tiny", [*dense, "parallel.cp=2", "parallel.cp_comm=p2p"], evaluate=True),
@@ -89,6 +90,9 @@ def test_cp2_equals_single_process(tmp_path: Path, reference) -> None:
         # two steps at cp 2, two more from its checkpoint at cp 1 (dp 2): DCP reshards, the run goes on
         dp.case("cp2-to-cp1-qwen3-tiny", "qwen3-tiny", [*dense, "parallel.cp=2"], steps=4, stop_at=2,
                 resume_overrides=["parallel.cp=1"]),
+        # and back: two steps at cp 1 (dp 2), two more at cp 2 (dp 1)
+        dp.case("cp1-to-cp2-qwen3-tiny", "qwen3-tiny", dense, steps=4, stop_at=2,
+                resume_overrides=["parallel.cp=2"]),
     ]
     saved = run_ranks("train_layouts", 2, {"cases": cases, "run_root": str(tmp_path / "cp2")}, tmp_path,
                       timeout=400)
@@ -100,12 +104,13 @@ def test_cp2_equals_single_process(tmp_path: Path, reference) -> None:
     dp.assert_same_run(records["cp2-docs-qwen3-tiny"], reference("qwen3-tiny", [*dense, DOCS]))
     dp.assert_same_run(records["cp2-deepseek-v3-tiny"], reference("deepseek-v3-tiny", MTP_RECIPE))
     dp.assert_same_run(records["cp2-qwen3-moe-tiny"], reference("qwen3-moe-tiny", moe))
-    resumed = records["cp2-to-cp1-qwen3-tiny"]
-    assert resumed["started"] == 2
     straight = reference("qwen3-tiny", dense, steps=4)
-    for key, value in straight["state"].items():
-        torch.testing.assert_close(resumed["state"][key], value, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, key=key: f"{key}: {m}")
+    for name in ("cp2-to-cp1-qwen3-tiny", "cp1-to-cp2-qwen3-tiny"):
+        resumed = records[name]
+        assert resumed["started"] == 2, name
+        for key, value in straight["state"].items():
+            torch.testing.assert_close(resumed["state"][key], value, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, key=key, name=name: f"{name}: {key}: {m}")
 
 
 def test_cp_composes_on_four_ranks(tmp_path: Path, reference) -> None:
