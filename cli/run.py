@@ -14,7 +14,7 @@ import typer
 from moe_train.checkpoint.layout import CheckpointError
 from moe_train.checkpoint.manifest import sizes_only
 from moe_train.checkpoint.resume import start_point
-from moe_train.config import Recipe, unsupported
+from moe_train.config import Recipe, RecipeError, load_recipe, unsupported
 from moe_train.launch.job_env import job_environment
 from moe_train.launch.render import torchrun_argv
 from moe_train.launch.rundir import prepare_run_dir, read_run_recipe
@@ -79,8 +79,7 @@ def run(
     overrides = list(set or [])
     emulated = False
     if nproc is not None:
-        launch = load_or_exit(recipe, overrides)
-        emulated = launch.launch.nodes > 1 and launch.launch.device == "cpu" and nproc == launch.world_size
+        emulated = _emulates_its_nodes(recipe, overrides, nproc)
         if not emulated:
             overrides += ["launch.nodes=1", f"launch.gpus_per_node={nproc}"]
     resolved = load_or_exit(recipe, overrides)
@@ -111,3 +110,14 @@ def run(
     from moe_train.train import train_and_report
 
     raise typer.Exit(train_and_report(resolved))
+
+
+def _emulates_its_nodes(recipe: str, overrides: list[str], nproc: int) -> bool:
+    """Whether `--nproc N` runs a multi-node CPU recipe as written, its nodes emulated on this machine (N equal to
+    its world size; the hierarchical dispatcher's nodes are rank // gpus_per_node). Any other recipe, one that
+    loads only once --nproc sizes it included, trains on one node of N ranks."""
+    try:
+        written = load_recipe(recipe, overrides, check_files=False)
+    except RecipeError:
+        return False
+    return written.launch.nodes > 1 and written.launch.device == "cpu" and nproc == written.world_size

@@ -26,11 +26,7 @@ from moe_train.plan.rank_layout import PlanLayout
 RTOL = 2e-6  # fp32: measured ~1e-7 on the losses, <= 8e-7 of each gradient's largest element
 
 
-@pytest.fixture(autouse=True)
-def no_default_process_group():
-    """measure's fake process group needs this process's default group slot (see test_measure)."""
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("no_process_group")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny"])

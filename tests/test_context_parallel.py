@@ -165,11 +165,6 @@ def test_default_exchange_per_family() -> None:
 
 # ------------------------------------------------------------------------------------ plan against measure
 
-@pytest.fixture
-def no_process_group():
-    """measure --fake makes its own fake default group: leave it the slot an earlier in-process run took."""
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def _tiny_cp(name: str, world: int, extra: list[str]):

@@ -243,14 +243,12 @@ def test_fp8_checkpoint_exports_to_hf_and_continues_in_bf16(qwen_runs, tmp_path)
     assert continued[0] == pytest.approx(fp8[-1], rel=0.25)  # from where fp8 left off, not from scratch (~5.5)
 
 
-def test_measure_reports_fp8_gemms_by_count():
+def test_measure_reports_fp8_gemms_by_count(no_process_group):
     """One micro-batch through one layer of qwen3-moe-tiny: 4 attention projections x 3 products (linear),
     3 expert projections x 3 products (grouped), as written out from the config."""
     from moe_train.config import load_recipe
     from moe_train.measure.driver import Target, measure
 
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
     report = measure(load_recipe("qwen3-moe-tiny", [*SHORT, "train.precision=fp8"]), Target())
     assert report["fp8_gemms"] == {**{f"linear/{p}/real": 4 for p in ("forward", "input_grad", "weight_grad")},
                                    **{f"grouped/{p}/emulated": 3 for p in ("forward", "input_grad", "weight_grad")}}
@@ -277,7 +275,7 @@ def test_grouped_weight_gradient_scales_each_experts_tokens_alone(recipe):
         torch.testing.assert_close(got[expert], want, rtol=1e-5, atol=1e-5, msg=f"expert {expert}")
 
 
-def test_plan_holds_fp8_to_measure_exactly():
+def test_plan_holds_fp8_to_measure_exactly(no_process_group):
     """fp8 saves what bf16 saves (the high-precision operands), adds no collective and counts the same FLOPs, so
     plan (which prices fp8's memory and traffic as bf16's) equals measure exactly: deepseek-v3-tiny at TP2 with
     sequence parallelism, fake ranks (MLA, a dense layer, shared and routed experts). Its fp8 GEMMs per micro-batch:
@@ -288,8 +286,6 @@ def test_plan_holds_fp8_to_measure_exactly():
     from moe_train.measure.versus_plan import against
     from moe_train.plan.estimate import estimate, plan_json
 
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
     recipe = load_recipe("deepseek-v3-tiny", [
         "model.num_layers=2", "model.mtp_layers=0", "train.seq_length=64", "train.precision=fp8",
         "train.micro_batch_size=1", "train.global_batch_size=1", "parallel.tp=2", "launch.gpus_per_node=2",
@@ -304,7 +300,7 @@ def test_plan_holds_fp8_to_measure_exactly():
 # ------------------------------------------------------------------------------------- train.adam_moment_dtype
 
 
-def test_bf16_adam_moments_halve_the_optimizer_state_as_planned():
+def test_bf16_adam_moments_halve_the_optimizer_state_as_planned(no_process_group):
     """Measured optimizer bytes drop by 4 per parameter (m and v: 8 -> 4), as plan says; the update stays
     AdamW's: the first step's parameters agree with fp32 moments' to bf16's rounding of the moments."""
     from moe_train.config import load_recipe
@@ -312,8 +308,6 @@ def test_bf16_adam_moments_halve_the_optimizer_state_as_planned():
     from moe_train.measure.driver import Target, measure
     from moe_train.plan.estimate import estimate, plan_json
 
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
     reports, plans = {}, {}
     for dtype in ("fp32", "bf16"):
         recipe = load_recipe("qwen3-moe-tiny", [*SHORT, "train.precision=fp32", f"train.adam_moment_dtype={dtype}"])

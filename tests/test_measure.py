@@ -37,12 +37,7 @@ DEEPSEEK_TODAY = (
 )
 
 
-@pytest.fixture(autouse=True)
-def no_default_process_group():
-    """In-process trainers of other test modules leave their one-rank process group behind; measure (and its
-    fake process group) needs the default group slot of this process."""
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("no_process_group")  # tests/conftest.py
 
 
 def assert_same_step(fake: dict, real: dict) -> None:

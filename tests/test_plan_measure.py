@@ -13,7 +13,6 @@ import itertools
 import time
 
 import pytest
-import torch
 from multirank import run_ranks
 from test_measure import assert_same_step
 
@@ -30,11 +29,7 @@ from moe_train.plan.rank_layout import PlanLayout, in_flight
 GPU = HARDWARE["h100"]
 
 
-@pytest.fixture(autouse=True)
-def no_default_process_group():
-    """measure's fake process group needs this process's default group slot (see test_measure)."""
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("no_process_group")  # tests/conftest.py
 
 
 def recompute(policy: str) -> list[str]:
