@@ -176,6 +176,23 @@ def _halves(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[..., :chunk, :], x[..., chunk:, :]
 
 
+def _save(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, outs: list[torch.Tensor],
+          lses: list[torch.Tensor], mask: ShardMask, scale: float, group: dist.ProcessGroup) -> torch.Tensor:
+    """Both exchanges' forward end: the halves' outputs joined, and what backward recomputes the blocks from (q,
+    k, v, the output and its fp32 log-sum-exp, the document positions when there are documents)."""
+    out, lse = torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
+    ctx.save_for_backward(q, k, v, out, lse, *(() if mask.positions is None else (mask.positions,)))
+    ctx.mask, ctx.scale, ctx.group = mask, scale, group
+    return out
+
+
+def _saved(ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, ShardMask]:
+    """`_save`'s tensors back, the mask rebuilt around the saved positions."""
+    q, k, v, out, lse, *positions = ctx.saved_tensors
+    mask = ShardMask(chunks=ctx.mask.chunks, chunk=ctx.mask.chunk, positions=positions[0] if positions else None)
+    return q, k, v, out, lse, mask
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask: ShardMask, scale: float, group: dist.ProcessGroup):
@@ -196,15 +213,11 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 flat, requests = pending
                 _wait(requests)
-        out, lse = torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
-        ctx.save_for_backward(q, k, v, out, lse, *(() if mask.positions is None else (mask.positions,)))
-        ctx.mask, ctx.scale, ctx.group = mask, scale, group
-        return out
+        return _save(ctx, q, k, v, outs, lses, mask, scale, group)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, *positions = ctx.saved_tensors
-        mask = ShardMask(chunks=ctx.mask.chunks, chunk=ctx.mask.chunk, positions=positions[0] if positions else None)
+        q, k, v, out, lse, mask = _saved(ctx)
         group, scale, c = ctx.group, ctx.scale, mask.chunk
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         dtype = lse.dtype  # the blocks' compute dtype (fp32; fp64 for fp64 inputs)
@@ -278,15 +291,11 @@ class _AllGatherAttention(torch.autograd.Function):
             o, lse = block_forward(q_half, k_all[..., :end, :], v_all[..., :end, :], allowed, scale)
             outs.append(o)
             lses.append(lse)
-        out, lse = torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
-        ctx.save_for_backward(q, k, v, out, lse, *(() if mask.positions is None else (mask.positions,)))
-        ctx.mask, ctx.scale, ctx.group = mask, scale, group
-        return out
+        return _save(ctx, q, k, v, outs, lses, mask, scale, group)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, *positions = ctx.saved_tensors
-        mask = ShardMask(chunks=ctx.mask.chunks, chunk=ctx.mask.chunk, positions=positions[0] if positions else None)
+        q, k, v, out, lse, mask = _saved(ctx)
         group, scale, c = ctx.group, ctx.scale, mask.chunk
         size = dist.get_world_size(group)
         k_all, v_all = _in_sequence_order(_gather_kv(k, v, group), (k, v), c)
