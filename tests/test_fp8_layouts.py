@@ -6,6 +6,8 @@ GEMM operand with scales taken over what the rank holds (a tensor-parallel shard
 tokens), so layouts are not bit-equal: the losses agree within 2e-2 relative. The fp8 GEMMs a TP2 rank runs are as
 many as the single process runs (every GEMM of the model reaches the fp8 site on its shard: a module swap would
 have been bypassed by the tensor-parallel styles), and the resumed run equals the uninterrupted one bit for bit.
+With `train.fp8.saved_inputs: fp8` (the GEMMs keep fp8 inputs for backward) TP2+SP and EP2 equal the same layouts
+keeping bf16 inputs bit for bit: losses, first-step gradients, final parameters.
 """
 
 from __future__ import annotations
@@ -26,12 +28,15 @@ LAYOUTS = {
     "ep2": ["parallel.ep=2"],
     "dp2": [],
 }
+KEPT_FP8 = ("tp2-sp", "ep2")  # also run keeping fp8 inputs
 
 
 def test_fp8_layouts_equal_the_single_process_run(tmp_path: Path) -> None:
     cases = [{"id": key, "recipe": "qwen3-moe-tiny", "overrides": [*SHRINK, *sets], "steps": STEPS}
              for key, sets in LAYOUTS.items()]
     moments = [*SHRINK, "train.adam_moment_dtype=bf16"]  # and bf16 moments, which a checkpoint load casts to fp32
+    cases += [{"id": f"{key}-fp8-kept", "recipe": "qwen3-moe-tiny", "steps": STEPS,
+               "overrides": [*SHRINK, *LAYOUTS[key], "train.fp8.saved_inputs=fp8"]} for key in KEPT_FP8]
     cases += [{"id": "resumed", "recipe": "qwen3-moe-tiny", "overrides": moments, "steps": 4, "stop_at": 2},
               {"id": "straight", "recipe": "qwen3-moe-tiny", "overrides": moments, "steps": 4}]
     saved = run_ranks("train_layouts", 2, {"cases": cases, "run_root": str(tmp_path / "fp8")}, tmp_path, timeout=420)
@@ -42,6 +47,13 @@ def test_fp8_layouts_equal_the_single_process_run(tmp_path: Path) -> None:
         assert records[key]["losses"] == pytest.approx(want["losses"], rel=2e-2), key
     assert records["tp2-sp"]["fp8_gemms"] == want["fp8_gemms"]  # on each rank: its shards, all its GEMMs
     assert all(sum(records[key]["fp8_gemms"].values()) > 0 for key in LAYOUTS)
+
+    for key in KEPT_FP8:
+        kept, plain = records[f"{key}-fp8-kept"], records[key]
+        assert kept["losses"] == plain["losses"], key
+        for kind in ("grads", "state"):
+            assert kept[kind].keys() == plain[kind].keys()
+            assert [name for name, value in plain[kind].items() if not torch.equal(kept[kind][name], value)] == []
 
     resumed, straight = records["resumed"], records["straight"]
     assert resumed["started"] == 2

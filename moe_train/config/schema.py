@@ -227,6 +227,10 @@ class Fp8Config(Section):
         ("attention", "mlp", "shared_experts", "experts"), description="The GEMMs in fp8; the head is left out "
         "by default.")
     fp8_all_gather: bool = Field(False, description="FSDP2 gathers weights in fp8 (torchao: tensorwise only).")
+    saved_inputs: Literal["bf16", "fp8"] = Field(
+        "bf16", description="What each fp8 GEMM keeps of its input for backward: bf16 (re-quantised there), or fp8 "
+        "data and scales quantised as the weight gradient reads them (Megatron-Core/transformer-engine's and "
+        "DeepSeek-V3's). The same numbers bit for bit; fp8 holds about half the bytes.")
 
 
 class TrainConfig(Section):

@@ -43,6 +43,7 @@ IGNORED_FIELDS: tuple[tuple[str, ...], ...] = (
     ("logging", "wandb"),
     ("train", "compile"),  # compiled blocks compute what eager ones do (moe_train/parallel/compile.py)
     ("model", "moe", "dispatcher"),  # how tokens travel to their experts, not what the experts compute
+    ("train", "fp8", "saved_inputs"),  # what fp8 GEMMs keep for backward: memory, the same numbers bit for bit
 )
 
 

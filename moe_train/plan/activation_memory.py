@@ -9,7 +9,7 @@ from moe_train.config.schema import ModelConfig
 from moe_train.kernels import kernels_for
 
 from .recompute_policy import RecomputePolicy, recompute_groups
-from .saved_tensors import FP32, INT32, INT64, ActivationLayout, Saved, layer_items, norm_items
+from .saved_tensors import FP32, INT32, INT64, ActivationLayout, Saved, gemm_input, layer_items, norm_items
 from .selective_recompute import apply_selective
 
 
@@ -84,7 +84,9 @@ def head_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, *, vocab_para
     loss over the (tp-sharded) padded vocabulary, with the boolean mask of its padding columns (the loss masks
     padding; the head is never sliced, models/model.py). Chunked (`lay.loss_chunk_tokens`): the head's input
     as the loss reads it (under sequence parallelism gathered, every token) and one fp32 log-sum-exp per
-    token, no logits (models/linear.py `linear_cross_entropy_sum`)."""
+    token, no logits (models/linear.py `linear_cross_entropy_sum`, whose GEMMs are never fp8). An fp8 head
+    (train.fp8.modules head) keeps its input as fp8 GEMMs do (`gemm_input`), but as a column-parallel GEMM under
+    sequence parallelism (its bf16 shard)."""
     a, ts, h = lay.act_bytes, lay.seq_tokens, cfg.hidden_size
     norm = a * ts * h + FP32 * ts if final_norm else 0  # its input and rstd (models/norm.py)
     if lay.loss_chunk_tokens:
@@ -92,7 +94,9 @@ def head_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, *, vocab_para
     padded = cfg.padded_vocab_size()
     vocab = padded / lay.tp if vocab_parallel and lay.tp > 1 else padded
     mask = vocab if padded > cfg.vocab_size else 0
-    return norm + a * ts * h + FP32 * lay.tokens * vocab + mask
+    fp8 = None if lay.gathers_shards else lay.kept_fp8("head")
+    head_input = sum(i.bytes for i in gemm_input("head", "head.input", ts, h, a, fp8))
+    return norm + head_input + FP32 * lay.tokens * vocab + mask
 
 
 def mtp_items(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) -> list[Saved]:

@@ -107,7 +107,16 @@ def _activation_layout(recipe: Recipe, layout: PlanLayout, a: Assumptions) -> Ac
         position_batch=layout.micro_batch if recipe.data.reset_at_eod or layout.cp > 1 else 1,
         loss_chunk_tokens=layout.loss_chunk_tokens,
         documents=recipe.data.reset_at_eod, device=layout.device,
+        **_fp8_kept(recipe),
     )
+
+
+def _fp8_kept(recipe: Recipe) -> dict:
+    """What the fp8 GEMMs keep for backward (train.fp8.saved_inputs), for ActivationLayout."""
+    fp8 = recipe.train.fp8
+    if recipe.train.precision != "fp8" or fp8.saved_inputs != "fp8":
+        return {}
+    return {"fp8_kept": fp8.recipe, "fp8_modules": tuple(sorted(set(fp8.modules)))}
 
 
 def _kernel(region: str) -> str:

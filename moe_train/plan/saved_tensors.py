@@ -21,6 +21,12 @@ parameters excluded). What the code saves, and so what is listed:
   (the weighted sum runs in fp32 and widens them again in backward) and the weights.
 - Rotary tables: cos/sin are computed once per forward and shared by every layer (counted once, under
   `other`); in a bf16 run FSDP2 hands each layer its own bf16 cast of them, kept by its rotations.
+- fp8 GEMMs with `train.fp8.saved_inputs: fp8` keep their input in fp8 instead (`gemm_input`, models/fp8/gemm.py):
+  1 byte an element and the fp32 scales of the weight gradient's quantisation (along the tokens), one copy per
+  input however many GEMMs read it; the grouped experts' rows with one scale row per block of each expert's
+  rows (`grouped_scale_bytes`). Not so: a column-parallel GEMM under sequence parallelism (it keeps its
+  sequence shard in bf16 and gathers it again), and the shared experts' gate and up (they read the router's
+  input, which stays bf16).
 
 Every item carries the region a recompute policy can drop and how it shards (see `_shard`). Tensor and
 sequence parallelism follow Korthikanti et al. (2022): head- and ffn-sharded tensors divide by tp; the rest
@@ -32,6 +38,7 @@ a rank's share of the tokens (T / tp); each rank's experts see `top_k` rows per 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from moe_train.config.schema import ModelConfig
@@ -40,6 +47,8 @@ from moe_train.kernels import kernels_for
 FP32 = 4
 INT64 = 8
 INT32 = 4
+FP8 = 1
+BLOCKS = {"blockwise": 128, "mxfp8": 32}  # activation blocks along the tokens (models/fp8/scaling.py)
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,17 @@ class ActivationLayout:
     loss_chunk_tokens: int = 0  # the chunked head + loss (config/loss_chunks.py); 0: unchunked
     documents: bool = False  # data.reset_at_eod: attention restarts at each document (a mask every layer shares)
     device: str = "cpu"  # launch.device: the kernel table's row (MLA's value padding, the document mask's form)
+    fp8_kept: str | None = None  # train.fp8.saved_inputs fp8: the recipe whose fp8 inputs the fp8 GEMMs keep
+    fp8_modules: tuple[str, ...] = ()  # train.fp8.modules: the GEMM kinds in fp8
+
+    def kept_fp8(self, kind: str) -> str | None:
+        """The recipe in which GEMMs of `kind` (train.fp8.modules' names) keep their input, None: as it came."""
+        return self.fp8_kept if kind in self.fp8_modules else None
+
+    @property
+    def gathers_shards(self) -> bool:
+        """Column-parallel GEMMs keep their sequence shard (in bf16) and gather it again in backward."""
+        return self.sequence_parallel and self.tp > 1
 
     @property
     def mla_value_padded(self) -> bool:
@@ -101,12 +121,45 @@ def norm_items(region: str, prefix: str, tokens: float, width: float, a: int, *,
     ]
 
 
-def _swiglu(region: str, prefix: str, rows: float, ffn: float, a: int) -> list[Saved]:
+def linear_scale_bytes(recipe: str, rows: float, cols: float) -> float:
+    """fp32 scales of a GEMM input x [rows, cols] kept as its weight gradient reads it, x^T along the rows: one
+    (tensorwise), one per column (rowwise), per column and block of 128 (blockwise) or 32 (MX) rows."""
+    if recipe == "tensorwise":
+        return FP32
+    if recipe == "rowwise":
+        return FP32 * cols
+    return FP32 * cols * math.ceil(rows / BLOCKS[recipe])
+
+
+def grouped_scale_bytes(recipe: str, rows: float, cols: float, experts: float) -> float:
+    """fp32 scales of the grouped experts' rows [rows, cols] kept along each expert's rows: one (tensorwise), one
+    row of scales per expert (rowwise), per block of an expert's rows, at most rows // block + experts of them
+    (blockwise, MX; models/fp8/scaling.py `_group_blocks`)."""
+    if recipe == "tensorwise":
+        return FP32
+    if recipe == "rowwise":
+        return FP32 * experts * cols
+    return FP32 * (math.floor(rows / BLOCKS[recipe]) + experts) * cols
+
+
+def gemm_input(region: str, name: str, rows: float, cols: float, a: int, recipe: str | None, *,
+               experts: float | None = None) -> list[Saved]:
+    """A GEMM's input x [rows, cols] as its GEMM keeps it: as it came, or in fp8 (`recipe`) with its scales
+    (`{name}.scale`); `experts`: the grouped experts' rows, scaled per expert."""
+    if recipe is None:
+        return [Saved(region, name, a * rows * cols)]
+    scales = (linear_scale_bytes(recipe, rows, cols) if experts is None
+              else grouped_scale_bytes(recipe, rows, cols, experts))
+    return [Saved(region, name, FP8 * rows * cols), Saved(region, f"{name}.scale", scales)]
+
+
+def _swiglu(region: str, prefix: str, rows: float, ffn: float, a: int, down: str | None = None) -> list[Saved]:
+    """`down`: the recipe in which the down projection keeps its input (the product), None: as it came."""
     return [
         Saved(region, f"{prefix}.gate", a * rows * ffn),
         Saved(region, f"{prefix}.up", a * rows * ffn),
         Saved(region, f"{prefix}.silu", a * rows * ffn),
-        Saved(region, f"{prefix}.down_input", a * rows * ffn),
+        *gemm_input(region, f"{prefix}.down_input", rows, ffn, a, down),
     ]
 
 
@@ -122,18 +175,20 @@ def _rope_casts(cfg: ModelConfig, lay: ActivationLayout, rope_dim: int) -> list[
 def _attention(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
     a, t, ts, h, tp = lay.act_bytes, lay.tokens, lay.seq_tokens, cfg.hidden_size, lay.tp
     heads = cfg.num_attention_heads / tp
-    items = [Saved("attn_input", "attention.input", a * ts * h)]  # the input norm's output, kept by q/k/v
+    fp8 = lay.kept_fp8("attention")
+    column = None if lay.gathers_shards else fp8  # how a column-parallel GEMM keeps its input
     if cfg.family == "deepseek_v3":
         qk, v, r = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.qk_rope_head_dim
         # The latent projections are replicated over tp and run on the sequence region (sharded under SP); the
         # up projections after the all-gather keep only that shard (parallel/tensor.py).
+        items = gemm_input("attn_input", "attention.input", ts, h, a, fp8)  # the input norm's output
         if cfg.q_lora_rank:
             items += norm_items("mla_latent", "q_a_layernorm", ts, cfg.q_lora_rank, a)
-            items.append(Saved("mla_latent", "q_b_proj.input", a * ts * cfg.q_lora_rank))
+            items += gemm_input("mla_latent", "q_b_proj.input", ts, cfg.q_lora_rank, a, column)
         kvl = cfg.kv_lora_rank
         # The norm's input is a view of kv_a_proj's whole output (latent + rope key): it keeps that storage.
         items += norm_items("mla_latent", "kv_a_layernorm", ts, kvl, a, storage_width=kvl + r)
-        items.append(Saved("mla_latent", "kv_b_proj.input", a * ts * kvl))
+        items += gemm_input("mla_latent", "kv_b_proj.input", ts, kvl, a, column)
         items += _rope_casts(cfg, lay, r)
         qk_width, v_width = (max(qk, v), max(qk, v)) if lay.mla_value_padded else (qk, v)
         items += [
@@ -142,9 +197,10 @@ def _attention(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
             Saved("mla_up_proj", "sdpa.v", a * t * heads * v_width),
             Saved("core_attn", "sdpa.out", a * t * heads * v_width),
             Saved("core_attn", "sdpa.logsumexp", FP32 * t * heads),
-            Saved("attention", "o_proj.input", a * t * heads * v),
+            *gemm_input("attention", "o_proj.input", t, heads * v, a, fp8),
         ]
         return items
+    items = gemm_input("attn_input", "attention.input", ts, h, a, column)  # the input norm's output, kept by q/k/v
     d, kv_heads = cfg.attention_head_dim, cfg.kv_heads / tp
     if cfg.qk_norm:
         items += norm_items("attention", "q_norm", t * heads, d, a)
@@ -156,15 +212,16 @@ def _attention(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
         Saved("attention", "sdpa.v", a * t * kv_heads * d),
         Saved("core_attn", "sdpa.out", a * t * heads * d),
         Saved("core_attn", "sdpa.logsumexp", FP32 * t * heads),
-        Saved("attention", "o_proj.input", a * t * heads * d),
+        *gemm_input("attention", "o_proj.input", t, heads * d, a, fp8),
     ]
     return items
 
 
 def _dense_mlp(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
-    a, t = lay.act_bytes, lay.tokens
-    return [Saved("mlp_input", "mlp.input", a * lay.seq_tokens * cfg.hidden_size)] + _swiglu(
-        "mlp", "mlp", t, cfg.ffn_hidden_size / lay.tp, a
+    a, t, fp8 = lay.act_bytes, lay.tokens, lay.kept_fp8("mlp")
+    column = None if lay.gathers_shards else fp8
+    return gemm_input("mlp_input", "mlp.input", lay.seq_tokens, cfg.hidden_size, a, column) + _swiglu(
+        "mlp", "mlp", t, cfg.ffn_hidden_size / lay.tp, a, fp8
     )
 
 
@@ -204,12 +261,13 @@ def _moe(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
         # received rows (source-major) sorted by local expert, and back: each index_select keeps its index
         items += [Saved("moe", "dispatch.local_order", INT64 * rows),
                   Saved("moe", "combine.source_major", INT64 * rows)]
+    fp8, local = lay.kept_fp8("experts"), e / lay.ep
     items += [
-        Saved("moe", "experts.offsets", INT32 * e / lay.ep),
-        Saved("moe", "experts.input", a * rows * h),
+        Saved("moe", "experts.offsets", INT32 * local),
+        *gemm_input("moe", "experts.input", rows, h, a, fp8, experts=local),
         Saved("moe", "experts.gate_up", a * rows * 2 * ffn),
         Saved("moe_act", "experts.silu", a * rows * ffn),
-        Saved("moe_act", "experts.down_input", a * rows * ffn),
+        *gemm_input("moe_act", "experts.down_input", rows, ffn, a, fp8, experts=local),
     ]
     # The combine weights and sums in fp32 but keeps the expert outputs in the activation dtype (permute.py).
     if gathered:
@@ -224,7 +282,9 @@ def _moe(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
     if moe.shared_expert_ffn_hidden_size:
         # The shared expert's input is the norm's output, which the router keeps already (one storage).
         # Tensor-parallel like a dense MLP: the tp ranks' token shares gathered, the ffn sharded.
-        items += _swiglu("shared_experts", "shared_experts", lay.tokens, moe.shared_expert_ffn_hidden_size / lay.tp, a)
+        # Its gate and up keep that storage in fp8 runs too (models/fp8/select.py); the down projection its own.
+        items += _swiglu("shared_experts", "shared_experts", lay.tokens, moe.shared_expert_ffn_hidden_size / lay.tp, a,
+                         lay.kept_fp8("shared_experts"))
     return items
 
 

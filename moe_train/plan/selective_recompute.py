@@ -12,7 +12,17 @@ SWIGLU = ("gate", "up", "silu", "down_input")
 
 
 def _without(items: list[Saved], names: set[str]) -> list[Saved]:
+    """`items` but `names` (and their fp8 scales)."""
+    names = names | {f"{n}.scale" for n in names}
     return [i for i in items if i.name not in names]
+
+
+def _kept_as_input(items: list[Saved], region: str, name: str, bytes_: float) -> list[Saved]:
+    """A recomputed region's input that one of its own fp8 GEMMs kept in fp8 (`name`, with `name.scale`): the
+    region keeps the input as it came instead (checkpoint saves a region's inputs; what its GEMMs saved goes)."""
+    if not any(i.name == f"{name}.scale" for i in items):
+        return items
+    return [*_without(items, {name}), Saved(region, name, bytes_)]
 
 
 def _layernorm_recomputed(items: list[Saved], lay: ActivationLayout, h: int) -> list[Saved]:
@@ -34,6 +44,9 @@ def _mla_up_recomputed(items: list[Saved], cfg: ModelConfig, lay: ActivationLayo
     a, r = lay.act_bytes, cfg.qk_rope_head_dim
     dropped = {"sdpa.q", "sdpa.k", "sdpa.v", "sdpa.out", "sdpa.logsumexp"}  # the rotary casts are its inputs
     out = _without(items, dropped)
+    if cfg.q_lora_rank:  # the latents: inputs of its up projections, which kept them in fp8 otherwise
+        out = _kept_as_input(out, "mla_latent", "q_b_proj.input", a * lay.seq_tokens * cfg.q_lora_rank)
+    out = _kept_as_input(out, "mla_latent", "kv_b_proj.input", a * lay.seq_tokens * cfg.kv_lora_rank)
     if lay.sequence_parallel and lay.tp > 1:
         out.append(Saved("mla_up_proj", "mla_up_proj.rope_key", a * lay.tokens * r))
     return out
@@ -43,7 +56,8 @@ def apply_selective(items: list[Saved], modules: tuple[str, ...], cfg: ModelConf
     """The items left when the `modules` of selective recompute run again in backward.
 
     core_attn: SDPA keeps its inputs only (its output and logsumexp go). mla_up_proj: see `_mla_up_recomputed`.
-    mlp / shared_experts: the MLP keeps its input only (already an item). moe: the whole layer keeps its input,
+    mlp / shared_experts: the MLP keeps its input only (already an item; in bf16 where its fp8 GEMMs kept it in
+    fp8; the shared experts' is the router's). moe: the whole layer keeps its input,
     the post-attention norm's output (a x Ts x h). moe_act: silu(gate) goes; gate and up are its inputs and the
     product its output, kept by the down projection. layernorm: see `_layernorm_recomputed`.
     """
@@ -64,6 +78,7 @@ def apply_selective(items: list[Saved], modules: tuple[str, ...], cfg: ModelConf
             out = _without(out, {f"shared_experts.{n}" for n in SWIGLU})
     elif "mlp" in names:
         out = _without(out, {f"mlp.{n}" for n in SWIGLU})
+        out = _kept_as_input(out, "mlp_input", "mlp.input", lay.act_bytes * lay.seq_tokens * cfg.hidden_size)
     if "layernorm" in names:
         out = _layernorm_recomputed(out, lay, cfg.hidden_size)
     return out

@@ -13,8 +13,17 @@ A product A [M, K] @ B [N, K]^T runs one of two ways, chosen by the per-device k
 Forward y = x W^T quantises x (input) and W (weight) along `in`; backward quantises the output gradient
 (grad) along `out` against W^T for the input gradient, and along the tokens against x^T for the weight
 gradient, so each GEMM's scales run along its own reduction dimension (as torchao's rowwise recipe recasts
-in backward). Only the high-precision x and W are saved for backward: what a bf16 GEMM saves, nothing more.
-Master weights, the router, norms, softmax, the loss and the all-to-all payload never come here.
+in backward). Master weights, the router, norms, softmax, the loss and the all-to-all payload never come here.
+
+What a GEMM keeps for backward (`train.fp8.saved_inputs`): `bf16` the high-precision x and W, what a bf16 GEMM
+keeps, re-quantised in backward; `fp8` x already quantised the way its one backward reader, the weight
+gradient, quantises it (along the tokens: x^T [in, tokens] in the recipe's activation blocks; tensorwise: the
+forward's own fp8 x, one scale either way round; the grouped experts' rows along each expert's own tokens,
+scaling.quantise_along_groups), fp8 data and fp32 scales, as Megatron-Core with transformer-engine and
+DeepSeek-V3 ("cache the activations in FP8") keep them. Backward then computes what it computed from the bf16
+x, bit for bit (the same quantisation of the same values). The input gradient reads only W and the output
+gradient. W stays as it is (a parameter: no activation memory). GEMMs reading the same input (q/k/v, MLA's
+two down projections, gate and up) share one fp8 copy (`_kept`).
 
 `count_fp8_gemms` tallies every fp8 GEMM a region runs (measure and the tests): kind (linear or grouped),
 product (forward, input_grad, weight_grad), real or emulated.
@@ -23,14 +32,29 @@ product (forward, input_grad, weight_grad), real or emulated.
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from moe_train.kernels import kernels_for
-from moe_train.models.fp8.scaling import Recipe, Role, dequantised_along_groups, quantise
+from moe_train.models.fp8.scaling import (
+    GroupQuantised,
+    Quantised,
+    Recipe,
+    Role,
+    block_shape,
+    dequantised_along_groups,
+    quantise,
+    quantise_along_groups,
+)
+
+SavedInputs = Literal["bf16", "fp8"]
 
 _TALLIES: list[Counter] = []
 
@@ -61,12 +85,15 @@ def _scaled_mm_scale(scale: torch.Tensor, recipe: Recipe) -> torch.Tensor:
     return inverse.reshape(()) if recipe == "tensorwise" else inverse
 
 
-def product(a: torch.Tensor, b: torch.Tensor, *, recipe: Recipe, roles: tuple[Role, Role], real: bool,
-            out_dtype: torch.dtype) -> torch.Tensor:
-    """a [M, K] @ b [N, K]^T -> [M, N] with both operands in fp8 along K."""
-    if a.shape[0] == 0 or b.shape[0] == 0 or a.shape[1] == 0:
-        return a.new_zeros(a.shape[0], b.shape[0], dtype=out_dtype)
-    qa, qb = quantise(a, recipe=recipe, role=roles[0]), quantise(b, recipe=recipe, role=roles[1])
+def product(a: torch.Tensor | Quantised, b: torch.Tensor | Quantised, *, recipe: Recipe, roles: tuple[Role, Role],
+            real: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, K] @ b [N, K]^T -> [M, N] with both operands in fp8 along K; an operand may come quantised already
+    (the fp8 input a GEMM kept for its weight gradient)."""
+    data_a, data_b = (x.data if isinstance(x, Quantised) else x for x in (a, b))
+    if data_a.shape[0] == 0 or data_b.shape[0] == 0 or data_a.shape[1] == 0:
+        return torch.zeros(data_a.shape[0], data_b.shape[0], dtype=out_dtype, device=data_a.device)
+    qa, qb = (x if isinstance(x, Quantised) else quantise(x, recipe=recipe, role=role)
+              for x, role in zip((a, b), roles, strict=True))
     if real:
         return torch._scaled_mm(qa.data, qb.data.t(), scale_a=_scaled_mm_scale(qa.scale, recipe),
                                 scale_b=_scaled_mm_scale(qb.scale, recipe).t(), out_dtype=out_dtype)
@@ -75,16 +102,20 @@ def product(a: torch.Tensor, b: torch.Tensor, *, recipe: Recipe, roles: tuple[Ro
 
 @dataclass(frozen=True)
 class Fp8Gemm:
-    """What a module marked for fp8 (`Linear.fp8`, `GroupedExperts.fp8`) runs its GEMMs with."""
+    """What a module marked for fp8 (`Linear.fp8`, `GroupedExperts.fp8`) runs its GEMMs with; `saved_inputs`:
+    what its GEMMs keep of their input for backward (module docstring)."""
 
     recipe: Recipe
+    saved_inputs: SavedInputs = "bf16"
 
     # -------------------------------------------------------------------------------------------- linear
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out = _Fp8Linear.apply(x, weight, self)
+        # Without autograd (evaluation, or inside another GEMM's autograd Function: the sequence-parallel column
+        # GEMM keeps its own input) nothing is kept, so nothing is quantised for backward.
+        out = _Fp8Linear.apply(x, weight, self) if torch.is_grad_enabled() else self.forward(x, weight)
         return out if bias is None else out + bias
 
-    def _run(self, a: torch.Tensor, b: torch.Tensor, roles: tuple[Role, Role], product_name: str,
+    def _run(self, a: torch.Tensor, b: torch.Tensor | Quantised, roles: tuple[Role, Role], product_name: str,
              out_dtype: torch.dtype) -> torch.Tensor:
         real = runs_real(self.recipe, a.device)
         _record("linear", product_name, "real" if real else "emulated")
@@ -101,11 +132,31 @@ class Fp8Gemm:
         out = self._run(rows, weight.t().contiguous(), ("grad", "weight"), "input_grad", grad.dtype)
         return out.view(*grad.shape[:-1], weight.shape[1])
 
-    def weight_grad(self, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """grad [..., out]^T @ x [..., in] -> [out, in], reduced over the tokens."""
-        grad_rows, rows = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-        return self._run(grad_rows.t().contiguous(), rows.t().contiguous(), ("grad", "input"), "weight_grad",
-                         grad.dtype)
+    def weight_grad(self, grad: torch.Tensor, x: torch.Tensor | Quantised) -> torch.Tensor:
+        """grad [..., out]^T @ x [..., in] -> [out, in], reduced over the tokens; `x` as it came, or kept in fp8
+        (`kept_input`, back in the weight gradient's orientation: `weight_grad_operand`)."""
+        grad_rows = grad.reshape(-1, grad.shape[-1])
+        rows = x if isinstance(x, Quantised) else x.reshape(-1, x.shape[-1]).t().contiguous()
+        return self._run(grad_rows.t().contiguous(), rows, ("grad", "input"), "weight_grad", grad.dtype)
+
+    def kept_input(self, x: torch.Tensor) -> Quantised:
+        """x [..., in] in fp8 as the weight gradient quantises it: x^T [in, tokens] along the tokens; tensorwise
+        the forward's x [tokens, in] itself (one scale, the same either way round: the transpose is taken in
+        backward, `weight_grad_operand`)."""
+
+        def make() -> Quantised:
+            rows = x.reshape(-1, x.shape[-1])
+            if self.recipe == "tensorwise":
+                return quantise(rows, recipe="tensorwise", role="input")
+            return quantise(rows.t().contiguous(), recipe=self.recipe, role="input")
+
+        return _kept(x, self.recipe, None, make)
+
+    def weight_grad_operand(self, data: torch.Tensor, scale: torch.Tensor) -> Quantised:
+        """`kept_input`'s fp8 data and scales as the weight gradient's operand x^T [in, tokens]."""
+        if self.recipe == "tensorwise":
+            data = data.t().contiguous()
+        return Quantised(data, scale, *block_shape(self.recipe, "input", tuple(data.shape)))
 
     # ------------------------------------------------------------------------------------------- grouped
     def grouped_mm(self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -127,26 +178,79 @@ class Fp8Gemm:
         b = self._dequantised_experts(weight.transpose(-2, -1), grad.dtype)  # [E, in, out]: along `out`
         return torch._grouped_mm(a, b.transpose(-2, -1), offs=offsets)
 
-    def grouped_weight_grad(self, grad: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def grouped_weight_grad(self, grad: torch.Tensor, rows: torch.Tensor | GroupQuantised,
+                            offsets: torch.Tensor) -> torch.Tensor:
         """Expert e's grad_e^T @ rows_e -> [E, out, in], reduced over its own tokens: both operands quantised
-        along each expert's tokens alone (scaling.dequantised_along_groups)."""
+        along each expert's tokens alone (scaling.quantise_along_groups); `rows` as they came, or kept so
+        (`kept_rows`; in the dtype of the gradient, which is the rows' own: the forward's output dtype)."""
         _record("grouped", "weight_grad", "emulated")
         a = dequantised_along_groups(grad, offsets, recipe=self.recipe, role="grad", dtype=grad.dtype)
-        b = dequantised_along_groups(rows, offsets, recipe=self.recipe, role="input", dtype=rows.dtype)
+        if isinstance(rows, GroupQuantised):
+            b = rows.dequantise(offsets, grad.dtype)
+        else:
+            b = dequantised_along_groups(rows, offsets, recipe=self.recipe, role="input", dtype=rows.dtype)
         return torch._grouped_mm(a.t(), b, offs=offsets)
+
+    def kept_rows(self, rows: torch.Tensor, offsets: torch.Tensor) -> GroupQuantised:
+        """The grouped experts' input rows in fp8 as their weight gradient quantises them."""
+        return _kept(rows, self.recipe, offsets,
+                     lambda: quantise_along_groups(rows, offsets, recipe=self.recipe, role="input"))
+
+
+# Inputs already kept in fp8 by a GEMM of this forward: input tensor -> (its version, the recipe, a weak reference
+# to the offsets (grouped), weak references to the kept fp8 data and scales, what rebuilds the operand from them).
+# Only weak references: an entry serves the next GEMM reading the same input while the first one's autograd node
+# still holds the copy, and never keeps a copy alive itself (a recomputed region's first forward drops what its
+# GEMMs save; so does the backward that used it).
+_KEPT: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+Kept = Quantised | GroupQuantised
+
+
+def _rebuild(kept: Kept) -> Callable[[torch.Tensor, torch.Tensor], Kept]:
+    if isinstance(kept, GroupQuantised):
+        return functools.partial(GroupQuantised, recipe=kept.recipe)
+    return functools.partial(Quantised, block_rows=kept.block_rows, block_cols=kept.block_cols)
+
+
+def _kept(x: torch.Tensor, recipe: Recipe, offsets: torch.Tensor | None, make: Callable[[], Kept]) -> Kept:
+    """`make()`, or what it gave for `x` (the same object, unchanged since) when that is still held."""
+    if torch.compiler.is_compiling():
+        return make()
+    entry = _KEPT.get(x)
+    if entry is not None:
+        version, kept_recipe, offsets_ref, data_ref, scale_ref, rebuild = entry
+        data, scale = data_ref(), scale_ref()
+        same_offsets = offsets_ref() is offsets if offsets_ref is not None else offsets is None
+        if data is not None and scale is not None and version == x._version and kept_recipe == recipe and \
+                same_offsets:
+            return rebuild(data, scale)
+    kept = make()
+    _KEPT[x] = (x._version, recipe, None if offsets is None else weakref.ref(offsets), weakref.ref(kept.data),
+                weakref.ref(kept.scale), _rebuild(kept))
+    return kept
 
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, gemm: Fp8Gemm) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
         ctx.gemm = gemm
+        ctx.kept_fp8 = gemm.saved_inputs == "fp8"
+        if ctx.kept_fp8:
+            kept = gemm.kept_input(x)
+            ctx.save_for_backward(kept.data, kept.scale, weight)
+        else:
+            ctx.save_for_backward(x, weight)
         return gemm.forward(x, weight)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, weight = ctx.saved_tensors
         gemm: Fp8Gemm = ctx.gemm
+        if ctx.kept_fp8:
+            data, scale, weight = ctx.saved_tensors
+            x = gemm.weight_grad_operand(data, scale)
+        else:
+            x, weight = ctx.saved_tensors
         grad_input = gemm.input_grad(grad, weight) if ctx.needs_input_grad[0] else None
         grad_weight = gemm.weight_grad(grad, x).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return grad_input, grad_weight, None
@@ -155,14 +259,23 @@ class _Fp8Linear(torch.autograd.Function):
 class _Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, gemm: Fp8Gemm):
-        ctx.save_for_backward(rows, weight, offsets)
         ctx.gemm = gemm
+        ctx.kept_fp8 = gemm.saved_inputs == "fp8"
+        if ctx.kept_fp8:
+            kept = gemm.kept_rows(rows, offsets)
+            ctx.save_for_backward(kept.data, kept.scale, weight, offsets)
+        else:
+            ctx.save_for_backward(rows, weight, offsets)
         return gemm.grouped_forward(rows, weight, offsets)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        rows, weight, offsets = ctx.saved_tensors
         gemm: Fp8Gemm = ctx.gemm
+        if ctx.kept_fp8:
+            data, scale, weight, offsets = ctx.saved_tensors
+            rows = GroupQuantised(data, scale, gemm.recipe)
+        else:
+            rows, weight, offsets = ctx.saved_tensors
         grad = grad.contiguous()
         grad_rows = gemm.grouped_input_grad(grad, weight, offsets) if ctx.needs_input_grad[0] else None
         grad_weight = None

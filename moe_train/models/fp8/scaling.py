@@ -106,29 +106,60 @@ def quantise(x: torch.Tensor, *, recipe: Recipe, role: Role) -> Quantised:
     return Quantised(data=data, scale=scale, block_rows=block_rows, block_cols=block_cols)
 
 
-def dequantised_along_groups(x: torch.Tensor, offsets: torch.Tensor, *, recipe: Recipe, role: Role,
-                             dtype: torch.dtype) -> torch.Tensor:
-    """x [N, C] (rows sorted by expert, expert e's ending at offsets[e]) quantised along its rows within each
-    expert's rows, and dequantised: the operands of a grouped weight gradient, whose reduction dimension is each
-    expert's own tokens. Per column: one scale per expert (rowwise), per block of 128 (blockwise) or 32 (MX) of
-    the expert's rows, one for the tensor (tensorwise); a block never spans two experts. No host read."""
-    if recipe == "tensorwise":
-        return quantise(x, recipe=recipe, role=role).dequantise(dtype)
-    rows, cols = x.shape
-    fmt = fp8_dtype(recipe, role)
-    index = torch.arange(rows, device=x.device)
+def _group_blocks(offsets: torch.Tensor, rows: int, recipe: Recipe) -> tuple[torch.Tensor, int]:
+    """(the scale row of each of `rows` rows sorted by expert, how many scale rows): one per expert (rowwise), one
+    per block of 128 (blockwise) or 32 (MX) of an expert's rows, numbered expert after expert. Expert e's blocks
+    are ceil(n_e / block), together at most rows // block + E: that bound sizes the scales, so nothing is read
+    back to the host and the size is known beforehand (the plan prices it: plan/saved_tensors.py)."""
+    index = torch.arange(rows, device=offsets.device)
     group = torch.searchsorted(offsets, index.to(offsets.dtype), right=True).clamp(max=offsets.numel() - 1)
-    starts = torch.cat([offsets.new_zeros(1), offsets[:-1]])
     if recipe == "rowwise":
-        key, buckets = group, offsets.numel()
-    else:
-        block = BLOCK if recipe == "blockwise" else MX_BLOCK
-        per_group = max((rows - 1) // block + 1, 1)
-        key = group * per_group + (index - starts[group]) // block
-        buckets = offsets.numel() * per_group
-    magnitude = x.abs().float()
-    amax = magnitude.new_zeros(buckets, cols).scatter_reduce(0, key[:, None].expand(rows, cols), magnitude, "amax")
-    scale = _scale(amax, recipe, fmt)[key]
+        return group, offsets.numel()
+    block = BLOCK if recipe == "blockwise" else MX_BLOCK
+    starts = torch.cat([offsets.new_zeros(1), offsets[:-1]])
+    blocks = (offsets - starts + block - 1) // block
+    first = torch.cumsum(blocks, 0) - blocks
+    return (first[group] + (index - starts[group]) // block).long(), rows // block + offsets.numel()
+
+
+@dataclass(frozen=True)
+class GroupQuantised:
+    """x [N, C] (rows sorted by expert) quantised along its rows within each expert's rows
+    (`quantise_along_groups`): `data` [N, C] fp8 and `scale` [scale rows, C] fp32 (`_group_blocks`); tensorwise:
+    one [1, 1] scale for the tensor."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    recipe: Recipe
+
+    def dequantise(self, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.recipe == "tensorwise":
+            shape = tuple(self.data.shape)
+            return Quantised(self.data, self.scale, *block_shape("tensorwise", "input", shape)).dequantise(dtype)
+        key, _ = _group_blocks(offsets, self.data.shape[0], self.recipe)
+        return (self.data.to(torch.float32) / self.scale[key]).to(dtype)
+
+
+def quantise_along_groups(x: torch.Tensor, offsets: torch.Tensor, *, recipe: Recipe, role: Role) -> GroupQuantised:
+    """x [N, C] (rows sorted by expert, expert e's ending at offsets[e]) quantised along its rows within each
+    expert's rows: an operand of a grouped weight gradient, whose reduction dimension is each expert's own
+    tokens. Per column: one scale per expert (rowwise), per block of 128 (blockwise) or 32 (MX) of the
+    expert's rows, one for the tensor (tensorwise); a block never spans two experts. No host read."""
+    if recipe == "tensorwise":
+        q = quantise(x, recipe=recipe, role=role)
+        return GroupQuantised(data=q.data, scale=q.scale, recipe=recipe)
     from torchao.float8.float8_utils import to_fp8_saturated
 
-    return (to_fp8_saturated(x.float() * scale, fmt).to(torch.float32) / scale).to(dtype)
+    rows, cols = x.shape
+    fmt = fp8_dtype(recipe, role)
+    key, buckets = _group_blocks(offsets, rows, recipe)
+    magnitude = x.abs().float()
+    amax = magnitude.new_zeros(buckets, cols).scatter_reduce(0, key[:, None].expand(rows, cols), magnitude, "amax")
+    scale = _scale(amax, recipe, fmt)
+    return GroupQuantised(data=to_fp8_saturated(x.float() * scale[key], fmt), scale=scale, recipe=recipe)
+
+
+def dequantised_along_groups(x: torch.Tensor, offsets: torch.Tensor, *, recipe: Recipe, role: Role,
+                             dtype: torch.dtype) -> torch.Tensor:
+    """`quantise_along_groups` and back to `dtype`: what a grouped weight gradient multiplies (emulated)."""
+    return quantise_along_groups(x, offsets, recipe=recipe, role=role).dequantise(offsets, dtype)

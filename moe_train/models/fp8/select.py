@@ -5,6 +5,10 @@ The kinds: `attention` (every projection of attention or MLA, its low-rank down 
 never by default: its logits feed the loss, and DeepSeek-V3 keeps it in bf16 too). MTP's blocks are decoder
 blocks and follow the same kinds; MTP's eh_proj, the router (fp32) and the embedding never run in fp8.
 
+With `train.fp8.saved_inputs: fp8` the GEMMs keep their inputs in fp8 for backward (gemm.py), but for the shared
+experts' gate and up: they read the post-attention norm's output, which the router keeps in bf16 anyway (it
+is no fp8 GEMM), so an fp8 copy would add to it; they keep that storage instead, as a bf16-saving GEMM does.
+
 Marks are attributes (`Linear.fp8`, `GroupedExperts.fp8`), not module swaps: tensor parallelism swaps the
 Linear classes for its column/row styles and FSDP2 wraps the blocks, and both keep an instance attribute, so
 the GEMMs inside every layout see the same marks (a torchao Float8Linear swap would be bypassed by the
@@ -13,6 +17,7 @@ tensor-parallel styles, which call the GEMM site on their local shards).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from moe_train.models.fp8.gemm import Fp8Gemm
@@ -38,7 +43,7 @@ def _mark_linears(module: nn.Module, gemm: Fp8Gemm) -> int:
 
 def apply_fp8(model: Transformer, fp8: Fp8Config) -> dict[str, int]:
     """Mark the GEMMs of the kinds `fp8.modules` names; returns how many modules of each kind were marked."""
-    gemm = Fp8Gemm(recipe=fp8.recipe)
+    gemm = Fp8Gemm(recipe=fp8.recipe, saved_inputs=fp8.saved_inputs)
     kinds = set(fp8.modules)
     marked = dict.fromkeys(sorted(kinds), 0)
     blocks = [*model.layers.values(), *(module.block for module in model.mtp.values())]
@@ -49,7 +54,9 @@ def apply_fp8(model: Transformer, fp8: Fp8Config) -> dict[str, int]:
             marked["mlp"] += _mark_linears(block.mlp, gemm)
         if isinstance(block.mlp, MoELayer):
             if "shared_experts" in kinds and block.mlp.shared_experts is not None:
-                marked["shared_experts"] += _mark_linears(block.mlp.shared_experts, gemm)
+                shared = block.mlp.shared_experts
+                marked["shared_experts"] += _mark_linears(shared, gemm)
+                shared.gate_proj.fp8 = shared.up_proj.fp8 = replace(gemm, saved_inputs="bf16")
             if "experts" in kinds:
                 block.mlp.experts.fp8 = gemm
                 marked["experts"] += 1
