@@ -161,9 +161,17 @@ def _regions_of(m: ModelConfig, moe_layer: bool, seq: int, device: str) -> dict[
                                  mla_value_padded=kernels_for(device).mla_value == "padded")
 
 
-def _selective_recompute(m: ModelConfig, flops: dict[str, float], modules: set[str], moe_layer: bool) -> dict:
+def _down_share(kind: str, fp8_modules: tuple[str, ...]) -> float:
+    """The share of an MLP's FLOPs a recomputation ending with it runs again: gate and up, and the down projection
+    too when it is an fp8 GEMM (its autograd Function saves its input after its product has run; a bf16 GEMM
+    saves before, so the early stop comes first)."""
+    return 1.0 if kind in fp8_modules else 2 / 3
+
+
+def _selective_recompute(m: ModelConfig, flops: dict[str, float], modules: set[str], moe_layer: bool,
+                         fp8_modules: tuple[str, ...] = ()) -> dict:
     """{region: FLOPs} that selective recompute runs again: each region up to its last saved tensor (the final
-    down projection of an MLP is not re-run: nothing after it saves anything)."""
+    down projection of an MLP is not re-run in bf16: nothing after it saves anything; `_down_share`)."""
     out: dict[str, float] = {}
     if "mla_up_proj" in modules and "mla_up_proj" in flops:
         out["mla_up_proj"], out["core_attn"] = flops["mla_up_proj"], flops["core_attn"]  # the region ends in SDPA
@@ -171,21 +179,22 @@ def _selective_recompute(m: ModelConfig, flops: dict[str, float], modules: set[s
         out["core_attn"] = flops["core_attn"]
     if not moe_layer:
         if "mlp" in modules:
-            out["mlp"] = flops["mlp"] * 2 / 3
+            out["mlp"] = flops["mlp"] * _down_share("mlp", fp8_modules)
         return out
     shared = flops.get("shared_experts", 0.0)
     if "moe" in modules:
         out["router"], out["experts"] = flops["router"], flops["experts"]
         out["shared_experts"] = shared  # they run before the dispatch: the routed experts save after them
     elif "shared_experts" in modules:
-        out["shared_experts"] = shared * 2 / 3
+        out["shared_experts"] = shared * _down_share("shared_experts", fp8_modules)
     return out
 
 
-def _group_tail(m: ModelConfig, flops: dict[str, float], moe_layer: bool) -> dict[str, float]:
+def _group_tail(m: ModelConfig, flops: dict[str, float], moe_layer: bool,
+                fp8_modules: tuple[str, ...] = ()) -> dict[str, float]:
     """What a recomputation ending with this layer does not re-run: everything after the last saved tensor."""
     if not moe_layer:
-        return {"mlp": flops["mlp"] / 3}
+        return {"mlp": flops["mlp"] * (1 - _down_share("mlp", fp8_modules))}
     return {}  # the combine saves last (the shared experts ran before the dispatch): no GEMM after it
 
 
@@ -206,7 +215,7 @@ def _rank_flops(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk], a: Assu
     def forward_layer(moe: bool, count: int = 1) -> None:
         add(fwd, kinds[moe], count)
         if policy.granularity == "selective":
-            add(rec, _selective_recompute(m, kinds[moe], set(policy.modules), moe), count)
+            add(rec, _selective_recompute(m, kinds[moe], set(policy.modules), moe, layout.fp8_modules), count)
 
     replicated = 1 if layout.sequence_parallel else layout.tp  # MTP's eh_proj runs on the sequence region
     head = 2.0 * m.hidden_size * m.padded_vocab_size() / layout.tp  # executed: the padding columns too
@@ -221,7 +230,7 @@ def _rank_flops(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk], a: Assu
                     if count:
                         add(rec, {k: v for k, v in kinds[moe].items() if k != "mla_up_proj"}, count)
                 last = m.is_moe_layer(group[-1])
-                add(rec, _group_tail(m, kinds[last], last), -1.0)
+                add(rec, _group_tail(m, kinds[last], last, layout.fp8_modules), -1.0)
         # the chunked loss computes each chunk's logits again in backward (models/linear.py)
         heads = chunk.loss + chunk.mtp
         if chunk.loss:

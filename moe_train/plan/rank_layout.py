@@ -44,6 +44,7 @@ class PlanLayout(MeshShape):
     loss_chunk_tokens: int  # tokens per chunk of the head + loss (config/loss_chunks.py); 0: unchunked
     ep_split: tuple[int, int] = (1, 1)  # (epnode, eplocal) of the hierarchical dispatcher; else (1, ep)
     device: str = "cpu"  # launch.device: the kernel table's row (moe_train/kernels.py) the ranks run
+    fp8_modules: tuple[str, ...] = ()  # the GEMM kinds in fp8 (train.fp8.modules under precision fp8)
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> PlanLayout:
@@ -58,6 +59,7 @@ class PlanLayout(MeshShape):
             ep_split=(ep_split(shape, dispatch_node_ranks(recipe)) if recipe.model.moe is not None
                       and recipe.model.moe.dispatcher == "hierarchical" else (1, p.ep)),
             device=recipe.launch.device,
+            fp8_modules=tuple(sorted(set(t.fp8.modules))) if t.precision == "fp8" else (),
         )
 
     @property
