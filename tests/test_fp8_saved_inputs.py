@@ -169,3 +169,13 @@ def test_a_full_size_deepseek_v3_moe_layer_in_mxfp8_keeps_what_plan_says(no_proc
     bf16 = load_recipe("deepseek-v3", [*overrides, "train.fp8.saved_inputs=bf16"], check_files=False)
     planned = plan_json(estimate(as_fake_runs(bf16), GPU))["activation_bytes_per_layer"]["1"]
     assert report["activation_bytes_per_layer"]["1"] < 0.85 * planned
+
+
+def test_a_run_may_switch_what_its_fp8_gemms_keep_on_resume():
+    """The same numbers bit for bit, so the run folder ignores the field (launch/rundir.py); the recipe does not."""
+    from moe_train.launch.rundir import recipe_differences
+
+    base = ["train.precision=fp8", "train.fp8.recipe=rowwise"]
+    kept, plain = (load_recipe("qwen3-moe-tiny", [*base, f"train.fp8.saved_inputs={v}"]) for v in ("fp8", "bf16"))
+    assert recipe_differences(plain, kept) == []
+    assert recipe_differences(plain, load_recipe("qwen3-moe-tiny", ["train.precision=fp8"])) == ["train.fp8.recipe"]
