@@ -107,5 +107,4 @@ def fp8_stack(recipe: str, device: torch.device, *, backend: str = "torchao") ->
         return why if real else f"emulated (quantise, dequantise, bf16 GEMM: {why})"
 
     return (f"fp8 {recipe}: torchao {importlib.metadata.version('torchao')}, torch {torch.__version__}, "
-            f"{device.type} linear GEMMs {mode(False)}; routed experts {mode(True)}; their weight gradient "
-            "emulated")
+            f"linear GEMMs {mode(False)}; routed experts {mode(True)}; their weight gradient emulated")
