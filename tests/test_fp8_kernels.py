@@ -120,6 +120,23 @@ def test_mx_scales_are_e8m0_in_the_blocked_layout():
     assert torch.equal(scale_a.float(), blocked(1 / qa.scale)) and torch.equal(scale_b.float(), blocked(1 / qb.scale))
 
 
+@pytest.mark.parametrize(("recipe", "role_b"), [("tensorwise", "weight"), ("rowwise", "weight"),
+                                              ("blockwise", "weight"), ("blockwise", "input"), ("mxfp8", "weight")])
+def test_the_scales_pass_torchs_own_size_checks(recipe, role_b):
+    """torch._scaled_mm's meta kernel runs the size checks of its CUDA kernel (torch/_meta_registrations.py):
+    operands padded as gemm.py pads them on CUDA, scales laid out by layouts.py, on the meta device."""
+    rows, cols = kernel_multiples(recipe, role_b == "weight")
+    a, b = padded(torch.randn(40, 300), rows, cols), padded(torch.randn(200, 300), rows, cols)
+    qa, qb = quantise(a, recipe=recipe, role="input"), quantise(b, recipe=recipe, role=role_b)
+    scale_a, scale_b = scaled_mm_scales(qa, qb, recipe)
+    meta = [t.to("meta") for t in (qa.data, qb.data, scale_a, scale_b)]
+    out = torch._scaled_mm(meta[0], meta[1].t(), scale_a=meta[2], scale_b=meta[3], out_dtype=torch.bfloat16)
+    assert out.shape == (a.shape[0], b.shape[0])
+    if recipe == "blockwise" and role_b == "weight":  # the check can fail: the 128 x 128 scales untransposed
+        with pytest.raises(RuntimeError, match="Invalid scaling configuration"):
+            torch._scaled_mm(meta[0], meta[1].t(), scale_a=meta[2], scale_b=meta[3].t(), out_dtype=torch.bfloat16)
+
+
 def test_grouped_row_scales_repeat_a_matrix_scale_on_its_rows():
     w = torch.randn(3, 8, 16)
     tensorwise = row_scales(quantise(w, recipe="tensorwise", role="weight"))
