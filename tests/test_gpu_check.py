@@ -13,7 +13,7 @@ from processes import run_bounded
 
 REPO = Path(__file__).resolve().parents[1]
 CHECK = REPO / "bench" / "gpu" / "check.py"
-STAGES = ["probe", "grouped_mm", "sdpa", "fp8", "te", "tiny_run", "proxy", "compile", "hf_proxy", "resume"]
+STAGES = ["probe", "grouped_mm", "sdpa", "tiny_run", "proxy", "fp8", "te", "hf_proxy", "resume", "compile"]
 
 
 def test_cpu_rehearsal_runs_every_stage(tmp_path: Path) -> None:
