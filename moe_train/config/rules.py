@@ -6,6 +6,7 @@ the loader can print file:line:column for it. All rules run; nothing stops at th
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 from dataclasses import dataclass
@@ -163,9 +164,6 @@ def _layout(r: Recipe) -> list[Problem]:
                           f"(dp*cp*tp / ep*etp): experts replicate over the same replicas"))
         if m.moe.num_experts % p.ep:
             out.append(_p("parallel.ep", f"{p.ep} must divide model.moe.num_experts {m.moe.num_experts}"))
-        if m.moe.dispatcher == "hierarchical" and m.moe.pad_to_capacity:
-            out.append(_p("model.moe.pad_to_capacity", "is not taken by the hierarchical dispatcher yet (use "
-                          "alltoall or allgather)"))
         if p.etp > 1 and m.moe.dispatcher != "allgather":
             out.append(_p("parallel.etp", f"{p.etp} needs model.moe.dispatcher allgather (it gathers tokens over the "
                           "ep x etp ranks and sums the experts' partial outputs)"))
@@ -337,6 +335,18 @@ def _fp8(r: Recipe) -> list[Problem]:
         out.append(_p("train.fp8.fp8_all_gather", "only with backend torchao (FSDP2's fp8 all-gather)"))
     if fp8.backend == "te" and not cuda:
         out.append(_p("train.fp8.backend", "te (transformer-engine) runs on launch.device cuda only"))
+    elif fp8.backend == "te" and importlib.util.find_spec("transformer_engine") is None:
+        out.append(_p("train.fp8.backend", "te needs transformer-engine (pip install 'moe-train[te]'), which does "
+                      "not import here"))
+    if fp8.backend == "te" and fp8.recipe == "rowwise":
+        out.append(_p("train.fp8.recipe", "transformer-engine has no rowwise recipe (te takes tensorwise, blockwise "
+                      "or mxfp8)"))
+    if fp8.backend == "te" and r.parallel.tp > 1 and r.parallel.sequence_parallel:
+        out.append(_p("train.fp8.backend", "te with parallel.sequence_parallel: the sequence-parallel column GEMM's "
+                      "hand-written backward cannot call TE's backward GEMMs"))
+    if fp8.backend == "te" and fp8.saved_inputs == "fp8":
+        out.append(_p("train.fp8.saved_inputs", "applies to backend torchao; transformer-engine keeps its GEMMs' "
+                      "inputs itself (leave it bf16)"))
     if len(set(fp8.modules)) != len(fp8.modules):
         out.append(_p("train.fp8.modules", "names a kind twice"))
     if cuda:

@@ -106,6 +106,23 @@ def quantise(x: torch.Tensor, *, recipe: Recipe, role: Role) -> Quantised:
     return Quantised(data=data, scale=scale, block_rows=block_rows, block_cols=block_cols)
 
 
+def padded_quantised(q: Quantised, rows: int, cols: int, *, recipe: Recipe, role: Role) -> Quantised:
+    """`q` (of x [R, C]) as `quantise` of x with zero rows and columns appended up to multiples of `rows` and
+    `cols` gives it (layouts.padded, which real CUDA kernels need): the data padded with zeros, each block's scale
+    as it was (a zero never raises a block's amax), the scale of an all-zero block for the blocks the padding
+    adds. What lets a GEMM input kept in fp8 meet a kernel's multiples with the bits a bf16 input gets."""
+    r, c = q.data.shape
+    pad_rows, pad_cols = -r % rows, -c % cols
+    if not pad_rows and not pad_cols:
+        return q
+    data = torch.nn.functional.pad(q.data.view(torch.uint8), (0, pad_cols, 0, pad_rows)).view(q.data.dtype)
+    block_rows, block_cols = block_shape(recipe, role, tuple(data.shape))
+    zero_block = _scale(q.scale.new_zeros(1, 1), recipe, fp8_dtype(recipe, role))
+    scale = zero_block.expand(-(-data.shape[0] // block_rows), -(-data.shape[1] // block_cols)).clone()
+    scale[: q.scale.shape[0], : q.scale.shape[1]] = q.scale
+    return Quantised(data=data, scale=scale, block_rows=block_rows, block_cols=block_cols)
+
+
 def _group_blocks(offsets: torch.Tensor, rows: int, recipe: Recipe) -> tuple[torch.Tensor, int]:
     """(the scale row of each of `rows` rows sorted by expert, how many scale rows): one per expert (rowwise), one
     per block of 128 (blockwise) or 32 (MX) of an expert's rows, numbered expert after expert. Expert e's blocks
