@@ -18,6 +18,8 @@ from moe_train.measure.driver import Target, measure
 from moe_train.measure.targets import as_fake_runs
 from moe_train.models.fp8 import gemm as fp8_gemm
 from moe_train.models.fp8.gemm import Fp8Gemm
+from moe_train.models.fp8.layouts import padded
+from moe_train.models.fp8.scaling import padded_quantised, quantise
 from moe_train.parallel.recompute import recomputed
 from moe_train.plan.estimate import estimate, plan_json
 from moe_train.plan.saved_tensors import grouped_scale_bytes, linear_scale_bytes
@@ -78,6 +80,32 @@ def test_gemms_keep_one_fp8_copy_of_a_shared_input_and_give_the_same_gradients(r
                      (torch.float32, linear_scale_bytes(recipe, x_rows, in_features)),
                      (torch.float32, grouped_scale_bytes(recipe, *rows0.shape, experts=offsets.numel()))])
     assert Counter(fp8_kept.values()) == want
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_kept_input_padded_for_a_real_kernel_is_the_padded_tensor_quantised(recipe):
+    """CUDA's kernels take operands zero-padded to their multiples (layouts.padded): padding a kept fp8 input
+    (scaling.padded_quantised) gives the bits of quantising the padded bf16 input, each role's blocks; and the
+    real product (torch._scaled_mm, padded) of a kept operand equals that of the bf16 one bit for bit."""
+    generator = torch.Generator().manual_seed(11)
+    for role, shape in (("input", (70, 200)), ("weight", (130, 45)), ("grad", (33, 129))):
+        x = (torch.randn(shape, generator=generator) * 4).to(torch.bfloat16)
+        for multiples in ((16, 16), (16, 512), (16, 32)):
+            want = quantise(padded(x, *multiples), recipe=recipe, role=role)
+            got = padded_quantised(quantise(x, recipe=recipe, role=role), *multiples, recipe=recipe, role=role)
+            assert (got.block_rows, got.block_cols) == (want.block_rows, want.block_cols)
+            assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+            assert torch.equal(got.scale, want.scale), (role, multiples)
+    if recipe in ("tensorwise", "rowwise"):  # the CPU's _scaled_mm
+        a = torch.randn(40, 200, generator=generator).to(torch.bfloat16)
+        b = torch.randn(24, 200, generator=generator).to(torch.bfloat16)
+        kept = quantise(b, recipe=recipe, role="input")
+        for multiples in (None, (16, 32)):
+            want = fp8_gemm._scaled_mm(a, b, recipe=recipe, roles=("grad", "input"), out_dtype=torch.bfloat16,
+                                       multiples=multiples)
+            got = fp8_gemm._scaled_mm(a, kept, recipe=recipe, roles=("grad", "input"), out_dtype=torch.bfloat16,
+                                      multiples=multiples)
+            assert torch.equal(got, want)
+
 
 def test_a_recomputed_region_holds_no_fp8_copy():
     """Inside a checkpointed region the GEMMs' saves are dropped after forward; the shared-input cache holds only
