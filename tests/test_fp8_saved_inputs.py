@@ -124,28 +124,36 @@ def test_a_recomputed_region_holds_no_fp8_copy():
 
 # ------------------------------------------------------------------------------------ training, bit for bit
 
-# deepseek-v3-tiny as a dense and a MoE layer: MLA, a dense MLP, shared and routed experts (no MTP).
-DEEPSEEK = ["model.num_layers=2", "model.first_k_dense=1", "model.mtp_layers=0", "train.seq_length=16",
-            "train.global_batch_size=2", "train.micro_batch_size=2", "train.warmup_steps=1", "train.lr=1e-3",
-            "train.eval_interval=null", "checkpoint.interval=null", "logging.interval=1", "train.precision=fp8"]
-# half the recipes under the published recompute (each region re-runs its fp8 GEMMs from inputs kept in bf16)
-TRAINED = {"tensorwise": [], "rowwise": ["parallel.recompute.modules=[mla_up_proj,moe_act,layernorm]"],
-           "blockwise": ["parallel.recompute.modules=[mlp,shared_experts]"], "mxfp8": []}
+SHORT = ["train.seq_length=16", "train.global_batch_size=2", "train.micro_batch_size=2", "train.warmup_steps=1",
+         "train.lr=1e-3", "train.eval_interval=null", "checkpoint.interval=null", "logging.interval=1",
+         "train.precision=fp8"]
+# deepseek-v3-tiny as a dense and a MoE layer: MLA, a dense MLP, shared and routed experts (no MTP); qwen3-moe-tiny
+# as one layer: GQA's q, k and v reading one input, routed experts. One deepseek run under every selective policy
+# whose region meets an fp8 GEMM (each re-runs its GEMMs from inputs kept in bf16), one qwen run under two.
+DEEPSEEK = ("deepseek-v3-tiny", ["model.num_layers=2", "model.first_k_dense=1", "model.mtp_layers=0"])
+QWEN = ("qwen3-moe-tiny", ["model.num_layers=1"])
+TRAINED = {
+    "tensorwise": (*DEEPSEEK, []),
+    "rowwise": (*QWEN, ["parallel.recompute.modules=[moe_act,layernorm]"]),
+    "blockwise": (*QWEN, []),
+    "mxfp8": (*DEEPSEEK, ["parallel.recompute.modules=[mla_up_proj,mlp,shared_experts,moe_act,layernorm]"]),
+}
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_training_with_fp8_inputs_kept_equals_bf16_kept_bit_for_bit(recipe, tmp_path, no_process_group):
     """2 steps: every loss, every gradient of the first step, every parameter after the last, bit-equal."""
-    runs = {saved: record_run("deepseek-v3-tiny", [*DEEPSEEK, f"train.fp8.recipe={recipe}", *TRAINED[recipe],
-                                                   f"train.fp8.saved_inputs={saved}"],
+    name, shape, policy = TRAINED[recipe]
+    runs = {saved: record_run(name, [*shape, *SHORT, f"train.fp8.recipe={recipe}", *policy,
+                                     f"train.fp8.saved_inputs={saved}"],
                               world=1, run_dir=tmp_path / saved, steps=2) for saved in ("bf16", "fp8")}
     bf16, fp8 = runs["bf16"], runs["fp8"]
     assert sum(fp8["fp8_gemms"].values()) > 0 and fp8["fp8_gemms"] == bf16["fp8_gemms"]
     assert fp8["losses"] == bf16["losses"]
     for kind in ("grads", "state"):
         assert bf16[kind].keys() == fp8[kind].keys()
-        for name, value in bf16[kind].items():
-            assert torch.equal(fp8[kind][name], value), (kind, name)
+        for name_, value in bf16[kind].items():
+            assert torch.equal(fp8[kind][name_], value), (kind, name_)
 
 
 # ---------------------------------------------------------------------------------- plan = measure, exactly
