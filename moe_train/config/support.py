@@ -34,8 +34,6 @@ NOT_SUPPORTED_YET: tuple[Unsupported, ...] = (
                 "context parallelism with HSDP (cp > 1 and dp_replicate > 1)"),
     Unsupported("train.fp8.backend", lambda r: r.train.precision == "fp8" and r.train.fp8.backend == "te",
                 "fp8 with transformer-engine (backend te)"),
-    Unsupported("train.fp8.fp8_all_gather", lambda r: r.train.precision == "fp8" and r.train.fp8.fp8_all_gather,
-                "FSDP2's fp8 all-gather"),
 )
 
 

@@ -23,7 +23,7 @@ from moe_train.measure.derive import NotAffine, derive, sample_counts, with_micr
 from moe_train.measure.dtensor import local_dtensor_ops
 from moe_train.measure.flops import PhaseFlopCounter
 from moe_train.measure.layers import LayerTracker, in_backward
-from moe_train.measure.memory import LiveBytes, grad_bytes, optimizer_bytes, param_bytes
+from moe_train.measure.memory import LiveBytes, gathered_param_bytes, grad_bytes, optimizer_bytes, param_bytes
 from moe_train.measure.targets import as_fake_runs
 from moe_train.measure.traffic import CollectiveTraffic
 from moe_train.models.fp8.gemm import count_fp8_gemms
@@ -194,6 +194,7 @@ def _walk(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
         "param_bytes": sum(param_bytes(chunk) for chunk in chunks),
         "grad_bytes": grads.get("bytes", 0),
         "optimizer_bytes": sum(optimizer_bytes(optimizer) for optimizer in trainable.optimizers),
+        "gathered_param_bytes": sum(gathered_param_bytes(chunk) for chunk in chunks),
         "flops": flops.totals(),
         "comm_bytes": dict(sorted(comm.bytes.items())),
         "peak_memory_bytes": peak,

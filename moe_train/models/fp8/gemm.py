@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from moe_train.kernels import kernels_for
-from moe_train.models.fp8.scaling import Recipe, Role, dequantised_along_groups, quantise
+from moe_train.models.fp8.all_gather import Fp8GatheredWeight
+from moe_train.models.fp8.scaling import Quantised, Recipe, Role, dequantised_along_groups, quantise
 
 _TALLIES: list[Counter] = []
 
@@ -61,16 +62,25 @@ def _scaled_mm_scale(scale: torch.Tensor, recipe: Recipe) -> torch.Tensor:
     return inverse.reshape(()) if recipe == "tensorwise" else inverse
 
 
-def product(a: torch.Tensor, b: torch.Tensor, *, recipe: Recipe, roles: tuple[Role, Role], real: bool,
+def product(a: torch.Tensor, b: torch.Tensor | Quantised, *, recipe: Recipe, roles: tuple[Role, Role], real: bool,
             out_dtype: torch.dtype) -> torch.Tensor:
-    """a [M, K] @ b [N, K]^T -> [M, N] with both operands in fp8 along K."""
+    """a [M, K] @ b [N, K]^T -> [M, N] with both operands in fp8 along K (b already in fp8: as it is)."""
     if a.shape[0] == 0 or b.shape[0] == 0 or a.shape[1] == 0:
         return a.new_zeros(a.shape[0], b.shape[0], dtype=out_dtype)
-    qa, qb = quantise(a, recipe=recipe, role=roles[0]), quantise(b, recipe=recipe, role=roles[1])
+    qa = quantise(a, recipe=recipe, role=roles[0])
+    qb = b if isinstance(b, Quantised) else quantise(b, recipe=recipe, role=roles[1])
     if real:
         return torch._scaled_mm(qa.data, qb.data.t(), scale_a=_scaled_mm_scale(qa.scale, recipe),
                                 scale_b=_scaled_mm_scale(qb.scale, recipe).t(), out_dtype=out_dtype)
     return torch.mm(qa.dequantise(out_dtype), qb.dequantise(out_dtype).t())
+
+
+def _weight_operand(weight: torch.Tensor, *, transposed: bool) -> torch.Tensor | Quantised:
+    """A linear weight [out, in] (transposed: [in, out], for the input gradient) as `product` takes it: gathered
+    by FSDP2 in fp8 (all_gather.py), its fp8 data and scale as they are; otherwise the high-precision weight."""
+    if isinstance(weight, Fp8GatheredWeight):
+        return weight.quantised(transposed=transposed)
+    return weight.t().contiguous() if transposed else weight
 
 
 @dataclass(frozen=True)
@@ -84,7 +94,7 @@ class Fp8Gemm:
         out = _Fp8Linear.apply(x, weight, self)
         return out if bias is None else out + bias
 
-    def _run(self, a: torch.Tensor, b: torch.Tensor, roles: tuple[Role, Role], product_name: str,
+    def _run(self, a: torch.Tensor, b: torch.Tensor | Quantised, roles: tuple[Role, Role], product_name: str,
              out_dtype: torch.dtype) -> torch.Tensor:
         real = runs_real(self.recipe, a.device)
         _record("linear", product_name, "real" if real else "emulated")
@@ -92,13 +102,13 @@ class Fp8Gemm:
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        out = self._run(rows, weight, ("input", "weight"), "forward", x.dtype)
+        out = self._run(rows, _weight_operand(weight, transposed=False), ("input", "weight"), "forward", x.dtype)
         return out.view(*x.shape[:-1], weight.shape[0])
 
     def input_grad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """grad [..., out] @ weight [out, in] -> [..., in], reduced over `out`."""
         rows = grad.reshape(-1, grad.shape[-1])
-        out = self._run(rows, weight.t().contiguous(), ("grad", "weight"), "input_grad", grad.dtype)
+        out = self._run(rows, _weight_operand(weight, transposed=True), ("grad", "weight"), "input_grad", grad.dtype)
         return out.view(*grad.shape[:-1], weight.shape[1])
 
     def weight_grad(self, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,10 @@ class Quantised:
     block_rows: int
     block_cols: int
 
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
     def dequantise(self, dtype: torch.dtype) -> torch.Tensor:
         inverse = _expand(self.scale.reciprocal(), self.block_rows, self.block_cols, self.data.shape)
         return (self.data.to(torch.float32) * inverse).to(dtype)
@@ -95,13 +99,15 @@ def _scale(amax: torch.Tensor, recipe: Recipe, dtype: torch.dtype) -> torch.Tens
     return amax_to_scale(amax, dtype, round_scales_to_power_of_2=recipe == "rowwise")
 
 
-def quantise(x: torch.Tensor, *, recipe: Recipe, role: Role) -> Quantised:
-    """x [..., rows, K] (K: the product's reduction dimension) in fp8 with the recipe's scales."""
+def quantise(x: torch.Tensor, *, recipe: Recipe, role: Role, amax: torch.Tensor | None = None) -> Quantised:
+    """x [..., rows, K] (K: the product's reduction dimension) in fp8 with the recipe's scales. `amax`: the
+    blocks' largest magnitudes when they were taken over more than x (FSDP2's fp8 all-gather quantises each
+    shard with the whole weight's, all_gather.py); None: x's own."""
     from torchao.float8.float8_utils import to_fp8_saturated
 
     dtype = fp8_dtype(recipe, role)
     block_rows, block_cols = block_shape(recipe, role, tuple(x.shape))
-    scale = _scale(block_amax(x, block_rows, block_cols), recipe, dtype)
+    scale = _scale(block_amax(x, block_rows, block_cols) if amax is None else amax, recipe, dtype)
     data = to_fp8_saturated(x.float() * _expand(scale, block_rows, block_cols, x.shape), dtype)
     return Quantised(data=data, scale=scale, block_rows=block_rows, block_cols=block_cols)
 
