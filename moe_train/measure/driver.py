@@ -194,7 +194,6 @@ def _walk(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
         "param_bytes": sum(param_bytes(chunk) for chunk in chunks),
         "grad_bytes": grads.get("bytes", 0),
         "optimizer_bytes": sum(optimizer_bytes(optimizer) for optimizer in trainable.optimizers),
-        "gathered_param_bytes": sum(gathered_param_bytes(chunk) for chunk in chunks),
         "flops": flops.totals(),
         "comm_bytes": dict(sorted(comm.bytes.items())),
         "peak_memory_bytes": peak,
@@ -206,6 +205,8 @@ def _walk(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
         "comm_calls": dict(sorted(comm.calls.items())),
         # fp8 GEMMs by "kind/product/mode" (linear|grouped, forward|input_grad|weight_grad, real|emulated)
         "fp8_gemms": {"/".join(key): count for key, count in sorted(fp8_gemms.items())},
+        # every FSDP2 unit's gathered parameters (fp8-gathered weights at 1 byte): plan's params.gathered_bytes
+        "gathered_param_bytes": sum(gathered_param_bytes(chunk) for chunk in chunks),
     }
 
 
