@@ -5,9 +5,16 @@ only its output and log-sum-exp for backward), and FlexAttention has no backward
 kernels take no mask at all, so a document mask would send packed sequences to the math kernel, which saves the
 [b, h, s, s] scores: FlexAttention's block mask skips the masked blocks instead. Grouped GEMM
 (`torch._grouped_mm`) runs on the CPU and on CUDA from compute capability 9.0 (Hopper) in bf16. FP8 GEMMs
-(models/fp8/gemm.py): `torch._scaled_mm` takes tensorwise and rowwise scales on both (the CPU kernel checked with torch
-2.13; CUDA from sm89, and `validate` refuses a GPU without fp8 tensor cores); the other recipes and the routed
-experts' grouped fp8 GEMMs are emulated (quantise, dequantise, bf16 GEMM) on both until their kernels are built.
+(models/fp8/gemm.py) run real where torch has a kernel for the recipe's scales on that device and capability, and
+are emulated (quantise, dequantise, bf16 GEMM) elsewhere, by device kind AND compute capability (`fp8_kernel`):
+`torch._scaled_mm` takes tensorwise and rowwise scales on the CPU (checked with torch 2.13) and on CUDA from sm89;
+DeepSeek-V3's blockwise scales (1 x 128 activations, 128 x 128 weights) on sm90 only (torch's cuBLAS path refuses
+them on any other major: "DeepSeek style (1x128, 128x128) scaling only supported in CUDA for SM90"); MX 1 x 32
+blocks with E8M0 scales on sm100 (major 10). `torch._scaled_grouped_mm` (the routed experts' forward and input
+gradient) takes per-row fp32 scales on sm90 and sm100, so tensorwise (a scale repeated per row) and rowwise run
+there; no CPU kernel. The experts' weight gradient stays emulated everywhere: the kernel's 2-D x 2-D form needs
+every expert's tokens aligned to 16, which the dispatchers do not pad. The start-up probe
+(models/fp8/runtime.py) runs the chosen kernel once and falls back to emulated, with the reason, if it raises.
 
 SDPA's backends, in the order tried (`torch.nn.attention.sdpa_kernel(..., set_priority=True)`): on CUDA cuDNN
 first (on Hopper with cuDNN >= 9.10 it takes head dims up to 256, and a value head dim other than q/k's), then
@@ -19,18 +26,23 @@ dimension"), so MLA zero-pads v to it there; on CUDA cuDNN, the memory-efficient
 v as it is (torch's sdp_utils and flex_attention's checks), so the padding's extra bytes and FLOPs are not spent.
 
 Readers: moe_train/models/attention.py (`documents`, `sdpa_backends`), moe_train/models/fp8/gemm.py
-(`fp8_scaled_mm`), moe_train/models/mla.py and plan/saved_tensors.py (`mla_value`), moe_train/models/moe/experts.py
-(`grouped_mm_min_major`, `experts_fallback`, through `expert_kernel`), `train.compile`'s default (`compile`:
-moe_train/parallel/compile.py).
+(`fp8_linear`, `fp8_grouped`, through `fp8_kernel`), moe_train/models/mla.py and plan/saved_tensors.py
+(`mla_value`), moe_train/models/moe/experts.py (`grouped_mm_min_major`, `experts_fallback`, through
+`expert_kernel`), `train.compile`'s default (`compile`: moe_train/parallel/compile.py).
 Torch-free: plan and the login half may read it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 SdpaBackend = Literal["CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"]
+Capability = tuple[int, int]  # CUDA compute capability (major, minor)
+Capabilities = tuple[Capability, Capability]  # [low, high)
+ANY: Capabilities = ((0, 0), (99, 0))  # every device of the kind (the CPU has no capability)
+_SM89_ON, _SM90, _SM100, _SM90_SM100 = ((8, 9), (99, 0)), ((9, 0), (10, 0)), ((10, 0), (11, 0)), ((9, 0), (11, 0))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,22 +56,42 @@ class Kernels:
     grouped_mm_min_major: int | None  # compute capability major from which torch._grouped_mm runs; None: always
     experts_fallback: Literal["loop", "padded_bmm"]  # experts where torch._grouped_mm cannot run (dtype, strides)
     compile: bool  # train.compile's default (null)
-    fp8_scaled_mm: frozenset[str]  # train.fp8.recipe values whose linear GEMMs run torch._scaled_mm; others emulated
+    # train.fp8.recipe -> the compute capabilities [low, high) whose kernel takes its scales; a recipe not named:
+    # emulated. Linear GEMMs: torch._scaled_mm; the routed experts' grouped GEMMs: torch._scaled_grouped_mm.
+    fp8_linear: Mapping[str, Capabilities]
+    fp8_grouped: Mapping[str, Capabilities]
 
-
-_SCALED_MM = frozenset({"tensorwise", "rowwise"})
 
 KERNELS: dict[str, Kernels] = {
     "cpu": Kernels(documents="sdpa_additive_mask", causal="sdpa", sdpa_backends=("FLASH_ATTENTION", "MATH"),
                    mla_value="padded", grouped_mm_min_major=None, experts_fallback="loop", compile=False,
-                   fp8_scaled_mm=_SCALED_MM),
+                   fp8_linear={"tensorwise": ANY, "rowwise": ANY}, fp8_grouped={}),
     "cuda": Kernels(documents="flex_block_mask", causal="sdpa",
                     sdpa_backends=("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"),
                     mla_value="own", grouped_mm_min_major=9, experts_fallback="padded_bmm", compile=True,
-                    fp8_scaled_mm=_SCALED_MM),
+                    fp8_linear={"tensorwise": _SM89_ON, "rowwise": _SM89_ON, "blockwise": _SM90, "mxfp8": _SM100},
+                    fp8_grouped={"tensorwise": _SM90_SM100, "rowwise": _SM90_SM100}),
 }
 
 
 def kernels_for(device_type: str) -> Kernels:
     """The table row of a device kind; a kind without a row (meta, fake tensors' cpu semantics) is the CPU's."""
     return KERNELS.get(device_type, KERNELS["cpu"])
+
+
+def fp8_kernel(recipe: str, device_type: str, capability: Capability | None = None, *,
+               grouped: bool = False) -> tuple[bool, str]:
+    """(real, why): whether `recipe`'s fp8 GEMMs (linear, or the routed experts' `grouped` ones) run torch's
+    scaled kernel on this device kind and CUDA compute capability (None: the CPU, or not known), and the reason
+    in words for the start-up log. Pure, so each row can be tested without the device."""
+    row = kernels_for(device_type)
+    table, kernel = (row.fp8_grouped, "torch._scaled_grouped_mm") if grouped else (row.fp8_linear, "torch._scaled_mm")
+    where = device_type if capability is None else f"{device_type} sm{capability[0]}{capability[1]}"
+    span = table.get(recipe)
+    if span is None:
+        return False, f"{kernel} has no {recipe} kernel on {device_type}"
+    low, high = span
+    if span != ANY and (capability is None or not low <= capability < high):
+        words = f"from sm{low[0]}{low[1]}" + ("" if high == ANY[1] else f" to below sm{high[0]}{high[1]}")
+        return False, f"{kernel} takes {recipe} scales {words}, not on {where}"
+    return True, f"{kernel} on {where}"

@@ -95,13 +95,13 @@ def test_single_process_preflight_without_a_launcher(tmp_path):
 
 
 def test_training_an_unsupported_recipe_exits_2(tmp_path):
-    recipe = load_recipe("qwen3-tiny", [f"run_dir={tmp_path / 'r'}", "train.precision=fp8", "train.fp8.backend=te",
-                                        "launch.device=cuda", "launch.gpu=h100"])
+    recipe = load_recipe("qwen3-tiny", [f"run_dir={tmp_path / 'r'}", "parallel.pp=2", "launch.gpus_per_node=2",
+                                        "parallel.pp_schedule=zero_bubble"])
     run_dir = prepare_run_dir(recipe)
     result = subprocess.run([sys.executable, "-m", "moe_train.entry", "--recipe", str(run_dir / "recipe.yaml")],
                             capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 2, result.stderr
-    assert "train.fp8.backend: fp8 with transformer-engine (backend te) is not supported yet" in result.stderr
+    assert "parallel.pp_schedule: the zero_bubble schedule with FSDP2" in result.stderr
     assert "Traceback" not in result.stderr
 
 

@@ -13,7 +13,7 @@ from processes import run_bounded
 
 REPO = Path(__file__).resolve().parents[1]
 CHECK = REPO / "bench" / "gpu" / "check.py"
-STAGES = ["probe", "grouped_mm", "sdpa", "tiny_run", "proxy", "compile", "hf_proxy", "resume"]
+STAGES = ["probe", "grouped_mm", "sdpa", "tiny_run", "proxy", "fp8", "te", "hf_proxy", "resume", "compile"]
 
 
 def test_cpu_rehearsal_runs_every_stage(tmp_path: Path) -> None:
@@ -21,10 +21,19 @@ def test_cpu_rehearsal_runs_every_stage(tmp_path: Path) -> None:
                        timeout=400, cwd=REPO)
     report = json.loads((tmp_path / "figures.json").read_text())
     assert list(report["stages"]) == STAGES, done.stdout + done.stderr
-    failed = {k: v for k, v in report["stages"].items() if v["status"] != "ok"}
+    failed = {k: v for k, v in report["stages"].items() if v["status"] != ("skipped" if k == "te" else "ok")}
     assert not failed, json.dumps(failed, indent=1)[:4000]
     assert done.returncode == 0
     figures = {k: v["figures"] for k, v in report["stages"].items()}
+    assert figures["te"]["skipped"].startswith("transformer-engine is not installed here")
+    fp8 = figures["fp8"]["recipes"]
+    assert {r: f["linear"]["table"] for r, f in fp8.items()} == {
+        "tensorwise": "real", "rowwise": "real", "blockwise": "emulated", "mxfp8": "emulated"}  # the CPU's row
+    for recipe, f in fp8.items():
+        assert 1e-3 < f["linear"]["emulated"]["rel_error"] < 0.1 and f["grouped"]["table"] == "emulated", recipe
+        assert f["probe_problems"] == [] and ("real" in f["linear"]) == (f["linear"]["table"] == "real")
+    step = fp8["tensorwise"]["step"]
+    assert step["finite"] and step["gemms"]["linear/forward/real"] > 0 and step["gemms"]["grouped/forward/emulated"] > 0
     assert figures["probe"]["missing_apis"] == []
     assert figures["grouped_mm"]["max_rel_diff"] == {"out": 0.0, "grad_x": 0.0, "grad_w": 0.0}  # fp32, CPU
     assert figures["grouped_mm"]["empty_experts"] > 0

@@ -9,7 +9,11 @@ here states an expected GPU figure: each stage measures and writes what it saw.
 
 Stages: probe (versions, the APIs the engine needs), grouped_mm (torch._grouped_mm forward/backward against the
 per-expert loop, ragged and zero counts), sdpa (the SDPA kernel chosen for GQA, MLA and document-masked inputs,
-with peak memory), tiny_run (`moe-train run` of qwen3-moe-tiny: the loss falls), proxy (qwen3-30b-a3b cut to
+with peak memory), fp8 (each fp8 recipe's GEMM through the kernel table's real kernel and emulated, side by
+side: error against the fp64 product and time; the routed experts' grouped fp8 GEMM likewise; one qwen3-moe-tiny
+training step per recipe that validate takes on this GPU), te (one such step with backend te where
+transformer-engine imports; skipped with the reason elsewhere), tiny_run (`moe-train run` of qwen3-moe-tiny: the
+loss falls), proxy (qwen3-30b-a3b cut to
 4 layers, EP 1, one GPU, bf16: tokens/s, TFLOP/s, MFU, peak memory next to plan's estimate, eager), compile
 (the proxy eager and with train.compile side by side: speed-up, first-step compile time, losses), hf_proxy
 (the same config in transformers, grouped_mm experts, the same batch), resume (train.deterministic: a run
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -35,8 +40,11 @@ REPO = Path(__file__).resolve().parents[2]
 # are tiny and take a fraction of these.
 # sdpa includes compiling FlexAttention (forward and backward) for two head layouts.
 # compile: the proxy twice, inductor compiling its two block kinds' graphs (not measured on a GPU yet).
-TIMEOUTS = {"probe": 15, "grouped_mm": 30, "sdpa": 60, "tiny_run": 60, "proxy": 90, "compile": 240, "hf_proxy": 50,
-            "resume": 50}
+# fp8: each recipe's GEMM real and emulated, the grouped GEMM, and one training step per recipe validate takes.
+# In order of what the short lease on the machine must bring back first: check.sh stops the script at 420 s and
+# figures.json is written after every stage, so the longest and least certain stage (compile) runs last.
+TIMEOUTS = {"probe": 15, "grouped_mm": 30, "sdpa": 60, "tiny_run": 60, "proxy": 90, "fp8": 90, "te": 30,
+            "hf_proxy": 50, "resume": 50, "compile": 240}
 STAGES = list(TIMEOUTS)
 
 
@@ -251,6 +259,121 @@ def _attention_node(y) -> str:
     return "math (no fused kernel: matmul + softmax)"
 
 
+FP8_RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
+
+
+def _relative(out, exact) -> float:
+    return ((out.double() - exact).norm() / exact.norm()).item()
+
+
+def _fp8_gemm_side_by_side(device: str, recipe: str, grouped: bool) -> dict:
+    """One fp8 GEMM of `recipe` real (where the kernel table chose a kernel) and emulated: the error of each
+    against the fp64 product and the time of each, with bf16's time beside them."""
+    import torch
+
+    from moe_train.models.fp8.gemm import grouped_product, kernel_choice, product
+
+    gen = torch.Generator().manual_seed(0)
+    if grouped:
+        experts, rows_each, k, n = (8, 512, 2048, 768) if device == "cuda" else (4, 24, 64, 32)
+        rows = torch.randn(experts * rows_each, k, generator=gen).to(device, torch.bfloat16)
+        weight = (torch.randn(experts, n, k, generator=gen) * 0.02).to(device, torch.bfloat16)
+        offsets = torch.arange(1, experts + 1, device=device, dtype=torch.int32) * rows_each
+        exact = torch.cat([rows[e * rows_each:(e + 1) * rows_each].double() @ weight[e].double().t()
+                           for e in range(experts)])  # fp64: no TF32 whatever an earlier step switched on
+
+        def run(real: bool):
+            return grouped_product(rows, weight, offsets, recipe=recipe, roles=("input", "weight"), real=real)
+
+        def bf16():
+            return torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
+    else:
+        m, k, n = (8192, 4096, 4096) if device == "cuda" else (64, 256, 48)
+        a = torch.randn(m, k, generator=gen).to(device, torch.bfloat16)
+        b = torch.randn(n, k, generator=gen).to(device, torch.bfloat16)
+        exact = a.double() @ b.double().t()
+
+        def run(real: bool):
+            return product(a, b, recipe=recipe, roles=("input", "weight"), real=real, out_dtype=torch.bfloat16)
+
+        def bf16():
+            return a @ b.t()
+    real, why = kernel_choice(recipe, torch.device(device), grouped=grouped)
+    out = {"table": "real" if real else "emulated", "why": why, "bf16_ms": _timed(bf16, device) * 1e3,
+           "emulated": {"rel_error": _relative(run(False), exact), "ms": _timed(lambda: run(False), device) * 1e3}}
+    if real:
+        try:
+            out["real"] = {"rel_error": _relative(run(True), exact), "ms": _timed(lambda: run(True), device) * 1e3}
+        except Exception as error:  # a kernel that refuses is the finding
+            out["real"] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
+    return out
+
+
+def _fp8_step(device: str, work: Path, recipe: str, backend: str = "torchao") -> dict:
+    """Three trainer steps of qwen3-moe-tiny in fp8 (the first warms up): losses, step times, GEMMs by mode."""
+    from moe_train.config import RecipeError, load_recipe
+    from moe_train.models.fp8.gemm import count_fp8_gemms
+    from moe_train.train.loop import Trainer
+
+    sets = ["train.precision=fp8", f"train.fp8.recipe={recipe}", f"train.fp8.backend={backend}",
+            f"launch.device={device}", f"run_dir={work / f'fp8-{backend}-{recipe}'}", "train.steps=10",
+            "checkpoint.interval=null", "logging.tensorboard=false", "train.compile=false"]  # eager: no compile time
+    sets += ["launch.gpu=h200"] if device == "cuda" else ["model.num_layers=1", "train.seq_length=32",
+                                                          "train.global_batch_size=2", "train.micro_batch_size=2"]
+    try:
+        trainer = Trainer(load_recipe("qwen3-moe-tiny", sets))
+    except RecipeError as error:  # validate refuses the recipe on this GPU: the finding
+        return {"refused": str(error)[:1000]}
+    seconds, losses = [], []
+    with count_fp8_gemms() as tally:
+        for step in range(1, 4 if device == "cuda" else 2):
+            start = time.perf_counter()
+            losses.append(trainer.train_step(step).loss)
+            _sync(device)
+            seconds.append(time.perf_counter() - start)
+    return {"losses": losses, "step_seconds": seconds, "finite": all(math.isfinite(x) for x in losses),
+            "gemms": {"/".join(key): count for key, count in sorted(tally.items())}}
+
+
+def stage_fp8(device: str, work: Path) -> dict:
+    """Each fp8 recipe's GEMM real and emulated side by side, the grouped GEMM likewise, the start-up probe's
+    verdict, and one training step per recipe (the CPU rehearsal: tensorwise only)."""
+    import torch
+
+    from moe_train.models.fp8.gemm import capability
+    from moe_train.models.fp8.runtime import fp8_problems, fp8_stack
+
+    out: dict = {"capability": capability(torch.device(device)), "recipes": {}}
+    for recipe in FP8_RECIPES:
+        figures = {"linear": _fp8_gemm_side_by_side(device, recipe, grouped=False),
+                   "grouped": _fp8_gemm_side_by_side(device, recipe, grouped=True),
+                   "probe_problems": fp8_problems(recipe, torch.device(device)),
+                   "stack": fp8_stack(recipe, torch.device(device))}
+        if device == "cuda" or recipe == "tensorwise":
+            figures["step"] = _fp8_step(device, work, recipe)
+        out["recipes"][recipe] = figures
+    steps = [f["step"] for f in out["recipes"].values() if "step" in f and "refused" not in f["step"]]
+    out["passed"] = bool(steps) and all(step["finite"] for step in steps) and not any(
+        f["probe_problems"] for f in out["recipes"].values())
+    return out
+
+
+def stage_te(device: str, work: Path) -> dict:
+    """One qwen3-moe-tiny fp8 step with backend te (tensorwise) where transformer-engine imports and CUDA runs;
+    otherwise skipped, with the reason."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        return {"skipped": "transformer-engine is not installed here (its CUDA wheels exceed what this check "
+                           "carries)"}
+    if device != "cuda":
+        return {"skipped": "backend te runs on CUDA only"}
+    from moe_train.models.fp8.te import te_version
+
+    step = _fp8_step(device, work, "tensorwise", backend="te")
+    return {"transformer_engine": te_version(), "step": step, "passed": step.get("finite", False)}
+
+
 def _cli(args: list[str], work: Path, timeout: float) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run([sys.executable, "-m", "moe_train.cli.main", *args], cwd=work, env=env,
@@ -458,7 +581,8 @@ def run_stage(name: str, device: str, work: Path) -> dict:
 def _stage_entry(name: str, device: str, work: Path) -> dict:
     try:
         measured = run_stage(name, device, work)
-        return {"status": "failed" if measured.get("passed") is False else "ok", "figures": measured}
+        status = "skipped" if "skipped" in measured else "failed" if measured.get("passed") is False else "ok"
+        return {"status": status, "figures": measured}
     except Exception as error:
         return {"status": "failed", "error": f"{type(error).__name__}: {error}"[:2000],
                 "traceback": traceback.format_exc()[-4000:]}
@@ -519,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         with log_path.open("a") as log:
             log.write(f"===== {name}: {entry['status']} in {entry['seconds']} s\n{output[-20000:]}\n")
         print(f"{name}: {entry['status']} ({entry['seconds']} s)", flush=True)
-    return 0 if all(e["status"] == "ok" for e in report["stages"].values()) else 1
+    return 0 if all(e["status"] in ("ok", "skipped") for e in report["stages"].values()) else 1
 
 
 if __name__ == "__main__":

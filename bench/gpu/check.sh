@@ -11,15 +11,16 @@ export PYTHONUNBUFFERED=1
 {
   echo "moe-train GPU check at $(date -u +%FT%TZ) on $(hostname)"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || true
-  # The machine has no pydantic: install the wheels carried in .whl/ (bench/gpu/fetch_wheels.sh), installed
-  # into a folder rather than imported from the zips (pydantic-core's compiled module needs that).
-  if ! python3 -c "import pydantic" 2>/dev/null; then
+  # The machine has no pydantic and no torchao (the fp8 stage's scaling): install the wheels carried in .whl/
+  # (bench/gpu/fetch_wheels.sh), installed into a folder rather than imported from the zips (pydantic-core's
+  # compiled module needs that). transformer-engine is not carried (its CUDA wheels are far over the 64 MiB).
+  if ! python3 -c "import pydantic, torchao" 2>/dev/null; then
     if compgen -G ".whl/*.whl" >/dev/null; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl || { echo "error: installing .whl/ failed"; exit 1; }
       export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
     else
-      echo "error: pydantic is missing and .whl/ holds no wheels (run bench/gpu/fetch_wheels.sh first)"
+      echo "error: pydantic or torchao is missing and .whl/ holds no wheels (run bench/gpu/fetch_wheels.sh first)"
       exit 1
     fi
   fi

@@ -6,6 +6,7 @@ the loader can print file:line:column for it. All rules run; nothing stops at th
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 from dataclasses import dataclass
@@ -337,6 +338,15 @@ def _fp8(r: Recipe) -> list[Problem]:
         out.append(_p("train.fp8.fp8_all_gather", "only with backend torchao (FSDP2's fp8 all-gather)"))
     if fp8.backend == "te" and not cuda:
         out.append(_p("train.fp8.backend", "te (transformer-engine) runs on launch.device cuda only"))
+    elif fp8.backend == "te" and importlib.util.find_spec("transformer_engine") is None:
+        out.append(_p("train.fp8.backend", "te needs transformer-engine (pip install 'moe-train[te]'), which does "
+                      "not import here"))
+    if fp8.backend == "te" and fp8.recipe == "rowwise":
+        out.append(_p("train.fp8.recipe", "transformer-engine has no rowwise recipe (te takes tensorwise, blockwise "
+                      "or mxfp8)"))
+    if fp8.backend == "te" and r.parallel.tp > 1 and r.parallel.sequence_parallel:
+        out.append(_p("train.fp8.backend", "te with parallel.sequence_parallel: the sequence-parallel column GEMM's "
+                      "hand-written backward cannot call TE's backward GEMMs"))
     if len(set(fp8.modules)) != len(fp8.modules):
         out.append(_p("train.fp8.modules", "names a kind twice"))
     if cuda:

@@ -68,7 +68,8 @@ def launcher_problems(recipe: Recipe, env: LauncherEnv) -> list[str]:
 
         from moe_train.models.fp8.runtime import fp8_problems
 
-        out += fp8_problems(recipe.train.fp8.recipe, torch.device("cpu" if launch.device == "cpu" else "cuda"))
+        out += fp8_problems(recipe.train.fp8.recipe, torch.device("cpu" if launch.device == "cpu" else "cuda"),
+                            backend=recipe.train.fp8.backend)
     if launch.device == "cuda":
         import torch
 

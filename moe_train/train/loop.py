@@ -325,7 +325,7 @@ class Trainer:
             if train.precision == "fp8":
                 from moe_train.models.fp8.runtime import fp8_stack
 
-                logger.message(fp8_stack(train.fp8.recipe, self.ctx.device))
+                logger.message(fp8_stack(train.fp8.recipe, self.ctx.device, backend=train.fp8.backend))
             for note in self.start.notes:
                 logger.message(note)
             if self.started_from is not None:

@@ -1,14 +1,16 @@
 """The fp8 products behind the GEMM site (models/linear.py): a linear layer's three GEMMs and the routed
 experts' grouped GEMMs, each operand quantised by the recipe (scaling.py) along its reduction dimension.
 
-A product A [M, K] @ B [N, K]^T runs one of two ways, chosen by the per-device kernel table
-(moe_train/kernels.py, `fp8_scaled_mm`):
-- real: `torch._scaled_mm` on the fp8 data with the inverse scales (tensorwise and rowwise, on the CPU and on
-  CUDA), accumulating in fp32 and writing the compute dtype;
+A product A [M, K] @ B [N, K]^T runs one of two ways, chosen by the per-device kernel table by device kind and
+compute capability (moe_train/kernels.py, `fp8_kernel`; `runs_real`):
+- real: `torch._scaled_mm` on the fp8 data with the decode scales in the layout its recipe needs (layouts.py):
+  tensorwise and rowwise on the CPU and on CUDA from sm89, blockwise on sm90, MX on sm100; on CUDA the operands
+  are zero-padded to the kernel's multiples first (exact) and the output cut back. It accumulates in fp32 and
+  writes the compute dtype. The routed experts' forward and input gradient: `torch._scaled_grouped_mm` with
+  per-row scales (tensorwise, rowwise) on sm90 and sm100;
 - emulated: both operands dequantised to the compute dtype (bf16) and multiplied there: the numerics of the
-  quantisation exactly, the speed of bf16 or worse (blockwise and MX everywhere: their `_scaled_mm` scale
-  layouts are not built; the routed experts everywhere: `torch._scaled_grouped_mm` has no CPU kernel and is
-  not built on CUDA).
+  quantisation exactly, the speed of bf16 or worse (every recipe and device the table names no kernel for; the
+  experts' weight gradient everywhere; a kernel the start-up probe saw fail: `fall_back`).
 
 Forward y = x W^T quantises x (input) and W (weight) along `in`; backward quantises the output gradient
 (grad) along `out` against W^T for the input gradient, and along the tokens against x^T for the weight
@@ -29,9 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_train.kernels import kernels_for
+from moe_train.kernels import fp8_kernel
 from moe_train.models.fp8.all_gather import Fp8GatheredWeight
-from moe_train.models.fp8.scaling import Quantised, Recipe, Role, dequantised_along_groups, quantise
+from moe_train.models.fp8.layouts import kernel_multiples, padded, row_scales, scaled_mm_scales
+from moe_train.models.fp8.scaling import Quantised, Recipe, Role, dequantised_along_groups, padded_quantised, quantise
 
 _TALLIES: list[Counter] = []
 
@@ -52,27 +55,86 @@ def _record(kind: str, product: str, mode: str) -> None:
         tally[(kind, product, mode)] += 1
 
 
-def runs_real(recipe: Recipe, device: torch.device) -> bool:
-    """Whether `recipe`'s linear GEMMs run torch._scaled_mm on this device (the kernel table's fp8 row)."""
-    return recipe in kernels_for(device.type).fp8_scaled_mm
+# (device kind, recipe, grouped) -> why its real kernel is not used in this process (the start-up probe saw it fail)
+_FALLEN_BACK: dict[tuple[str, str, bool], str] = {}
 
 
-def _scaled_mm_scale(scale: torch.Tensor, recipe: Recipe) -> torch.Tensor:
-    inverse = scale.reciprocal()
-    return inverse.reshape(()) if recipe == "tensorwise" else inverse
+# device kind -> its compute capability, read once (the start-up probe reads it, before anything compiles, so a
+# compiled region finds a plain dict entry). One process drives one GPU; a node's GPUs are of one kind.
+_CAPABILITY: dict[str, tuple[int, int]] = {}
+
+
+def capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability of `device` (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    if device.type not in _CAPABILITY:
+        _CAPABILITY[device.type] = tuple(torch.cuda.get_device_capability(device))  # type: ignore[assignment]
+    return _CAPABILITY[device.type]
+
+
+def kernel_choice(recipe: Recipe, device: torch.device, *, grouped: bool = False) -> tuple[bool, str]:
+    """(real, why) for `recipe`'s linear (or routed experts' `grouped`) fp8 GEMMs on `device`: the kernel table's
+    choice for its kind and capability, unless the start-up probe made this process fall back."""
+    fallen = _FALLEN_BACK.get((device.type, recipe, grouped))
+    if fallen is not None:
+        return False, fallen
+    return fp8_kernel(recipe, device.type, capability(device), grouped=grouped)
+
+
+def runs_real(recipe: Recipe, device: torch.device, *, grouped: bool = False) -> bool:
+    """Whether `recipe`'s linear (or `grouped`) GEMMs run torch's scaled kernel on this device."""
+    return kernel_choice(recipe, device, grouped=grouped)[0]
+
+
+def fall_back(recipe: Recipe, device: torch.device, *, grouped: bool, why: str) -> None:
+    """Run `recipe`'s linear (or `grouped`) GEMMs emulated on this kind of device in this process, for `why`."""
+    _FALLEN_BACK[(device.type, recipe, grouped)] = why
+
+
+def _scaled_mm(a: torch.Tensor, b: torch.Tensor | Quantised, *, recipe: Recipe, roles: tuple[Role, Role],
+               out_dtype: torch.dtype, multiples: tuple[int, int] | None) -> torch.Tensor:
+    """torch._scaled_mm of a [M, K] @ b [N, K]^T, each operand zero-padded to `multiples` (rows, K) first (None:
+    as they are, the CPU kernel's way) and the output cut back to [M, N]."""
+    m, n = a.shape[0], b.shape[0]
+    if multiples is not None:
+        rows, cols = multiples
+        a = padded(a, rows, cols)
+        b = padded_quantised(b, rows, cols) if isinstance(b, Quantised) else padded(b, rows, cols)
+    qa = quantise(a, recipe=recipe, role=roles[0])
+    qb = b if isinstance(b, Quantised) else quantise(b, recipe=recipe, role=roles[1])
+    scale_a, scale_b = scaled_mm_scales(qa, qb, recipe)
+    out = torch._scaled_mm(qa.data, qb.data.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    return out if out.shape == (m, n) else out[:m, :n]
 
 
 def product(a: torch.Tensor, b: torch.Tensor | Quantised, *, recipe: Recipe, roles: tuple[Role, Role], real: bool,
             out_dtype: torch.dtype) -> torch.Tensor:
-    """a [M, K] @ b [N, K]^T -> [M, N] with both operands in fp8 along K (b already in fp8: as it is)."""
+    """a [M, K] @ b [N, K]^T -> [M, N] with both operands in fp8 along K: the one place a linear fp8 GEMM runs (b
+    already in fp8, FSDP2's fp8 all-gather: as it is)."""
     if a.shape[0] == 0 or b.shape[0] == 0 or a.shape[1] == 0:
         return a.new_zeros(a.shape[0], b.shape[0], dtype=out_dtype)
+    if real:
+        multiples = kernel_multiples(recipe, roles[1] == "weight") if a.device.type == "cuda" else None
+        return _scaled_mm(a, b, recipe=recipe, roles=roles, out_dtype=out_dtype, multiples=multiples)
     qa = quantise(a, recipe=recipe, role=roles[0])
     qb = b if isinstance(b, Quantised) else quantise(b, recipe=recipe, role=roles[1])
-    if real:
-        return torch._scaled_mm(qa.data, qb.data.t(), scale_a=_scaled_mm_scale(qa.scale, recipe),
-                                scale_b=_scaled_mm_scale(qb.scale, recipe).t(), out_dtype=out_dtype)
     return torch.mm(qa.dequantise(out_dtype), qb.dequantise(out_dtype).t())
+
+
+def grouped_product(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *, recipe: Recipe,
+                    roles: tuple[Role, Role], real: bool) -> torch.Tensor:
+    """rows [N, K] (sorted by expert, expert e's ending at offsets[e]) @ weight [E, out, K]^T per expert ->
+    [N, out], each operand in fp8 along K, each expert's matrix quantised on its own: the one place a grouped fp8
+    GEMM of the forward and the input gradient runs. Real: `torch._scaled_grouped_mm` with per-row scales (it
+    writes bf16)."""
+    qa = quantise(rows, recipe=recipe, role=roles[0])
+    qb = quantise(weight, recipe=recipe, role=roles[1])  # [E, out, K]: no block spans two experts
+    if real:
+        out = torch._scaled_grouped_mm(qa.data, qb.data.transpose(-2, -1), row_scales(qa), row_scales(qb),
+                                       offsets.to(torch.int32), out_dtype=torch.bfloat16)
+        return out.to(rows.dtype)
+    return torch._grouped_mm(qa.dequantise(rows.dtype), qb.dequantise(rows.dtype).transpose(-2, -1), offs=offsets)
 
 
 def _weight_operand(weight: torch.Tensor, *, transposed: bool) -> torch.Tensor | Quantised:
@@ -121,21 +183,19 @@ class Fp8Gemm:
     def grouped_mm(self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         return _Fp8GroupedMM.apply(rows, weight, offsets, self)
 
-    def _dequantised_experts(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Each expert's [out, K] matrix quantised on its own (its blocks never span two experts)."""
-        return quantise(weight, recipe=self.recipe, role="weight").dequantise(dtype)
+    def _run_grouped(self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, roles: tuple[Role, Role],
+                     product_name: str) -> torch.Tensor:
+        real = runs_real(self.recipe, rows.device, grouped=True)
+        _record("grouped", product_name, "real" if real else "emulated")
+        return grouped_product(rows, weight, offsets, recipe=self.recipe, roles=roles, real=real)
 
     def grouped_forward(self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        _record("grouped", "forward", "emulated")
-        a = quantise(rows, recipe=self.recipe, role="input").dequantise(rows.dtype)
-        b = self._dequantised_experts(weight, rows.dtype)
-        return torch._grouped_mm(a, b.transpose(-2, -1), offs=offsets)
+        return self._run_grouped(rows, weight, offsets, ("input", "weight"), "forward")
 
     def grouped_input_grad(self, grad: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        _record("grouped", "input_grad", "emulated")
-        a = quantise(grad, recipe=self.recipe, role="grad").dequantise(grad.dtype)
-        b = self._dequantised_experts(weight.transpose(-2, -1), grad.dtype)  # [E, in, out]: along `out`
-        return torch._grouped_mm(a, b.transpose(-2, -1), offs=offsets)
+        """grad [N, out] @ weight [E, out, in] per expert -> [N, in], reduced over `out`."""
+        return self._run_grouped(grad, weight.transpose(-2, -1).contiguous(), offsets, ("grad", "weight"),
+                                 "input_grad")
 
     def grouped_weight_grad(self, grad: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Expert e's grad_e^T @ rows_e -> [E, out, in], reduced over its own tokens: both operands quantised

@@ -112,6 +112,17 @@ def quantise(x: torch.Tensor, *, recipe: Recipe, role: Role, amax: torch.Tensor 
     return Quantised(data=data, scale=scale, block_rows=block_rows, block_cols=block_cols)
 
 
+def padded_quantised(q: Quantised, rows: int, cols: int) -> Quantised:
+    """A tensorwise operand already in fp8 (FSDP2's fp8 all-gather) with zero rows and columns appended up to
+    multiples of `rows` and `cols`, as a real kernel pads its operands (layouts.padded): fp8 zero is every bit
+    clear, and zeros leave the whole tensor's scale as it is, so this is the padded operand quantised."""
+    pad_rows, pad_cols = -q.data.shape[0] % rows, -q.data.shape[1] % cols
+    if not pad_rows and not pad_cols:
+        return q
+    data = torch.nn.functional.pad(q.data.view(torch.uint8), (0, pad_cols, 0, pad_rows)).view(q.data.dtype)
+    return Quantised(data=data, scale=q.scale, block_rows=data.shape[0], block_cols=data.shape[1])
+
+
 def dequantised_along_groups(x: torch.Tensor, offsets: torch.Tensor, *, recipe: Recipe, role: Role,
                              dtype: torch.dtype) -> torch.Tensor:
     """x [N, C] (rows sorted by expert, expert e's ending at offsets[e]) quantised along its rows within each

@@ -8,7 +8,8 @@ blocks and follow the same kinds; MTP's eh_proj, the router (fp32) and the embed
 Marks are attributes (`Linear.fp8`, `GroupedExperts.fp8`), not module swaps: tensor parallelism swaps the
 Linear classes for its column/row styles and FSDP2 wraps the blocks, and both keep an instance attribute, so
 the GEMMs inside every layout see the same marks (a torchao Float8Linear swap would be bypassed by the
-tensor-parallel styles, which call the GEMM site on their local shards).
+tensor-parallel styles, which call the GEMM site on their local shards). Backend te marks them with a `TeGemm`
+(models/fp8/te.py), which has the same calls.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from moe_train.models.fp8.gemm import Fp8Gemm
+from moe_train.models.fp8.te import TeGemm
 from moe_train.models.linear import Linear
 from moe_train.models.mlp import MLP
 from moe_train.models.moe import MoELayer
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
     from moe_train.models.model import Transformer
 
 
-def _mark_linears(module: nn.Module, gemm: Fp8Gemm) -> int:
+def _mark_linears(module: nn.Module, gemm: Fp8Gemm | TeGemm) -> int:
     count = 0
     for sub in module.modules():
         if isinstance(sub, Linear):
@@ -38,7 +40,7 @@ def _mark_linears(module: nn.Module, gemm: Fp8Gemm) -> int:
 
 def apply_fp8(model: Transformer, fp8: Fp8Config) -> dict[str, int]:
     """Mark the GEMMs of the kinds `fp8.modules` names; returns how many modules of each kind were marked."""
-    gemm = Fp8Gemm(recipe=fp8.recipe)
+    gemm = TeGemm(recipe=fp8.recipe) if fp8.backend == "te" else Fp8Gemm(recipe=fp8.recipe)
     kinds = set(fp8.modules)
     marked = dict.fromkeys(sorted(kinds), 0)
     blocks = [*model.layers.values(), *(module.block for module in model.mtp.values())]
