@@ -382,6 +382,14 @@ def test_shards_quantised_with_the_whole_amax_are_the_quantised_whole_and_run_th
     for a, b in zip(got, want, strict=True):
         assert type(a) is torch.Tensor and torch.equal(a, b)
     assert torch.equal(fp8_weight.detach() + 0, (gathered.float() / whole.scale).bfloat16())  # other ops: dequantised
+    # the CUDA kernels' zero padding (layouts.padded), applied to the gathered operand, is the padded weight quantised
+    from moe_train.models.fp8.layouts import padded
+    from moe_train.models.fp8.scaling import padded_quantised
+
+    pad, want = padded_quantised(fp8_weight.quantised(transposed=False), 16, 48), quantise(
+        padded(weight, 16, 48), recipe="tensorwise", role="weight")
+    assert pad.data.shape == (48, 96) and (pad.block_rows, pad.block_cols) == (want.block_rows, want.block_cols)
+    assert torch.equal(pad.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(pad.scale, want.scale)
 
 
 def test_chunked_loss_runs_an_fp8_head_through_the_fp8_site():
