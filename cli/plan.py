@@ -55,7 +55,7 @@ def _layout_text(plan: Plan) -> str:
     if lay.dpr > 1:
         text += f" (HSDP dpr {lay.dpr} x dps {lay.dps})"
     if plan.recipe.model.moe is not None:
-        text += f" | ep {lay.ep} etp {lay.etp} edp {lay.edp}"
+        text += f" | ep {lay.ep} etp {lay.etp} edp {lay.edp}, {plan.recipe.model.moe.dispatcher} dispatch"
     if lay.sequence_parallel:
         text += ", SP"
     rc = lay.recompute

@@ -192,17 +192,24 @@ def test_hierarchical_dispatch_on_two_emulated_nodes_equals_single_process(tmp_p
     """4 gloo ranks as 2 nodes x 2 (launch.nodes 2, node = rank // 2): the ep group spans both nodes, EP4 alone
     and EP4 under parallel folding with dense TP2 x DP2; the hierarchical dispatcher (each token once per node
     across nodes, then inside the node) trains the single process's run, and so does the all-to-all dispatcher
-    in the same job."""
+    in the same job. Padded to capacity (static splits across nodes and inside one; a capacity per rank's tokens,
+    so not the single process's) the hierarchical dispatcher trains what the all-to-all dispatcher padded does."""
     nodes = ["launch.nodes=2", "model.moe.dispatcher=hierarchical"]
+    padded = ["model.moe.capacity_factor=1.0", "model.moe.pad_to_capacity=true"]
     cases = [
         case("ep4-hierarchical", "qwen3-moe-tiny", [*EP_MOE, "parallel.ep=4", *nodes]),
         case("tp2-dp2-ep4-hierarchical", "qwen3-moe-tiny", [*EP_MOE, "parallel.tp=2", "parallel.ep=4", *nodes]),
         case("ep4-alltoall-two-nodes", "qwen3-moe-tiny", [*EP_MOE, "parallel.ep=4", "launch.nodes=2"]),
+        case("ep4-hierarchical-padded", "qwen3-moe-tiny", [*EP_MOE, "parallel.ep=4", *nodes, *padded]),
+        case("ep4-alltoall-padded", "qwen3-moe-tiny", [*EP_MOE, "parallel.ep=4", "launch.nodes=2", *padded]),
     ]
     saved = run_ranks("train_layouts", 4, {"cases": cases, "run_root": str(tmp_path / "nodes")}, tmp_path,
                       timeout=300)
     records = {key: torch.load(path, weights_only=True) for key, path in saved.items()}
     qwen = reference(tmp_path, "qwen3-moe-tiny", EP_MOE)
-    for record in records.values():
-        assert_same_run(record, qwen)
+    for key, record in records.items():
+        if not key.endswith("-padded"):
+            assert_same_run(record, qwen)
+    assert_same_run(records["ep4-hierarchical-padded"], records["ep4-alltoall-padded"])
+    assert records["ep4-alltoall-padded"]["losses"] != records["ep4-alltoall-two-nodes"]["losses"]  # it drops
     assert records["ep4-hierarchical"]["meshes"] == records["ep4-alltoall-two-nodes"]["meshes"]

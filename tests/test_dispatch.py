@@ -79,8 +79,7 @@ def test_without_a_group_the_dispatchers_are_the_local_one(name):
     indices = torch.rand(7, 4, generator=generator).topk(2, dim=-1).indices
     weights = torch.rand(7, 2, generator=generator)
     keep = torch.rand(7, 2, generator=generator) > 0.25
-    padding = ({"keep": keep, "pad_to": 7},) if name != "hierarchical" else ()  # not taken by hierarchical
-    for options in ({}, {"keep": keep}, *padding):
+    for options in ({}, {"keep": keep}, {"keep": keep, "pad_to": 7}):
         rows, counts, plan = dispatcher.dispatch(hidden, indices, **options)
         rows_l, counts_l, plan_l = local.dispatch(hidden, indices, **options)
         assert torch.equal(rows, rows_l) and torch.equal(counts, counts_l)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from host_reads import HostReads
 
+from moe_train.config.routing_shapes import expert_capacity
 from moe_train.config.schema import MoEConfig
 from moe_train.kernels import KERNELS
 from moe_train.models.moe import (
@@ -19,7 +20,7 @@ from moe_train.models.moe import (
     update_expert_bias,
     z_loss,
 )
-from moe_train.models.moe.capacity import capacity_keep_mask, expert_capacity
+from moe_train.models.moe.capacity import capacity_keep_mask
 from moe_train.models.moe.experts import GroupedExperts, expert_kernel, grouped_mm_supported
 from moe_train.models.moe.router import count_per_expert
 

@@ -11,8 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moe_train.config.routing_shapes import expert_capacity
 from moe_train.models.moe.aux_loss import global_aux_loss, seq_aux_loss, z_loss
-from moe_train.models.moe.capacity import capacity_keep_mask, expert_capacity
+from moe_train.models.moe.capacity import capacity_keep_mask
 
 FAST = settings(max_examples=80, deadline=None)
 

@@ -342,7 +342,7 @@ def full_size_recipe(name: str, tp: int, ep: int, sp: bool, policy: str, *, worl
                               f"parallel.tp={tp}",
                               f"parallel.ep={ep}", f"parallel.sequence_parallel={str(sp).lower()}",
                               f"train.global_batch_size={world // tp}", "train.micro_batch_size=1",
-                              *recompute(policy)], check_files=False)
+                              *recompute(policy), *extra], check_files=False)
 
 
 FULL_LEVELS = (("deepseek-v3", "qwen3-235b-a22b", "qwen3-30b-a3b"), (1, 2, 4, 8), (1, 8, 64), (False, True),

@@ -165,9 +165,6 @@ def _layout(r: Recipe) -> list[Problem]:
                           f"(dp*cp*tp / ep*etp): experts replicate over the same replicas"))
         if m.moe.num_experts % p.ep:
             out.append(_p("parallel.ep", f"{p.ep} must divide model.moe.num_experts {m.moe.num_experts}"))
-        if m.moe.dispatcher == "hierarchical" and m.moe.pad_to_capacity:
-            out.append(_p("model.moe.pad_to_capacity", "is not taken by the hierarchical dispatcher yet (use "
-                          "alltoall or allgather)"))
         if p.etp > 1 and m.moe.dispatcher != "allgather":
             out.append(_p("parallel.etp", f"{p.etp} needs model.moe.dispatcher allgather (it gathers tokens over the "
                           "ep x etp ranks and sums the experts' partial outputs)"))

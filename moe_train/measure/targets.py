@@ -55,15 +55,17 @@ def as_fake_runs(recipe: Recipe) -> Recipe:
 
 
 def fake_problems(recipe: Recipe) -> list[str]:
-    """What `--fake` cannot measure yet, one line each: values decide the shapes there."""
+    """What `--fake` cannot measure yet, one line each: values decide the shapes there. Forced even routing fixes
+    every dispatcher's split sizes on the host (the hierarchical one's too); padded to capacity every expert
+    takes exactly `capacity` rows, so dropping is measurable where the dispatcher pads without reading sizes."""
     moe = recipe.model.moe
-    if moe is None:
+    if moe is None or moe.capacity_factor is None:
         return []
-    out = []
-    if moe.dispatcher == "hierarchical":
-        out.append("model.moe.dispatcher: hierarchical under --fake is not supported yet (its split sizes are read "
-                   "from the device; measure it on real ranks)")
-    if moe.capacity_factor is not None:
-        out.append("model.moe.capacity_factor: token dropping under --fake is not supported yet (which tokens drop "
-                   "depends on values fake tensors do not have)")
-    return out
+    if not moe.pad_to_capacity:
+        return ["model.moe.capacity_factor: token dropping without pad_to_capacity under --fake is not supported "
+                "(how many rows each expert keeps depends on values fake tensors do not have; set "
+                "model.moe.pad_to_capacity: true for static shapes)"]
+    if moe.dispatcher == "allgather" and recipe.parallel.ep * recipe.parallel.etp > 1:
+        return ["model.moe.pad_to_capacity: the allgather dispatcher under --fake is not supported yet (it reads "
+                "the gathered sizes from the device; use the alltoall dispatcher or measure on real ranks)"]
+    return []

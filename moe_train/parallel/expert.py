@@ -67,9 +67,11 @@ def node_split(ctx: ParallelContext, *, node_ranks: int):
     if len(ep_ranks) % local or any(nodes[i] != nodes[i - i % local] for i in range(len(nodes))):
         raise ValueError(f"parallel.ep: the ep group's ranks {ep_ranks} do not split into whole nodes of "
                          f"{node_ranks} ranks")
-    pp, edp, ep, etp = ctx.expert.mesh.shape
-    mesh = DeviceMesh(ctx.expert.device_type, ctx.expert.mesh.reshape(pp, edp, ep // local, local, etp),
-                      mesh_dim_names=("pp", "edp", "epnode", "eplocal", "etp"))
+    # (pp, edp, ep, etp) -> (pp, edp, epnode, eplocal, etp), on the host's rank table: under `measure --fake`
+    # a tensor op would run in fake mode
+    ranks = [[[row[n: n + local] for n in range(0, len(row), local)] for row in stage]
+             for stage in ctx.expert.mesh.tolist()]
+    mesh = DeviceMesh(ctx.expert.device_type, ranks, mesh_dim_names=("pp", "edp", "epnode", "eplocal", "etp"))
     split = {}
     for name in ("eplocal", "epnode"):
         if mesh[name].size() > 1:

@@ -52,10 +52,10 @@ layer's only.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from moe_train.config.hardware import Hardware
+from moe_train.config.routing_shapes import even_node_tokens, even_share
 from moe_train.config.schema import ModelConfig, Recipe
 from moe_train.kernels import kernels_for
 
@@ -63,7 +63,7 @@ from .assumptions import Assumptions
 from .params import RankParams, fp8_gathered_kinds, fsdp_rows
 from .rank_layout import Chunk, PlanLayout, crosses_network, ranks_within_domain
 from .recompute_policy import recompute_groups, saves_after_combine
-from .saved_tensors import ActivationLayout
+from .saved_tensors import ActivationLayout, padded_capacity
 
 INT64, FP32 = 8, 4
 
@@ -198,31 +198,6 @@ class _CachedComm:
         return self._get("head")
 
 
-def even_share(slots: int, num_experts: int, local_experts: int) -> int:
-    """Slots of `slots` (forced even routing: slot s to expert s mod E) that the experts of expert-parallel
-    rank 0 receive (the most loaded: the remainder goes to the first experts)."""
-    base, extra = divmod(slots, num_experts)
-    return local_experts * base + min(extra, local_experts)
-
-
-def even_node_tokens(tokens: int, top_k: int, num_experts: int, nodes: int) -> list[int]:
-    """Under forced even routing (token t to experts (tK + j) mod E), how many of `tokens` tokens need each node
-    (experts [b E/N, (b + 1) E/N) on node b): the rows the hierarchical dispatcher sends there. The pattern
-    repeats every E / gcd(K, E) tokens."""
-    per_node = num_experts // nodes
-    period = num_experts // math.gcd(top_k, num_experts)
-
-    def needs(t: int) -> set[int]:
-        return {((t * top_k + j) % num_experts) // per_node for j in range(top_k)}
-
-    counts = [0] * nodes
-    cycles, rest = divmod(tokens, period)
-    for t in range(period):
-        for node in needs(t):
-            counts[node] += cycles + (t < rest)
-    return counts
-
-
 class _ModelComm:
     """The collectives of each piece of the model for one micro-batch on this rank (see the module docstring)."""
 
@@ -234,6 +209,7 @@ class _ModelComm:
         self.t, self.ts, self.tm = lay.tokens, lay.seq_tokens, lay.moe_tokens
         self.batch = lay.micro_batch
         self.chunked_loss = lay.loss_chunk_tokens > 0
+        self.capacity = padded_capacity(m, lay) if m.moe is not None else None  # rows per expert, when padded
 
     # ---- tensor parallelism: one region entered with `width` features, one row-parallel exit of h
     def _enter(self, width: float, direction: str, *, gemms: int, sp: bool | None = None,
@@ -335,6 +311,8 @@ class _ModelComm:
                 return []
             slots, local = tm * k, moe.num_experts // ep
             mine = even_share(int(slots), moe.num_experts, local)
+            if self.capacity is not None:  # padded: every expert's capacity rows, whatever was kept
+                slots, mine = moe.num_experts * self.capacity, local * self.capacity
             out = [("ep", "all_to_all", (ep - 1) * local * INT64)] if forward else []
             return out + [("ep", "all_to_all", (slots - mine) * h * a), ("ep", "all_to_all", (ep - 1) * mine * h * a)]
         if moe.dispatcher == "hierarchical":
@@ -354,17 +332,27 @@ class _ModelComm:
         """dispatch_hierarchical.py at even routing, on node 0's local rank 0 (the most loaded: remainders go
         to the first experts): over epnode each token once per other node it needs (with its K expert ids, and
         in combine its K fp32 weights) and each node's partial sums back; over eplocal the all-to-all
-        dispatcher's traffic for the (token, expert) pairs the node's rank of each node sends here."""
+        dispatcher's traffic for the (token, expert) pairs the node's rank of each node sends here. Padded to
+        capacity c: min(T, E/N c) rows to every node (no counts exchanged across nodes) and inside the node
+        the all-to-all dispatcher padded to N c."""
         moe, a, h = self.m.moe, self.a, self.h
         nodes, local = self.layout.ep_split
         k, e, tm = moe.top_k, moe.num_experts, int(self.tm)
         per_node, mine_experts = e // nodes, e // (nodes * local)
-        need = even_node_tokens(tm, k, e, nodes)
-        sent, received = sum(need) - need[0], (nodes - 1) * need[0]  # rows to / from the other nodes
+        if self.capacity is None:
+            need = even_node_tokens(tm, k, e, nodes)
+            sent, received = sum(need) - need[0], (nodes - 1) * need[0]  # rows to / from the other nodes
+            counts = [("epnode", "all_to_all", (nodes - 1) * INT64)]
+            node_pairs = nodes * even_share(tm * k, e, per_node)  # pairs this rank sends inside its node
+            mine = nodes * even_share(tm * k, e, mine_experts)  # of them for its own experts
+        else:
+            sent = received = (nodes - 1) * min(tm, per_node * self.capacity)
+            counts = []
+            node_pairs, mine = per_node * nodes * self.capacity, mine_experts * nodes * self.capacity
         out: list[Collective] = []
         if nodes > 1:
             if forward:
-                out += [("epnode", "all_to_all", (nodes - 1) * INT64), ("epnode", "all_to_all", sent * k * INT64),
+                out += [*counts, ("epnode", "all_to_all", sent * k * INT64),
                         ("epnode", "all_to_all", sent * h * a), ("epnode", "all_to_all", sent * k * FP32),
                         ("epnode", "all_to_all", received * h * a)]
             else:
@@ -373,8 +361,6 @@ class _ModelComm:
         if local > 1:
             # pairs the node receives for each of its experts: every node's rank of this local index sends its
             # tokens' slots on those experts (even: expert x gets its share of each source's T K slots)
-            node_pairs = nodes * even_share(tm * k, e, per_node)
-            mine = nodes * even_share(tm * k, e, mine_experts)
             to_others, from_others = node_pairs - mine, (local - 1) * mine
             if forward:
                 out += [("eplocal", "all_to_all", (local - 1) * mine_experts * INT64),

@@ -27,7 +27,7 @@ from .flop_count import forward_flops_per_token, layer_flops_by_region
 from .params import RankParams, fp8_gathered_kinds, rank_params
 from .rank_layout import Chunk, PlanLayout, in_flight, rank_chunks
 from .recompute_policy import RecomputePolicy, recompute_groups
-from .saved_tensors import ActivationLayout, expert_rows
+from .saved_tensors import ActivationLayout, expert_rows, padded_capacity
 
 # Bytes of a gathered parameter: fp8 gathers bf16 weights and its GEMMs quantise them on the fly (keeping no fp8
 # copy between GEMMs), except that train.fp8.fp8_all_gather gathers the fp8-marked Linear weights in fp8, one
@@ -105,7 +105,7 @@ def _activation_layout(recipe: Recipe, layout: PlanLayout, a: Assumptions) -> Ac
         micro_batch=layout.micro_batch, seq_length=layout.seq_length,
         act_bytes=4 if recipe.train.precision == "fp32" else 2, tp=layout.tp,
         sequence_parallel=layout.sequence_parallel, cp=layout.cp, ep=layout.ep, etp=layout.etp,
-        moe_imbalance=a.moe_imbalance,
+        moe_imbalance=a.moe_imbalance, ep_nodes=layout.ep_split[0],
         # position ids per row with packed documents, and under cp (each row's shard has its own positions)
         position_batch=layout.micro_batch if recipe.data.reset_at_eod or layout.cp > 1 else 1,
         loss_chunk_tokens=layout.loss_chunk_tokens,
@@ -120,7 +120,7 @@ def _kernel(region: str) -> str:
 def _layer_flops(m: ModelConfig, layout: PlanLayout, moe_layer: bool, a: Assumptions) -> dict[str, float]:
     """Forward FLOPs per token of the micro-batch that this rank runs for one layer, by region: sharded work
     divides by tp, MLA's replicated down projections only under SP (they run on the sequence region), routed
-    experts scale by the stated imbalance."""
+    experts scale by the stated imbalance (or, padded to capacity, by the padding)."""
     regions = dict(_regions_of(m, moe_layer, layout.seq_length, layout.device))
     tp = layout.tp
     out = {"attention": (regions["attention"] - regions.get("mla_down_proj", 0.0)) / tp,
@@ -132,7 +132,13 @@ def _layer_flops(m: ModelConfig, layout: PlanLayout, moe_layer: bool, a: Assumpt
         if name in regions:
             out[name] = regions[name] / tp
     if "experts" in regions:
-        out["experts"] = regions["experts"] / tp * a.moe_imbalance
+        # the rows the experts run per routed slot: the stated imbalance, or padded to capacity what pads them
+        shapes = ActivationLayout(micro_batch=layout.micro_batch, seq_length=layout.seq_length, tp=tp,
+                                  cp=layout.cp, ep=layout.ep, etp=layout.etp, moe_imbalance=a.moe_imbalance)
+        padded = padded_capacity(m, shapes) is not None
+        per_slot = (expert_rows(m, shapes) / (shapes.moe_tokens * m.moe.top_k * layout.etp) if padded
+                    else a.moe_imbalance)
+        out["experts"] = regions["experts"] / tp * per_slot
     return out
 
 

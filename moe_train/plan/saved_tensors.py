@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe_train.config.routing_shapes import even_node_tokens, even_share, expert_capacity
 from moe_train.config.schema import ModelConfig
 from moe_train.kernels import kernels_for
 
@@ -67,6 +68,7 @@ class ActivationLayout:
     ep: int = 1
     etp: int = 1
     moe_imbalance: float = 1.0
+    ep_nodes: int = 1  # nodes the ep group spans under the hierarchical dispatcher (`PlanLayout.ep_split`)
     position_batch: int = 1  # rows of position ids: 1 unless documents restart (data.reset_at_eod)
     loss_chunk_tokens: int = 0  # the chunked head + loss (config/loss_chunks.py); 0: unchunked
     documents: bool = False  # data.reset_at_eod: attention restarts at each document (a mask every layer shares)
@@ -168,10 +170,38 @@ def _dense_mlp(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
     )
 
 
+def padded_capacity(cfg: ModelConfig, lay: ActivationLayout) -> int | None:
+    """The expert capacity where the layer pads to it (`model.moe.pad_to_capacity`): every expert then takes
+    exactly that many rows from each rank of its group, whatever the routing; None where the routing decides
+    (and under the allgather dispatcher, whose padded gather the plan does not count yet)."""
+    moe = cfg.moe
+    if not moe.pad_to_capacity or moe.capacity_factor is None or moe.dispatcher == "allgather":
+        return None
+    return expert_capacity(num_tokens=int(lay.moe_tokens), top_k=moe.top_k, num_experts=moe.num_experts,
+                           capacity_factor=moe.capacity_factor)
+
+
 def expert_rows(cfg: ModelConfig, lay: ActivationLayout) -> float:
     """Rows this rank's grouped experts process for one micro-batch: top_k per routed token at even routing,
-    all-gathered over etp, times the stated imbalance (the most loaded rank)."""
+    all-gathered over etp, times the stated imbalance (the most loaded rank); padded to capacity, each of its
+    E / ep experts takes `capacity` rows from each of the ep ranks (the alltoall dispatcher, or none)."""
+    capacity = padded_capacity(cfg, lay)
+    if capacity is not None:
+        return cfg.moe.num_experts * capacity
     return lay.moe_tokens * cfg.moe.top_k * lay.etp * lay.moe_imbalance
+
+
+def hierarchical_rows(cfg: ModelConfig, lay: ActivationLayout) -> tuple[int, int]:
+    """(rows sent over the network, pairs on this node) of dispatch_hierarchical.py on node 0's first rank, at
+    even routing: each token once per node it needs (this node included) and the (token, expert) pairs that
+    the rank of this local index on each node sends here, which this rank permutes and later sums per row;
+    padded to capacity c: min(T, E/N c) rows to each node and the node's E/N experts N c pairs each."""
+    moe, nodes = cfg.moe, lay.ep_nodes
+    tokens, capacity = int(lay.moe_tokens), padded_capacity(cfg, lay)
+    if capacity is not None:
+        return nodes * min(tokens, moe.num_experts // nodes * capacity), moe.num_experts * capacity
+    sent = sum(even_node_tokens(tokens, moe.top_k, moe.num_experts, nodes))
+    return sent, nodes * even_share(tokens * moe.top_k, moe.num_experts, moe.num_experts // nodes)
 
 
 def _moe(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
@@ -198,9 +228,19 @@ def _moe(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
     rows = expert_rows(cfg, lay)
     ffn = moe.ffn_hidden_size / lay.etp
     gathered = moe.dispatcher == "allgather" and lay.ep * lay.etp > 1
-    # The permutation's source index: this rank's slots (t k), or the gathered slots routed here (R rows).
-    items.append(Saved("moe", "dispatch.order", INT64 * (rows if gathered else t * k)))
-    if moe.dispatcher == "alltoall" and lay.ep > 1 and e // lay.ep > 1:
+    hierarchical = moe.dispatcher == "hierarchical"
+    if hierarchical:
+        # the token of each network row (kept by its gather, the weights' gather and the final sum: one storage),
+        # and the node's permutation of the pairs it received
+        sent, pairs = hierarchical_rows(cfg, lay)
+        items += [Saved("moe", "dispatch.token_ids", INT64 * sent), Saved("moe", "dispatch.order", INT64 * pairs)]
+    else:
+        # The permutation's source index: this rank's slots (t k), the gathered slots routed here (R rows), or
+        # padded to capacity the buffer's rows (E x capacity, padding included)
+        padded = padded_capacity(cfg, lay) is not None
+        items.append(Saved("moe", "dispatch.order", INT64 * (rows if gathered or padded else t * k)))
+    local = lay.ep // lay.ep_nodes if hierarchical else lay.ep
+    if moe.dispatcher in ("alltoall", "hierarchical") and local > 1 and e // lay.ep > 1:
         # received rows (source-major) sorted by local expert, and back: each index_select keeps its index
         items += [Saved("moe", "dispatch.local_order", INT64 * rows),
                   Saved("moe", "combine.source_major", INT64 * rows)]
@@ -217,6 +257,12 @@ def _moe(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
         # weights, and three indices (rows, slots, tokens)
         items += [Saved("moe", "combine.indices", 3 * INT64 * rows), Saved("moe", "combine.weights", FP32 * rows),
                   Saved("moe", "combine.rows", a * rows * h)]
+    elif hierarchical:
+        # the node's partial sums (dispatch_hierarchical.py `_node_sums`): the pairs' returned rows, their weights
+        # and three indices (rows, slots, network rows; padded, the buffer's rows as they came: two)
+        indices = 2 if padded_capacity(cfg, lay) is not None else 3
+        items += [Saved("moe", "combine.indices", indices * INT64 * pairs),
+                  Saved("moe", "combine.weights", FP32 * pairs), Saved("moe", "combine.rows", a * pairs * h)]
     else:
         items += [Saved("moe", "combine.slot_rows", INT64 * t * k),
                   Saved("moe", "combine.expert_out", a * t * k * h),

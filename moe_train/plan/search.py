@@ -4,9 +4,13 @@ Searched: tp (dividing the GPUs per node: TP stays on NVLink), cp (1, 2, 4, 8 wi
 the K/V exchange stays on NVLink too; the rules keep the sequence divisible into 2*cp chunks), pp (dividing the
 GPUs, up to 16, with a generated layout string where layers do not split evenly), vpp (1, 2), ep (dividing the
 experts), etp (1, and 2 where ep x etp stays within a node; Megatron-Core recommends 1), the recompute policy
-(full, none, selective over the family's heavy modules, the recipe's own) and the micro-batch size (1, 2). Each
-candidate goes through the recipe rules (`check_recipe`) as `--set` overrides would, so every listed layout is
-one `validate` accepts.
+(full, none, selective over the family's heavy modules, the recipe's own) and the micro-batch size (1, 2), and
+the MoE token dispatcher: where the ep group spans more than one NVLink domain (the hardware table's
+`nvlink_domain`) both the alltoall and the hierarchical one (which sends a token across the network once per
+node, not once per expert), ranked by the plan's step time with NVLink inside a domain and the network across;
+elsewhere the recipe's own (hierarchical there would add a stage to the same NVLink traffic). Each candidate
+goes through the recipe rules (`check_recipe`) as `--set` overrides would, so every listed layout is one
+`validate` accepts.
 """
 
 from __future__ import annotations
@@ -67,10 +71,22 @@ def _recompute_options(recipe: Recipe) -> list[dict]:
     return options
 
 
-def layouts(recipe: Recipe) -> list[dict]:
+def dispatchers(recipe: Recipe, *, ep: int, etp: int, nvlink_domain: int) -> list[str]:
+    """The MoE dispatchers tried at this ep: alltoall and hierarchical where the ep group (ep x etp consecutive
+    expert ranks) spans more than one NVLink domain (the recipe's own too, when it is neither); else the
+    recipe's own."""
+    own = recipe.model.moe.dispatcher
+    if ep * etp <= nvlink_domain:
+        return [own]
+    return list(dict.fromkeys([own, "alltoall", "hierarchical"]))
+
+
+def layouts(recipe: Recipe, *, nvlink_domain: int | None = None) -> list[dict]:
     """Override sets (dotted path -> value) of the layouts considered, before the rules and without the
-    recompute policy (`_recompute_options` adds it)."""
+    recompute policy (`_recompute_options` adds it). `nvlink_domain`: the GPUs one NVLink domain holds (the
+    hardware's), where the dispatchers are weighed (default: a node's GPUs)."""
     m, launch = recipe.model, recipe.launch
+    domain = nvlink_domain or launch.gpus_per_node
     world = recipe.world_size
     tps = [t for t in _divisors(launch.gpus_per_node) if t <= 8]
     pps = [p for p in _divisors(world) if p <= 16]
@@ -90,14 +106,19 @@ def layouts(recipe: Recipe) -> list[dict]:
         if m.num_layers < stages:
             continue
         layout = None if m.num_layers % stages == 0 else generated_layout(m.num_layers, stages, m.mtp_layers)
-        out.append({
+        base = {
             "parallel.tp": tp, "parallel.pp": pp, "parallel.vpp": vpp,
             "parallel.pp_schedule": "interleaved_1f1b" if vpp > 1 else "1f1b", "parallel.pp_layout": layout,
             "parallel.ep": ep, "parallel.etp": etp, "parallel.dp": None, "parallel.cp": cp,
             "parallel.sequence_parallel": tp > 1, "train.micro_batch_size": mbs,
             # the recipe's FSDP2 cadence where it can run: pipeline schedules reduce once per step
             "parallel.grad_reduce": recipe.parallel.grad_reduce if pp == 1 else "per_step",
-        })
+        }
+        if m.moe is None:
+            out.append(base)
+            continue
+        out += [{**base, "model.moe.dispatcher": name}
+                for name in dispatchers(recipe, ep=ep, etp=etp, nvlink_domain=domain)]
     return out
 
 
@@ -105,14 +126,16 @@ def _apply(recipe: Recipe, overrides: dict) -> Recipe:
     """The recipe with the overrides (all schema-valid by construction), without a full re-validation."""
     sections: dict[str, dict] = {}
     for path, value in overrides.items():
-        section, key = path.split(".")
+        section, key = path.rsplit(".", 1)
         sections.setdefault(section, {})[key] = value
-    parallel = dict(sections["parallel"])  # every override here is a parallel.* or train.* field
+    parallel = dict(sections["parallel"])  # every override here is a parallel.*, train.* or model.moe.* field
     parallel["recompute"] = RecomputeConfig(**parallel["recompute"])
-    return recipe.model_copy(update={
-        "parallel": recipe.parallel.model_copy(update=parallel),
-        "train": recipe.train.model_copy(update=sections["train"]),
-    })
+    update = {"parallel": recipe.parallel.model_copy(update=parallel),
+              "train": recipe.train.model_copy(update=sections["train"])}
+    if "model.moe" in sections:
+        moe = recipe.model.moe.model_copy(update=sections["model.moe"])
+        update["model"] = recipe.model.model_copy(update={"moe": moe})
+    return recipe.model_copy(update=update)
 
 
 def search(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None = None, *,
@@ -125,7 +148,7 @@ def search(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None =
     fitting: list[Candidate] = []
     valid = fits = 0
     options = _recompute_options(recipe)
-    for base in layouts(recipe):
+    for base in layouts(recipe, nvlink_domain=hardware.nvlink_domain):
         first = _apply(recipe, {**base, "parallel.recompute": options[0]})
         if check_recipe(first, check_files=False):
             continue

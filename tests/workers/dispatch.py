@@ -19,7 +19,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from workers.common import finish, start  # noqa: E402
 
-from moe_train.models.moe.capacity import capacity_keep_mask, expert_capacity  # noqa: E402
+from moe_train.config.routing_shapes import expert_capacity  # noqa: E402
+from moe_train.models.moe.capacity import capacity_keep_mask  # noqa: E402
 from moe_train.models.moe.dispatcher import LocalDispatcher, dispatcher_for  # noqa: E402
 from moe_train.models.moe.router import even_counts, even_topk_indices  # noqa: E402
 
@@ -47,7 +48,8 @@ def distinct_topk(tokens: int, top_k: int, experts: list[int], generator: torch.
 
 
 def make_shards(case: str, *, size: int, num_experts: int, local: int, dtype: torch.dtype) -> list[Shard]:
-    """The group's inputs for one routing case (`local` experts per rank); rank r holds 3 + 2r tokens."""
+    """The group's inputs for one routing case (`local` experts per rank); rank r holds 3 + 2r tokens (7 each
+    when padded to capacity)."""
     generator = torch.Generator().manual_seed(0)
 
     def pool(rank: int) -> list[int]:
@@ -66,6 +68,8 @@ def make_shards(case: str, *, size: int, num_experts: int, local: int, dtype: to
     shards = []
     for rank in range(size):
         tokens = 0 if case == "empty_rank" and rank == 1 else 3 + 2 * rank
+        if case.endswith("_pad"):  # static splits: every rank routes as many tokens (as the engine's ranks do)
+            tokens = 7
         indices = distinct_topk(tokens, top_k, pool(rank), generator)
         if case == "even":  # what `measure --fake` routes: every rank the same count, split sizes from shapes
             tokens = 5

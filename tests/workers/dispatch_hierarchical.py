@@ -1,8 +1,10 @@
 """Worker: the hierarchical dispatcher on 4 gloo ranks as 2 emulated nodes x 2 (node = rank // 2), against the
 single-process reference and the all-to-all dispatcher over the same 4 ranks: every routing case of
 tests/workers/dispatch.py in fp64 (1e-12) and one in fp32 (1e-6), outputs, gradients of the hidden states, the
-routing weights and the local experts; and the bytes crossing nodes, counted by the dispatcher, equal to what
-the routing implies, with the all-to-all dispatcher's (pairs to ranks on the other node) beside them.
+routing weights and the local experts (the capacity cases padded to capacity too, against the all-to-all
+dispatcher padded; the even case with its splits computed on the host from forced even routing's counts); and
+the bytes crossing nodes, counted by the dispatcher, equal to what the routing (padded: the capacity) implies,
+with the all-to-all dispatcher's (pairs to ranks on the other node) beside them.
 Rank 0 writes {"checks": [n per rank], "failures": [...], "network": {case: [[hierarchical, alltoall] per rank]}}.
 """
 
@@ -37,6 +39,10 @@ def network_rows(shards, me: int, num_experts: int, kind: str) -> int:
         return shard.indices if shard.keep is None else shard.indices.masked_fill(~shard.keep, -1)
 
     def to_nodes(rank, node):  # tokens of `rank` needing `node`, or pairs of `rank` held on `node`
+        pad_to = shards[rank].pad_to
+        if pad_to is not None:  # static: the most tokens that can need a node, or every expert's pad_to rows
+            experts = num_experts // (size // LOCAL)
+            return min(len(shards[rank].hidden), experts * pad_to) if kind == "hierarchical" else experts * pad_to
         ids = kept(rank)
         on = (ids >= 0) & (ids // per_rank // LOCAL == node)
         return int(on.any(dim=1).sum()) if kind == "hierarchical" else int(on.sum())
@@ -48,7 +54,8 @@ def network_rows(shards, me: int, num_experts: int, kind: str) -> int:
         peers = [rank for rank in range(size) if rank % LOCAL == me % LOCAL and node_of_rank[rank] != mine]
         returned = sum(to_nodes(peer, mine) for peer in peers)
     else:  # outputs of the pairs other-node ranks sent to my experts
-        returned = sum(int(((kept(rank) >= 0) & (kept(rank) // per_rank == me)).sum())
+        returned = sum(per_rank * shards[rank].pad_to if shards[rank].pad_to is not None
+                       else int(((kept(rank) >= 0) & (kept(rank) // per_rank == me)).sum())
                        for rank in range(size) if node_of_rank[rank] != mine)
     return sent + returned
 
@@ -69,9 +76,6 @@ def main() -> None:
         try:
             shards = shards or make_shards(case, size=world, num_experts=num_experts, local=num_experts // world,
                                            dtype=dtype)
-            for shard in shards:
-                shard.pad_to = None  # pad-to-capacity: not taken by this dispatcher
-                shard.host_counts = None
             experts = expert_weights(num_experts, dtype)
             first = rank * num_experts // world
             hier = dispatcher_for("hierarchical", num_experts=num_experts, group=local_group, node_group=node_group)

@@ -3,19 +3,13 @@
 Dropless routing (capacity_factor null) is the default; a capacity gives static per-expert shapes (with
 `pad_to_capacity`) at the cost of dropping the assignments that overflow an expert. A dropped assignment
 contributes nothing to its token's output; the token's other experts keep their weights (no renormalisation),
-and the residual connection carries the token on.
+and the residual connection carries the token on. The capacity itself (config/routing_shapes.py
+`expert_capacity`) is host arithmetic the planner shares.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
-
-
-def expert_capacity(*, num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    """Rows per expert: ceil(T * K / E * factor) (factor 1: every expert takes exactly its fair share)."""
-    return math.ceil(num_tokens * top_k / num_experts * capacity_factor)
 
 
 def capacity_keep_mask(

@@ -10,7 +10,8 @@ which is why Megatron-Core defaults to it for expert parallelism.
 The split sizes are host values: read from the exchanged counts (one device-to-host copy per dispatch), or,
 when the caller knows every rank's counts on the host (`host_counts`: forced even routing, where they are a
 function of the shapes), taken from there: the counts are still exchanged, so the traffic is the same, but
-nothing is read back (`moe-train measure --fake` runs on tensors without values).
+nothing is read back (`moe-train measure --fake` runs on tensors without values). Padded to capacity
+(`pad_to`), every split is E_local x pad_to rows whatever the routing: static sizes, nothing read.
 """
 
 from __future__ import annotations
@@ -68,27 +69,35 @@ class AllToAllDispatcher:
 
         keep [T, K] drops slots on this (source) rank; pad_to gives each expert pad_to rows from this source
         rank, so a local expert receives the sum over the group's ranks of their pad_to rows. host_counts [E]:
-        the rows per expert that topk_indices makes, identical on every rank of the group (no keep, no pad_to).
+        the rows per expert that topk_indices makes (the slots keep keeps), identical on every rank of the group.
+        With pad_to (the same on every rank of the group: the engine's ranks route equal token counts) every
+        split is E_local x pad_to rows: nothing is read, whatever the routing.
         """
         shard = self.shard
         if shard.group is None:
             rows, counts, permutation = permute(
-                hidden, topk_indices, num_experts=self.num_experts, keep=keep, pad_to=pad_to
+                hidden, topk_indices, num_experts=self.num_experts, keep=keep, pad_to=pad_to,
+                kept=None if host_counts is None else sum(host_counts),
             )
             return rows, counts, AllToAllPlan(permutation, [len(rows)], [len(rows)], None)
-        # The rows sent to each expert, counted before permuting, so that the one read of the splits also brings
-        # the number of slots a keep-mask kept, which permute would otherwise read on its own.
-        slots = topk_indices if keep is None else topk_indices.masked_fill(~keep, self.num_experts)
-        kept_per_expert = count_per_expert(slots, self.num_experts + 1)[: self.num_experts]
-        counts = kept_per_expert if pad_to is None else torch.full_like(kept_per_expert, pad_to)
+        if pad_to is not None:  # static: pad_to rows per expert from every rank, whatever was kept
+            counts = torch.full((self.num_experts,), pad_to, dtype=torch.int64, device=hidden.device)
+        else:
+            # The rows sent to each expert, counted before permuting, so that the one read of the splits also
+            # brings the number of slots a keep-mask kept, which permute would otherwise read on its own.
+            slots = topk_indices if keep is None else topk_indices.masked_fill(~keep, self.num_experts)
+            counts = count_per_expert(slots, self.num_experts + 1)[: self.num_experts]
         # received[s, j]: rows source rank s sends for this rank's local expert j.
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=shard.group)
         self.metadata_bytes["all_to_all"] += (shard.size - 1) * self.num_local_experts * counts.element_size()
         received = received.view(shard.size, self.num_local_experts)
-        if host_counts is None:  # both splits and the kept count in one device-to-host read: the dispatch's only one
+        kept = None
+        if pad_to is not None:  # the splits follow from the shapes: nothing to read
+            send_splits = recv_splits = [self.num_local_experts * pad_to] * shard.size
+        elif host_counts is None:  # both splits and the kept count in one device-to-host read: the only one
             *splits, kept = torch.cat([counts.view(shard.size, self.num_local_experts).sum(dim=1),
-                                       received.sum(dim=1), kept_per_expert.sum().view(1)]).tolist()
+                                       received.sum(dim=1), counts.sum().view(1)]).tolist()
             send_splits, recv_splits = splits[: shard.size], splits[shard.size:]
         else:
             per_rank = [sum(host_counts[r * self.num_local_experts: (r + 1) * self.num_local_experts])

@@ -13,8 +13,10 @@ over the network, in the activation dtype (DeepEP's bf16 combine), and the sourc
 fp32. So in fp32 and fp64 it equals the all-to-all dispatcher up to the order of a token's terms; in bf16 each
 node's partial is rounded once more before the final sum.
 
-Split sizes are host values read once per stage (one device-to-host read each); `moe-train measure --fake`, which
-has no values to read, does not take this dispatcher yet, nor does pad-to-capacity.
+Split sizes are host values read once per stage (one device-to-host read each), or, under forced even routing
+(`host_counts`: what `moe-train measure --fake` routes, on tensors without values), computed on the host from
+the shapes (config/routing_shapes.py, which the planner counts with too), or padded to capacity, fixed by the
+capacity alone (static sizes across nodes and inside one, what CUDA graphs and DeepEP-style kernels need).
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moe_train.config.routing_shapes import even_node_tokens
 from moe_train.models.moe.dispatch_alltoall import AllToAllDispatcher, AllToAllPlan
 from moe_train.models.moe.dispatch_collectives import all_to_all_rows
-from moe_train.models.moe.permute import weighted_scatter
+from moe_train.models.moe.permute import scatter_sum, weighted_scatter
+from moe_train.models.moe.router import even_counts
 
 
 @dataclass
@@ -80,26 +84,34 @@ class HierarchicalDispatcher:
         host_counts: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, HierarchicalPlan]:
         """hidden [T, H], topk_indices [T, K] (global expert ids) -> (rows [N, H] sorted by local expert,
-        rows per local expert [E_local] int64, plan). keep [T, K] drops slots on the source rank. host_counts is
-        not used (the splits are read from the device)."""
-        if pad_to is not None:
-            raise ValueError("model.moe.dispatcher hierarchical with pad_to_capacity is not supported yet")
-        tokens = topk_indices.shape[0]
+        rows per local expert [E_local] int64, plan). keep [T, K] drops slots on the source rank.
+
+        Every split is a host value: read from the device once (the network counts), or without a read, from
+        forced even routing's `host_counts` (the router's `even_counts`, no keep-mask: `even_node_tokens`
+        across nodes, each node's share of the counts inside it), or padded to capacity (`pad_to`, the same on
+        every rank of the group: the engine's ranks route equal token counts), static whatever the routing:
+        to each node the most tokens that can need it, min(T, E/N x pad_to) rows (each of its experts keeps at
+        most pad_to of this rank's slots; rows of tokens that do not need it carry no expert), and inside the
+        node the all-to-all dispatcher padded to N x pad_to (the N ranks' rows meet there), so each local
+        expert gets ep x pad_to rows, as the all-to-all dispatcher padded gives it."""
+        tokens, top_k = topk_indices.shape
         node_of = topk_indices // self.experts_per_node
         if keep is not None:
             node_of = node_of.masked_fill(~keep, self.nodes)  # a dropped slot needs no node
         needed = torch.zeros(tokens, self.nodes + 1, dtype=torch.bool, device=hidden.device)
         needed = needed.scatter_(1, node_of, True)[:, : self.nodes]
-        send_counts = needed.sum(dim=0)
-        if self.node_group is None:
-            send_splits = recv_splits = [int(send_counts.sum())] if tokens else [0]
+        if pad_to is not None:
+            per_node = min(tokens, self.experts_per_node * pad_to)
+            # each node's tokens that need it first (a stable sort), cut to the static count
+            chosen = torch.argsort((~needed).t().to(torch.int8), dim=1, stable=True)[:, :per_node]
+            token_ids = chosen.reshape(-1)
+            row_node = torch.arange(self.nodes, device=hidden.device).repeat_interleave(per_node)
+            send_splits = recv_splits = [per_node] * self.nodes
+            inner = {"pad_to": self.nodes * pad_to}
         else:
-            recv_counts = torch.empty_like(send_counts)
-            dist.all_to_all_single(recv_counts, send_counts, group=self.node_group)
-            self.metadata_bytes["all_to_all"] += (self.nodes - 1) * send_counts.element_size()
-            send_splits, recv_splits = torch.stack([send_counts, recv_counts]).tolist()  # the one read here
-        flat = torch.nonzero_static(needed.t().reshape(-1), size=sum(send_splits)).squeeze(1)
-        token_ids, row_node = flat % tokens, flat // tokens
+            send_splits, recv_splits, inner = self._splits(needed, tokens, top_k, host_counts, keep)
+            flat = torch.nonzero_static(needed.t().reshape(-1), size=sum(send_splits)).squeeze(1)
+            token_ids, row_node = flat % tokens, flat // tokens
         # each row's experts relative to its destination node; -1 where an expert is elsewhere (or dropped)
         ids = topk_indices.index_select(0, token_ids) - (row_node * self.experts_per_node).unsqueeze(1)
         ids = ids.masked_fill(node_of.index_select(0, token_ids) != row_node.unsqueeze(1), -1)
@@ -109,8 +121,31 @@ class HierarchicalDispatcher:
                                    sent_bytes=self.node_bytes)
             ids = all_to_all_rows(ids, send_splits=send_splits, recv_splits=recv_splits, group=self.node_group,
                                   sent_bytes=self.metadata_bytes)
-        out, counts, inner = self.inner.dispatch(rows, ids.clamp(min=0), keep=ids >= 0)
-        return out, counts, HierarchicalPlan(token_ids, send_splits, recv_splits, inner, tokens)
+        out, counts, plan = self.inner.dispatch(rows, ids.clamp(min=0), keep=ids >= 0, **inner)
+        return out, counts, HierarchicalPlan(token_ids, send_splits, recv_splits, plan, tokens)
+
+    def _splits(self, needed: torch.Tensor, tokens: int, top_k: int, host_counts: Sequence[int] | None,
+                keep: torch.Tensor | None) -> tuple[list[int], list[int], dict]:
+        """(rows sent to each node, rows received from each, the node's dispatch options) of an unpadded
+        dispatch: the network counts are exchanged (their one read), or under forced even routing computed."""
+        send_counts = needed.sum(dim=0)
+        inner: dict = {}
+        if host_counts is not None:
+            if keep is not None or list(host_counts) != even_counts(tokens, top_k, self.num_experts):
+                raise ValueError("host_counts: the hierarchical dispatcher takes only forced even routing's counts")
+            send_splits = even_node_tokens(tokens, top_k, self.num_experts, self.nodes)
+            recv_splits = [send_splits[self.node]] * self.nodes  # every rank routes its T tokens the same way
+            mine = host_counts[self.node * self.experts_per_node: (self.node + 1) * self.experts_per_node]
+            inner["host_counts"] = [self.nodes * count for count in mine]  # every node's rank's slots here
+        if self.node_group is not None:
+            recv_counts = torch.empty_like(send_counts)
+            dist.all_to_all_single(recv_counts, send_counts, group=self.node_group)
+            self.metadata_bytes["all_to_all"] += (self.nodes - 1) * send_counts.element_size()
+            if host_counts is None:
+                send_splits, recv_splits = torch.stack([send_counts, recv_counts]).tolist()  # the one read here
+        elif host_counts is None:
+            send_splits = recv_splits = [int(send_counts.sum())] if tokens else [0]
+        return send_splits, recv_splits, inner
 
     def combine(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, plan: HierarchicalPlan) -> torch.Tensor:
         """expert_out [N, H] (rows as dispatch returned them) -> [T, H] fp32 on the tokens' own rank."""
@@ -123,16 +158,19 @@ class HierarchicalDispatcher:
             partial = all_to_all_rows(partial.to(expert_out.dtype), send_splits=plan.recv_splits,
                                       recv_splits=plan.send_splits, group=self.node_group,
                                       sent_bytes=self.node_bytes)
-        wide = torch.promote_types(partial.dtype, torch.float32)
-        out = partial.new_zeros(plan.num_tokens, partial.shape[1], dtype=wide)
-        return out.index_add(0, plan.token_ids, partial.to(wide))
+        return scatter_sum(partial, plan.token_ids, plan.num_tokens)
 
     def _node_sums(self, expert_out: torch.Tensor, weights: torch.Tensor, inner: AllToAllPlan) -> torch.Tensor:
         """The all-to-all dispatcher's combine inside the node, weighting and summing only the kept (on-node)
         slots of each received row: a row carries all K expert ids, most of them elsewhere, and the plain
-        combine would keep a zero row for each of those (K rows a token, not its on-node experts')."""
+        combine would keep a zero row for each of those (K rows a token, not its on-node experts'). Padded,
+        the buffer's rows (padding included) are weighted as they came back: their number is static."""
         rows = self.inner.return_rows(expert_out, inner)  # [kept slots, H], expert-major as sent
         perm, top_k = inner.permutation, weights.shape[1]
+        if perm.row_slots is not None:  # padded: each buffer row's slot, padding into a spare row cut off after
+            slots = perm.row_slots
+            row_weights = torch.cat([weights.reshape(-1), weights.new_zeros(1)]).index_select(0, slots)
+            return weighted_scatter(rows, row_weights, slots // top_k, weights.shape[0] + 1)[:-1]
         kept = torch.nonzero_static(perm.slot_rows < perm.num_rows, size=perm.num_rows).squeeze(1)
         return weighted_scatter(rows.index_select(0, perm.slot_rows.index_select(0, kept)),
                                 weights.reshape(-1).index_select(0, kept), kept // top_k, weights.shape[0])

@@ -9,7 +9,8 @@ parallelism replaces only this piece. Every dispatcher has the same pair:
 (dispatch_alltoall.py, dispatch_allgather.py, dispatch_hierarchical.py) are built by `dispatcher_for` from
 `model.moe.dispatcher`.
 `host_counts` (the rows per expert, known on the host and the same on every rank: forced even routing) lets an
-expert-parallel dispatcher size its collectives without reading the device.
+expert-parallel dispatcher size its collectives without reading the device; so does `pad_to` (the capacity,
+the same on every rank) for the alltoall and hierarchical dispatchers, whatever the routing.
 """
 
 from __future__ import annotations

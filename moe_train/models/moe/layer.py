@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe_train.config.routing_shapes import expert_capacity
 from moe_train.config.schema import MoEConfig
 from moe_train.models.autograd_phase import in_recomputation
 from moe_train.models.mlp import MLP
@@ -39,7 +40,7 @@ from moe_train.models.moe.aux_loss import (
     seq_aux_loss,
     z_loss,
 )
-from moe_train.models.moe.capacity import capacity_keep_mask, expert_capacity
+from moe_train.models.moe.capacity import capacity_keep_mask
 from moe_train.models.moe.dispatcher import LocalDispatcher
 from moe_train.models.moe.experts import GroupedExperts
 from moe_train.models.moe.router import Router, count_per_expert, even_counts

@@ -22,6 +22,7 @@ class Permutation:
     slot_rows: torch.Tensor  # [T*K] int64 row of the expert buffer holding each slot; num_rows when dropped
     num_rows: int  # rows of the expert buffer (including padding)
     has_dropped: bool
+    row_slots: torch.Tensor | None = None  # padded: [num_rows] int64 slot of each buffer row, T*K for padding
 
 
 def permute(
@@ -44,29 +45,48 @@ def permute(
     experts = topk_indices.reshape(-1)
     if keep is not None:
         experts = experts.masked_fill(~keep.reshape(-1), num_experts)  # dropped slots sort last
-    counts = count_per_expert(experts, num_experts + 1)[:num_experts]
     order = torch.argsort(experts, stable=True)
+    if pad_to is not None:
+        return _padded(hidden, experts, order, num_experts=num_experts, top_k=top_k, pad_to=pad_to,
+                       dropping=keep is not None)
+    counts = count_per_expert(experts, num_experts + 1)[:num_experts]
     if kept is None:
         kept = int(counts.sum()) if keep is not None else tokens * top_k
     order = order[:kept]
-    source_tokens = order // top_k
-    if pad_to is None:
-        rows = hidden.index_select(0, source_tokens)
-        num_rows = kept
-        destination = torch.arange(kept, device=hidden.device)
-    else:
-        starts = torch.cumsum(counts, 0) - counts
-        sorted_experts = experts[order]
-        rank = torch.arange(kept, device=hidden.device) - starts[sorted_experts]
-        destination = sorted_experts * pad_to + rank
-        num_rows = num_experts * pad_to
-        rows = hidden.new_zeros(num_rows, hidden.shape[1]).index_copy(
-            0, destination, hidden.index_select(0, source_tokens)
-        )
-        counts = torch.full_like(counts, pad_to)
-    slot_rows = torch.full((tokens * top_k,), num_rows, dtype=torch.int64, device=hidden.device)
+    rows = hidden.index_select(0, order // top_k)
+    slot_rows = torch.full((tokens * top_k,), kept, dtype=torch.int64, device=hidden.device)
+    slot_rows[order] = torch.arange(kept, device=hidden.device)
+    return rows, counts, Permutation(slot_rows=slot_rows, num_rows=kept, has_dropped=kept < tokens * top_k)
+
+
+def _padded(hidden: torch.Tensor, experts: torch.Tensor, order: torch.Tensor, *, num_experts: int, top_k: int,
+            pad_to: int, dropping: bool) -> tuple[torch.Tensor, torch.Tensor, Permutation]:
+    """`permute` with every expert exactly pad_to rows: all shapes follow from (E, pad_to) and the slot count,
+    none from how many slots were kept, so nothing is read from the device (what CUDA graphs and fixed-size
+    all-to-alls need, and what `measure --fake` can run). Each buffer row gathers its slot's token, or an
+    appended zero row where the expert has fewer slots; `dropping` (a keep-mask was given) marks every
+    Permutation as possibly dropping, since how many were dropped is not read."""
+    slots = experts.shape[0]
+    num_rows = num_experts * pad_to
+    per_expert = count_per_expert(experts, num_experts + 1)  # the last: dropped slots
+    starts = torch.cumsum(per_expert, 0) - per_expert
+    sorted_experts = experts.index_select(0, order)
+    rank = torch.arange(slots, device=hidden.device) - starts.index_select(0, sorted_experts)
+    destination = torch.where(sorted_experts < num_experts, sorted_experts * pad_to + rank, num_rows)
+    slot_rows = torch.empty(slots, dtype=torch.int64, device=hidden.device)
     slot_rows[order] = destination
-    return rows, counts, Permutation(slot_rows=slot_rows, num_rows=num_rows, has_dropped=kept < tokens * top_k)
+    # row e * pad_to + r holds the r-th slot of expert e, or none (`slots`: token T, an appended zero row)
+    row = torch.arange(num_rows, device=hidden.device)
+    expert, rank_in_expert = row // pad_to, row % pad_to
+    row_slots = torch.full_like(row, slots)
+    if slots:
+        at = (starts.index_select(0, expert) + rank_in_expert).clamp(max=slots - 1)
+        filled = rank_in_expert < per_expert.index_select(0, expert)
+        row_slots = torch.where(filled, order.index_select(0, at), row_slots)
+    rows = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])]).index_select(0, row_slots // top_k)
+    counts = torch.full((num_experts,), pad_to, dtype=torch.int64, device=hidden.device)
+    return rows, counts, Permutation(slot_rows=slot_rows, num_rows=num_rows, has_dropped=dropping,
+                                     row_slots=row_slots)
 
 
 def unpermute(rows: torch.Tensor, perm: Permutation) -> torch.Tensor:
@@ -92,6 +112,13 @@ def weighted_scatter(rows: torch.Tensor, weights: torch.Tensor, tokens: torch.Te
     the weights and the token index, not the fp32 rows nor their weighted copies. On CUDA index_add uses atomics:
     the order of a token's terms may vary."""
     return _WeightedScatter.apply(rows, weights, tokens, num_tokens)
+
+
+def scatter_sum(rows: torch.Tensor, tokens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """rows [n, H], tokens [n] int64 -> [num_tokens, H] fp32 at least: each row added into tokens[i]'s sum (the
+    hierarchical dispatcher's sum of a token's node partials). Kept for backward: the token index only, where
+    index_add of the widened rows would keep those rows (fp32, n H 4 bytes)."""
+    return _ScatterSum.apply(rows, tokens, num_tokens)
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -142,3 +169,19 @@ class _WeightedScatter(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             grad_weights = (grad * rows.to(_wide(rows.dtype))).sum(dim=-1).to(weights.dtype)
         return grad_rows, grad_weights, None, None
+
+
+class _ScatterSum(torch.autograd.Function):
+    """`scatter_sum`, its gradient the one autograd forms for index_add of the widened rows."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, tokens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        ctx.save_for_backward(tokens)
+        ctx.dtype = rows.dtype
+        wide = rows.to(_wide(rows.dtype))
+        return wide.new_zeros(num_tokens, rows.shape[1]).index_add(0, tokens, wide)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (tokens,) = ctx.saved_tensors
+        return grad.index_select(0, tokens).to(ctx.dtype), None, None
