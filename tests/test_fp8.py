@@ -350,3 +350,111 @@ def test_a_stack_of_experts_quantises_each_expert_alone(recipe):
     for expert in range(3):
         alone = quantise(experts[expert], recipe=recipe, role="weight").dequantise(torch.float32)
         assert torch.equal(together[expert], alone), expert
+
+
+# ------------------------------------------------------------------------------------ FSDP2's fp8 all-gather
+
+
+def test_shards_quantised_with_the_whole_amax_are_the_quantised_whole_and_run_the_same_gemms():
+    """What FSDP2's fp8 all-gather does (models/fp8/all_gather.py): each rank's rows of the bf16 weight quantised
+    with the whole weight's amax, gathered, are bit for bit the quantised weight (an uneven last shard padded
+    with zeros); the GEMM site runs that data and scale as they are, as many fp8 GEMMs, the same bits as from the
+    bf16 weight, forward and input gradient."""
+    from moe_train.models.fp8.all_gather import Fp8GatheredWeight
+    from moe_train.models.fp8.scaling import block_amax
+
+    generator = torch.Generator().manual_seed(3)
+    weight = (torch.randn(45, 64, generator=generator) * torch.linspace(0.01, 3, 45)[:, None]).bfloat16()
+    amax = block_amax(weight, 45, 64)
+    shards = [torch.nn.functional.pad(part, (0, 0, 0, 16 - part.shape[0])) for part in weight.split(16)]
+    gathered = torch.cat([quantise(s, recipe="tensorwise", role="weight", amax=amax).data for s in shards])[:45]
+    whole = quantise(weight, recipe="tensorwise", role="weight")
+    assert torch.equal(gathered.view(torch.uint8), whole.data.view(torch.uint8))
+    fp8_weight = Fp8GatheredWeight(gathered, whole.scale.reshape(()), torch.bfloat16)
+    x = torch.randn(2, 10, 64, generator=generator).bfloat16()
+    grad = torch.randn(2, 10, 45, generator=generator).bfloat16()
+    gemm = Fp8Gemm(recipe="tensorwise")
+    with count_fp8_gemms() as plain_tally:
+        want = gemm.forward(x, weight), gemm.input_grad(grad, weight)
+    with count_fp8_gemms() as tally:
+        got = gemm.forward(x, fp8_weight), gemm.input_grad(grad, fp8_weight)
+    assert tally == plain_tally and sum(tally.values()) == 2
+    for a, b in zip(got, want, strict=True):
+        assert type(a) is torch.Tensor and torch.equal(a, b)
+    assert torch.equal(fp8_weight.detach() + 0, (gathered.float() / whole.scale).bfloat16())  # other ops: dequantised
+    # the CUDA kernels' zero padding (layouts.padded), applied to the gathered operand, is the padded weight quantised
+    from moe_train.models.fp8.layouts import padded
+    from moe_train.models.fp8.scaling import padded_quantised
+
+    pad, want = padded_quantised(fp8_weight.quantised(transposed=False), 16, 48), quantise(
+        padded(weight, 16, 48), recipe="tensorwise", role="weight")
+    assert pad.data.shape == (48, 96) and (pad.block_rows, pad.block_cols) == (want.block_rows, want.block_cols)
+    assert torch.equal(pad.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(pad.scale, want.scale)
+
+
+def test_chunked_loss_runs_an_fp8_head_through_the_fp8_site():
+    """`head` in train.fp8.modules with train.loss_chunk_tokens: each chunk's logits (forward, and again in
+    backward) and its input and weight gradients are fp8 GEMMs of the head, and the loss and the head's gradient
+    are the unchunked fp8 head's within fp8's error (each chunk's activations take their own scale)."""
+    from moe_train.config import load_recipe
+    from moe_train.config.schema import Fp8Config
+    from moe_train.models import build_model
+    from moe_train.models.fp8.select import apply_fp8
+
+    torch.manual_seed(0)
+    model = build_model(load_recipe("qwen3-tiny", ["model.num_layers=1"]).model).train()
+    assert apply_fp8(model, Fp8Config(modules=["head"])) == {"head": 1}
+    ids = torch.randint(0, 257, (2, 32))
+    labels = ids.roll(-1, dims=1)
+    runs = {}
+    for chunk in (0, 16):
+        model.zero_grad()
+        model.lm_loss.chunk_tokens = chunk
+        with count_fp8_gemms() as tally:
+            terms = model(ids, labels=labels)
+            terms.lm_sum.backward()
+        runs[chunk] = terms.lm_sum.detach(), model.lm_head.weight.grad.clone(), dict(tally)
+    (loss, grad, tally), (chunked_loss, chunked_grad, chunked_tally) = runs[0], runs[16]
+    assert tally == {("linear", p, "real"): 1 for p in ("forward", "input_grad", "weight_grad")}
+    assert chunked_tally == {("linear", "forward", "real"): 8, ("linear", "input_grad", "real"): 4,
+                             ("linear", "weight_grad", "real"): 4}
+    assert chunked_loss == pytest.approx(loss.item(), rel=1e-2)
+    assert (chunked_grad - grad).norm() / grad.norm() < 0.1
+
+
+FSDP_DP2 = ["model.num_layers=2", "train.seq_length=32", "train.precision=fp8", "train.micro_batch_size=1",
+            "train.global_batch_size=4", "launch.gpus_per_node=2"]  # DP2: 2 micro-batches per rank
+GATHER = "train.fp8.fp8_all_gather=true"
+PER_STEP_HEAD = ["parallel.param_gather=per_step", "train.fp8.modules=[attention,experts,head]"]
+
+
+def test_plan_holds_the_fp8_all_gather_to_measure_exactly(no_process_group):
+    """FSDP2 DP2 in fp8 (qwen3-moe-tiny, fake ranks), with and without the fp8 gather, per micro-batch and per
+    step with the head in fp8: every figure of plan equals measure's, the all-gather bytes and the fp8 weights'
+    amax all-reduces among them, and so do the bytes of the gathered parameters FSDP2 holds (what per-step
+    gathers hold over the step). With the fp8 gather each block gather sends its 4 attention weights' shard
+    (98,304 elements over 2 layers, half on each rank; the head's padded vocabulary x 128 likewise) at 1 byte
+    instead of 2, after all-reducing their amaxes (4 bytes each); each unit is gathered 2 x 2 times per step
+    (2 micro-batches, forward and backward) or once (per step)."""
+    from moe_train.config import load_recipe
+    from moe_train.config.hardware import HARDWARE
+    from moe_train.measure.driver import Target, measure
+    from moe_train.measure.versus_plan import against
+    from moe_train.plan.estimate import estimate, plan_json
+
+    reports = {}
+    for key, sets in {"bf16": [], "fp8": [GATHER], "bf16-step": PER_STEP_HEAD,
+                      "fp8-step": [*PER_STEP_HEAD, GATHER]}.items():
+        recipe = load_recipe("qwen3-moe-tiny", [*FSDP_DP2, *sets], check_files=False)
+        report, plan = measure(recipe, Target(fake=True)), plan_json(estimate(recipe, HARDWARE["h100"]))
+        assert [f.name for f in against(plan, report) if f.relative_error > 0] == [], key
+        assert report["gathered_param_bytes"] == plan["params"]["gathered_bytes"] > 0, key
+        reports[key] = report
+    attention = 2 * (128 * 128 + 64 * 128 + 64 * 128 + 128 * 128)  # q, k, v, o of 2 layers: 1 byte saved each
+    vocab = recipe.model.padded_vocab_size() * 128
+    for plain, fp8, gathers, saved, weights in (("bf16", "fp8", 4, attention, 8),
+                                                ("bf16-step", "fp8-step", 1, attention + vocab, 9)):
+        comm, plain_comm = reports[fp8]["comm_bytes"], reports[plain]["comm_bytes"]
+        assert plain_comm["dp/all_gather"] - comm["dp/all_gather"] == gathers * saved // 2, fp8
+        assert comm["dp/all_reduce"] - plain_comm["dp/all_reduce"] == gathers * 4 * weights, fp8
+        assert reports[plain]["gathered_param_bytes"] - reports[fp8]["gathered_param_bytes"] == saved, fp8

@@ -38,6 +38,7 @@ LOGIN_MAY_IMPORT = frozenset({"moe_train.checkpoint.layout", "moe_train.checkpoi
 # models/ files that may import torch.distributed, by why.
 MODELS_MAY_USE_DISTRIBUTED = frozenset({
     "models/init.py",  # DTensor-aware initialisation: each rank fills its shard of the full tensor
+    "models/fp8/all_gather.py",  # FSDP2's fp8 all-gather: the amax all-reduce over the shard group, DTensor shards
     "models/moe/dispatcher.py",  # the dispatcher extension point that parallelize replaces
     "models/moe/dispatch_alltoall.py",
     "models/moe/dispatch_hierarchical.py",

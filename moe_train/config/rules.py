@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .data_files import DataError, read_index_header
 from .hardware import HardwareError, hardware_table
+from .loss_chunks import recipe_loss_chunk_tokens
 from .mesh_shape import expert_data_parallel_size, ranks_beside_dp, ranks_beside_edp, stage_ranks
 from .pp_layout import LayoutError, parse_layout
 from .schema import DEEPSEEK_ONLY_FIELDS, MLA_FIELDS, Recipe
@@ -344,6 +345,9 @@ def _fp8(r: Recipe) -> list[Problem]:
     if fp8.backend == "te" and r.parallel.tp > 1 and r.parallel.sequence_parallel:
         out.append(_p("train.fp8.backend", "te with parallel.sequence_parallel: the sequence-parallel column GEMM's "
                       "hand-written backward cannot call TE's backward GEMMs"))
+    if fp8.backend == "te" and "head" in fp8.modules and recipe_loss_chunk_tokens(r):
+        out.append(_p("train.fp8.modules", "head with backend te and the chunked loss (train.loss_chunk_tokens): "
+                      "the chunks' hand-written backward cannot call TE's backward GEMMs; set loss_chunk_tokens 0"))
     if fp8.backend == "te" and fp8.saved_inputs == "fp8":
         out.append(_p("train.fp8.saved_inputs", "applies to backend torchao; transformer-engine keeps its GEMMs' "
                       "inputs itself (leave it bf16)"))

@@ -32,8 +32,6 @@ NOT_SUPPORTED_YET: tuple[Unsupported, ...] = (
                 "the zero_bubble schedule with FSDP2 (use 1f1b, interleaved_1f1b or gpipe)"),
     Unsupported("parallel.cp", lambda r: r.parallel.cp > 1 and r.parallel.dp_replicate > 1,
                 "context parallelism with HSDP (cp > 1 and dp_replicate > 1)"),
-    Unsupported("train.fp8.fp8_all_gather", lambda r: r.train.precision == "fp8" and r.train.fp8.fp8_all_gather,
-                "FSDP2's fp8 all-gather"),
 )
 
 

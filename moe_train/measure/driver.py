@@ -23,7 +23,7 @@ from moe_train.measure.derive import NotAffine, derive, sample_counts, with_micr
 from moe_train.measure.dtensor import local_dtensor_ops
 from moe_train.measure.flops import PhaseFlopCounter
 from moe_train.measure.layers import LayerTracker, in_backward
-from moe_train.measure.memory import LiveBytes, grad_bytes, optimizer_bytes, param_bytes
+from moe_train.measure.memory import LiveBytes, gathered_param_bytes, grad_bytes, optimizer_bytes, param_bytes
 from moe_train.measure.targets import as_fake_runs
 from moe_train.measure.traffic import CollectiveTraffic
 from moe_train.models.fp8.gemm import count_fp8_gemms
@@ -205,6 +205,8 @@ def _walk(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
         "comm_calls": dict(sorted(comm.calls.items())),
         # fp8 GEMMs by "kind/product/mode" (linear|grouped, forward|input_grad|weight_grad, real|emulated)
         "fp8_gemms": {"/".join(key): count for key, count in sorted(fp8_gemms.items())},
+        # every FSDP2 unit's gathered parameters (fp8-gathered weights at 1 byte): plan's params.gathered_bytes
+        "gathered_param_bytes": sum(gathered_param_bytes(chunk) for chunk in chunks),
     }
 
 

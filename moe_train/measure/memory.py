@@ -39,6 +39,21 @@ def grad_bytes(model: nn.Module) -> int:
     return sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
 
 
+def gathered_param_bytes(model: nn.Module) -> int:
+    """Bytes of FSDP2's gathered parameters, every unit's: each parameter's all-gather outputs as allocated at
+    its first gather (the padded chunks of all shards, in the dtype gathered: one byte for the weights
+    `train.fp8.fp8_all_gather` gathers in fp8), what a step whose units stay gathered holds; 0 without FSDP2
+    or before a gather."""
+    from torch.distributed.fsdp import FSDPModule
+
+    total = 0
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        if group is not None:
+            total += sum(t.numel() * t.element_size() for p in group.fsdp_params for t in p.all_gather_outputs)
+    return total
+
+
 def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Optimizer state (AdamW: both moments and the step counters)."""
     return sum(

@@ -96,9 +96,10 @@ def _no_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
+def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, padding: torch.Tensor | None,
+                  fp8: Fp8Gemm | None) -> torch.Tensor:
     """fp32 logits of one chunk of rows, the padding columns at -inf (models/loss.py's `mask_padding`)."""
-    logits = linear(x, weight).float()
+    logits = linear(x, weight, fp8=fp8).float()
     return logits if padding is None else logits.masked_fill_(padding, float("-inf"))
 
 
@@ -109,11 +110,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
     fused loss, no extra GEMM) because those hold a full fp32 weight gradient from each micro-batch's forward
     to its backward, once per micro-batch a pipeline keeps in flight. Under vocabulary parallelism `weight`
     is this rank's rows (columns `start`.. of the padded vocabulary) and `reduce_max` / `reduce_sum` complete
-    each row's max, sum of exponentials and target logit over the shards; backward needs no communication."""
+    each row's max, sum of exponentials and target logit over the shards; backward needs no communication.
+    `fp8`: the head's (`head` in train.fp8.modules): each chunk's three GEMMs and the recomputed logits in fp8."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
-                vocab_size: int, start: int, reduce_max: Reduce, reduce_sum: Reduce) -> torch.Tensor:
+                vocab_size: int, start: int, reduce_max: Reduce, reduce_sum: Reduce,
+                fp8: Fp8Gemm | None) -> torch.Tensor:
         columns = weight.shape[0]
         padding = None
         if start + columns > vocab_size:
@@ -125,7 +128,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         target_logit = torch.empty_like(lse)
         for begin in range(0, x.shape[0], chunk_tokens):
             rows = slice(begin, begin + chunk_tokens)
-            logits = _chunk_logits(x[rows], weight, padding)
+            logits = _chunk_logits(x[rows], weight, padding, fp8)
             target_logit[rows] = logits.gather(-1, index[rows]).squeeze(-1).masked_fill_(~mine[rows], 0.0)
             row_max = reduce_max(logits.max(dim=-1).values)
             sum_exp = reduce_sum(logits.sub_(row_max.unsqueeze(-1)).exp_().sum(dim=-1))
@@ -133,7 +136,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         valid = targets != IGNORE_INDEX
         loss = (lse - reduce_sum(target_logit)).masked_fill_(~valid, 0.0).sum()
         ctx.save_for_backward(x, weight, targets, lse)
-        ctx.chunk_tokens, ctx.start, ctx.padding = chunk_tokens, start, padding
+        ctx.chunk_tokens, ctx.start, ctx.padding, ctx.fp8 = chunk_tokens, start, padding, fp8
         return loss
 
     @staticmethod
@@ -149,20 +152,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for begin in range(0, x.shape[0], ctx.chunk_tokens):
             rows = slice(begin, begin + ctx.chunk_tokens)
             with recomputation():
-                logits = _chunk_logits(x[rows], weight, ctx.padding)
+                logits = _chunk_logits(x[rows], weight, ctx.padding, ctx.fp8)
             probs = logits.sub_(lse[rows].unsqueeze(-1)).exp_()
             probs.scatter_add_(-1, index[rows], -hit[rows].to(probs.dtype))
             grad_logits = probs.mul_(scale[rows]).to(x.dtype)
-            grad_x[rows] = linear_input_grad(grad_logits, weight)
-            grad_weight += linear_weight_grad(grad_logits, x[rows])
-        return grad_x, grad_weight.to(weight.dtype), None, None, None, None, None, None
+            grad_x[rows] = linear_input_grad(grad_logits, weight, fp8=ctx.fp8)
+            grad_weight += linear_weight_grad(grad_logits, x[rows], fp8=ctx.fp8)
+        return grad_x, grad_weight.to(weight.dtype), None, None, None, None, None, None, None
 
 
 def linear_cross_entropy_sum(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                              chunk_tokens: int, vocab_size: int, start: int = 0, reduce_max: Reduce = _no_reduce,
-                             reduce_sum: Reduce = _no_reduce) -> torch.Tensor:
+                             reduce_sum: Reduce = _no_reduce, fp8: Fp8Gemm | None = None) -> torch.Tensor:
     """fp32 sum of the cross-entropy of the logits x [N, in] @ weight [V, in]^T over the targets [N] that are
     not IGNORE_INDEX, `chunk_tokens` rows at a time: the head GEMM and the loss in one, whose peak holds one
     chunk's logits and which keeps only x and one fp32 log-sum-exp per row for backward. Columns from
-    `vocab_size` on (padding) get probability 0; `start`, `reduce_*`: vocabulary parallelism (above)."""
-    return _LinearCrossEntropy.apply(x, weight, targets, chunk_tokens, vocab_size, start, reduce_max, reduce_sum)
+    `vocab_size` on (padding) get probability 0; `start`, `reduce_*`: vocabulary parallelism (above); `fp8`: the
+    head's GEMMs in fp8."""
+    return _LinearCrossEntropy.apply(x, weight, targets, chunk_tokens, vocab_size, start, reduce_max, reduce_sum,
+                                     fp8)

@@ -49,7 +49,7 @@ class LanguageModelLoss:
         if not self.chunk_tokens:
             return self.sum(head(hidden), targets)
         return linear_cross_entropy_sum(hidden.flatten(0, -2), head.weight, targets.flatten(),
-                                        chunk_tokens=self.chunk_tokens, vocab_size=self.vocab_size)
+                                        chunk_tokens=self.chunk_tokens, vocab_size=self.vocab_size, fp8=head.fp8)
 
     def head_mean(self, head: Linear, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """`head_sum` over the count of targets that are not IGNORE_INDEX (0 when there are none)."""

@@ -7,9 +7,11 @@ all-gather less per micro-batch). `parallel.param_gather` and `parallel.grad_red
 step's micro-batches (`set_cadence`). The
 policy is one at every world size, including 1, so numerics never depend on dp: parameters are kept in fp32
 (the optimizer's master weights), computed in the recipe's precision (bf16 or fp32; fp8 computes in bf16 around
-its fp8 GEMMs, models/fp8/), and gradients are reduced
-in fp32. On one process in fp32 that policy is the identity (nothing to gather, cast or reduce), so FSDP2 is
-not applied there: its hooks and buffer copies cost ~10% of the default run's step for bit-identical numbers.
+its fp8 GEMMs, models/fp8/), and gradients are reduced in fp32. `train.fp8.fp8_all_gather` gathers the
+fp8-marked Linear weights in fp8 with the whole weight's scale (models/fp8/all_gather.py): the same numbers, bit
+for bit, in half the bytes. On one process in fp32 that policy is the identity (nothing to gather, cast or
+reduce), so FSDP2 is not applied there: its hooks and buffer copies cost ~10% of the default run's step for
+bit-identical numbers.
 A bf16 run on one process keeps FSDP2, whose parameter cast is the policy.
 
 HSDP (`parallel.dp_replicate` > 1): the mesh is 2-D, (dpr, dps) for dense units and (dpr, edps) for experts
@@ -47,6 +49,10 @@ def apply_fsdp(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> None
         mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32),
         reshard_after_forward=recipe.parallel.reshards_after_forward,
     )
+    if recipe.train.precision == "fp8" and recipe.train.fp8.fp8_all_gather:
+        from moe_train.models.fp8.all_gather import wrap_fp8_weights
+
+        wrap_fp8_weights(model)  # their shards gather in fp8 (models/fp8/all_gather.py)
     dense, expert = ctx.fsdp_mesh(experts=False), ctx.fsdp_mesh(experts=True)
     apart = recipe.parallel.experts_apart
     blocks: list[nn.Module] = [*model.layers.values(), *(module.block for module in model.mtp.values())]

@@ -85,7 +85,7 @@ class VocabParallelLoss(LanguageModelLoss):
         return linear_cross_entropy_sum(
             x.flatten(0, -2), weight, targets.flatten(), chunk_tokens=self.chunk_tokens, vocab_size=self.vocab_size,
             start=self.start, reduce_max=functools.partial(_all_reduce, op=dist.ReduceOp.MAX, group=self.group),
-            reduce_sum=functools.partial(_all_reduce, op=dist.ReduceOp.SUM, group=self.group))
+            reduce_sum=functools.partial(_all_reduce, op=dist.ReduceOp.SUM, group=self.group), fp8=head.fp8)
 
     def sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         losses = _VocabParallelCrossEntropy.apply(

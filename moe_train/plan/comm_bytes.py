@@ -25,9 +25,11 @@ micro-batch on this rank, Ts of them in the sequence region, Tm routed; a bytes 
   counts, routing ids, hidden states and weights gathered, fp32 per-token sums reduce-scattered, and their
   backward (docs/plan.md lists each).
 - dp (dp_cp) and edp, FSDP2: per unit (a block, its experts, an MTP module, the root) an all-gather of this
-  rank's padded shard in the parameter dtype in each micro-batch's forward and again in its backward (when
-  resharding after forward), and one reduce-scatter of the fp32 gradient (padded, all shards) per step (the
-  trainer syncs gradients in the last micro-batch only); under pipelining once per step (Assumptions).
+  rank's padded shard in the parameter dtype (`train.fp8.fp8_all_gather`: the fp8-marked Linear weights at one
+  byte, each after an all-reduce of its fp32 amax over the same group) in each micro-batch's forward and again
+  in its backward (when resharding after forward), and one reduce-scatter of the fp32 gradient (padded, all
+  shards) per step (the trainer syncs gradients in the last micro-batch only); under pipelining once per step
+  (Assumptions).
   HSDP (dpr > 1): the same over dps (dps_cp) and edps, and each reduced fp32 shard all-reduced over dpr.
 - per step: the sum over tp of replicated parameters' partial gradients (one fp32 all-reduce of their local
   shards) and the gradient norm: one fp32 value per parameter tensor, all-reduced over each dimension of its
@@ -58,7 +60,7 @@ from moe_train.config.schema import ModelConfig, Recipe
 from moe_train.kernels import kernels_for
 
 from .assumptions import Assumptions
-from .params import RankParams, fsdp_rows
+from .params import RankParams, fp8_gathered_kinds, fsdp_rows
 from .rank_layout import Chunk, PlanLayout, crosses_network, ranks_within_domain
 from .recompute_policy import recompute_groups, saves_after_combine
 from .saved_tensors import ActivationLayout, padded_capacity
@@ -483,11 +485,14 @@ def _fsdp(out: CommBytes, recipe: Recipe, layout: PlanLayout, params: RankParams
         reduces = mb if parallel.grad_reduce == "per_microbatch" else 1
     hsdp = layout.dpr > 1  # shard groups dps (edps), then each reduced shard all-reduced over the dpr replicas
     dense_group = ("dps" if hsdp else "dp") + ("_cp" if layout.cp > 1 else "")
+    fp8 = fp8_gathered_kinds(recipe)
     for unit in params.units:
         experts_alone = all(t.unit == "experts" for t in unit.tensors)
         group = ("edps" if hsdp else "edp") if experts_alone else dense_group
         shard = unit.padded_shard
-        out.add(group, "all_gather", param_bytes * shard, unit.shards, gathers * unit.count)
+        out.add(group, "all_gather", unit.shard_bytes(param_bytes, fp8), unit.shards, gathers * unit.count)
+        # fp8 all-gather: each fp8 weight's amax (one fp32) all-reduced over the shard group before each gather
+        out.add(group, "all_reduce", FP32 * unit.fp8_weights(fp8), unit.shards, gathers * unit.count)
         out.add(group, "reduce_scatter", FP32 * shard * unit.shards, unit.shards, reduces * unit.count)
         out.add("dpr", "all_reduce", FP32 * shard, layout.dpr, reduces * unit.count)
 

@@ -24,12 +24,15 @@ from .activation_memory import (
 from .assumptions import Assumptions
 from .comm_bytes import CommBytes, comm_time
 from .flop_count import forward_flops_per_token, layer_flops_by_region
-from .params import RankParams, rank_params
+from .params import RankParams, fp8_gathered_kinds, rank_params
 from .rank_layout import Chunk, PlanLayout, in_flight, rank_chunks
 from .recompute_policy import RecomputePolicy, recompute_groups
 from .saved_tensors import ActivationLayout, expert_rows, padded_capacity
 
-PARAM_BYTES = {"bf16": 2, "fp8": 2, "fp32": 4}  # fp8 keeps bf16 weights; the GEMMs quantise on the fly
+# Bytes of a gathered parameter: fp8 gathers bf16 weights and its GEMMs quantise them on the fly (keeping no fp8
+# copy between GEMMs), except that train.fp8.fp8_all_gather gathers the fp8-marked Linear weights in fp8, one
+# byte each (params.fp8_gathered_kinds, Unit.shard_bytes).
+PARAM_BYTES = {"bf16": 2, "fp8": 2, "fp32": 4}
 MASTER_BYTES = 4
 GRAD_BYTES = 4  # fp32 gradients, reduced in fp32
 ADAM_BYTES = {"fp32": 8, "bf16": 4}  # m and v, by train.adam_moment_dtype
@@ -325,12 +328,15 @@ def _buffer_bytes(recipe: Recipe, shapes: ActivationLayout, layout: PlanLayout, 
     stage = params.dense + params.experts
     several, parallel = layout.micro_batches > 1, recipe.parallel
     held_grads = several and (layout.pp > 1 or parallel.grad_reduce == "per_step")  # reduced once, at the end
+    fp8 = fp8_gathered_kinds(recipe)  # gathered at 1 byte, not param_bytes
+    saved = param_bytes - 1
     if (layout.pp > 1 or parallel.gathers_per_step) and several:
         # the stage stays gathered (parameter dtype) over the step, and its fp32 gradients whole until reduced
-        fsdp = param_bytes * stage + GRAD_BYTES * (stage if held_grads else params.largest_unit)
+        gathered = param_bytes * stage - saved * params.fp8_elements(fp8)
+        fsdp = gathered + GRAD_BYTES * (stage if held_grads else params.largest_unit)
     else:
-        fsdp = (assumptions.fsdp_prefetch_units * param_bytes * params.largest_unit
-                + GRAD_BYTES * params.largest_unit)
+        largest = param_bytes * params.largest_unit - saved * sum(params.largest_gemms.get(kind, 0) for kind in fp8)
+        fsdp = assumptions.fsdp_prefetch_units * largest + GRAD_BYTES * params.largest_unit
         if held_grads:
             fsdp += GRAD_BYTES * stage
     dispatch = 0.0
@@ -417,6 +423,14 @@ def estimate(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None
     return plan
 
 
+def _gathered_bytes(recipe: Recipe, layout: PlanLayout, rank: RankPlan) -> int:
+    """FSDP2's gathered parameters of the rank, every unit's (measure's `gathered_param_bytes`): none where
+    FSDP2 is not applied (one fp32 process, parallel/data_parallel.py)."""
+    if layout.world_size == 1 and recipe.train.precision == "fp32":
+        return 0
+    return rank.params.gathered_bytes(PARAM_BYTES[recipe.train.precision], fp8_gathered_kinds(recipe))
+
+
 def plan_json(plan: Plan, *, pipeline_rank: int | None = None) -> dict:
     """The JSON of `moe-train plan --json` (INTERFACES.md, plus extra keys): the most loaded rank's figures,
     or those of a rank of pipeline stage `pipeline_rank` (what `measure --rank` of that stage is held to)."""
@@ -439,7 +453,7 @@ def plan_json(plan: Plan, *, pipeline_rank: int | None = None) -> dict:
         "comm_links": w.comm.links(layout, plan.hardware),
         "activation_bytes_per_layer": {str(k): int(v) for k, v in w.activation_bytes_per_layer.items()},
         "params": {"dense_per_rank": int(w.params.dense), "experts_per_rank": int(w.params.experts),
-                   "local_after_fsdp": w.params.local},
+                   "local_after_fsdp": w.params.local, "gathered_bytes": _gathered_bytes(plan.recipe, layout, w)},
         "layout": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "cp": layout.cp, "dp": layout.dp,
                    "ep": layout.ep, "etp": layout.etp, "edp": layout.edp, "dp_replicate": layout.dpr,
                    "sequence_parallel": layout.sequence_parallel, "micro_batch_size": layout.micro_batch,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from moe_train.config.schema import ModelConfig
+from moe_train.config.schema import ModelConfig, Recipe
 
 from .rank_layout import Chunk, PlanLayout
 
@@ -86,12 +86,15 @@ class Tensor:
     experts), `experts`, `mtp` (an MTP module's own projection and norms), `root` (embedding, final norm, head).
     `mesh` is the group of its gradient norm (train/grad_norm.py): `dense` (plain tensors, FSDP over dp), `tp`
     (tensor-parallel DTensors, FSDP over dp x tp), `experts` (over edp, or edp x ep x etp when expert-parallel).
-    `partial`: replicated over tp with a partial gradient on each rank, summed over tp once per step."""
+    `partial`: replicated over tp with a partial gradient on each rank, summed over tp once per step.
+    `gemm`: the `train.fp8.modules` kind of the Linear this is the weight of (attention, mlp, shared_experts,
+    head; "" for the rest): what FSDP2's fp8 all-gather gathers in fp8 (models/fp8/all_gather.py)."""
 
     shape: tuple[int, ...]
     unit: str
     mesh: str
     partial: bool = False
+    gemm: str = ""
 
     @functools.cached_property
     def numel(self) -> int:
@@ -109,12 +112,14 @@ def fsdp_rows(rows: int, shards: int) -> tuple[int, int]:
     return min(chunk, rows), chunk
 
 
-def _linear(out: int, inp: int, unit: str, *, shard: int | None, tp: int, partial: bool = False) -> Tensor:
-    """A linear weight [out, in]: `shard` 0 (column-parallel) or 1 (row-parallel) over tp, None: replicated."""
+def _linear(out: int, inp: int, unit: str, *, shard: int | None, tp: int, partial: bool = False,
+            gemm: str = "") -> Tensor:
+    """A linear weight [out, in]: `shard` 0 (column-parallel) or 1 (row-parallel) over tp, None: replicated;
+    `gemm`: its fp8 kind (Tensor)."""
     if shard is None or tp == 1:
-        return Tensor((out, inp), unit, "dense", partial and tp > 1)
+        return Tensor((out, inp), unit, "dense", partial and tp > 1, gemm)
     shape = (out // tp, inp) if shard == 0 else (out, inp // tp)
-    return Tensor(shape, unit, "tp")
+    return Tensor(shape, unit, "tp", gemm=gemm)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -126,25 +131,29 @@ def block_tensors(m: ModelConfig, *, moe_layer: bool, tp: int, sequence_parallel
     if m.family == "deepseek_v3":
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         if m.q_lora_rank:
-            out += [_linear(m.q_lora_rank, h, "block", shard=None, tp=tp, partial=sp),
+            out += [_linear(m.q_lora_rank, h, "block", shard=None, tp=tp, partial=sp, gemm="attention"),
                     Tensor((m.q_lora_rank,), "block", "dense", sp),
-                    _linear(heads * qk, m.q_lora_rank, "block", shard=0, tp=tp)]
+                    _linear(heads * qk, m.q_lora_rank, "block", shard=0, tp=tp, gemm="attention")]
         else:
-            out.append(_linear(heads * qk, h, "block", shard=0, tp=tp))
-        out += [_linear(m.kv_lora_rank + m.qk_rope_head_dim, h, "block", shard=None, tp=tp, partial=sp),
+            out.append(_linear(heads * qk, h, "block", shard=0, tp=tp, gemm="attention"))
+        out += [_linear(m.kv_lora_rank + m.qk_rope_head_dim, h, "block", shard=None, tp=tp, partial=sp,
+                        gemm="attention"),
                 Tensor((m.kv_lora_rank,), "block", "dense", sp),
-                _linear(heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, "block", shard=0, tp=tp),
-                _linear(h, heads * m.v_head_dim, "block", shard=1, tp=tp)]
+                _linear(heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, "block", shard=0, tp=tp,
+                        gemm="attention"),
+                _linear(h, heads * m.v_head_dim, "block", shard=1, tp=tp, gemm="attention")]
     else:
         d = m.attention_head_dim
-        out += [_linear(heads * d, h, "block", shard=0, tp=tp), _linear(m.kv_heads * d, h, "block", shard=0, tp=tp),
-                _linear(m.kv_heads * d, h, "block", shard=0, tp=tp), _linear(h, heads * d, "block", shard=1, tp=tp)]
+        out += [_linear(heads * d, h, "block", shard=0, tp=tp, gemm="attention"),
+                _linear(m.kv_heads * d, h, "block", shard=0, tp=tp, gemm="attention"),
+                _linear(m.kv_heads * d, h, "block", shard=0, tp=tp, gemm="attention"),
+                _linear(h, heads * d, "block", shard=1, tp=tp, gemm="attention")]
         if m.qk_norm:  # one weight per head_dim, on this rank's heads
             out += [Tensor((d,), "block", "dense", tp > 1), Tensor((d,), "block", "dense", tp > 1)]
     if not moe_layer:
         f = m.ffn_hidden_size
-        return (*out, _linear(f, h, "block", shard=0, tp=tp), _linear(f, h, "block", shard=0, tp=tp),
-                _linear(h, f, "block", shard=1, tp=tp))
+        return (*out, _linear(f, h, "block", shard=0, tp=tp, gemm="mlp"),
+                _linear(f, h, "block", shard=0, tp=tp, gemm="mlp"), _linear(h, f, "block", shard=1, tp=tp, gemm="mlp"))
     moe = m.moe
     out.append(Tensor((moe.num_experts, h), "block", "dense", tp > 1))  # the router
     experts, f = moe.num_experts // ep, moe.ffn_hidden_size // etp
@@ -152,8 +161,9 @@ def block_tensors(m: ModelConfig, *, moe_layer: bool, tp: int, sequence_parallel
             Tensor((experts, h, f), "experts", "experts")]
     if moe.shared_expert_ffn_hidden_size:
         fs = moe.shared_expert_ffn_hidden_size
-        out += [_linear(fs, h, "block", shard=0, tp=tp), _linear(fs, h, "block", shard=0, tp=tp),
-                _linear(h, fs, "block", shard=1, tp=tp)]
+        out += [_linear(fs, h, "block", shard=0, tp=tp, gemm="shared_experts"),
+                _linear(fs, h, "block", shard=0, tp=tp, gemm="shared_experts"),
+                _linear(h, fs, "block", shard=1, tp=tp, gemm="shared_experts")]
     return tuple(out)
 
 
@@ -167,8 +177,9 @@ def root_tensors(m: ModelConfig, *, tp: int, sequence_parallel: bool, embedding:
         out.append(_linear(vocab, m.hidden_size, "root", shard=0, tp=tp))
     if head:
         out.append(Tensor((m.hidden_size,), "root", "dense", sequence_parallel and tp > 1))
-        if not (m.tie_embeddings and embedding):
-            out.append(_linear(vocab, m.hidden_size, "root", shard=0, tp=tp))
+        if not (m.tie_embeddings and embedding):  # tied: the embedding's weight, which stays bf16 in the gather
+            out.append(_linear(vocab, m.hidden_size, "root", shard=0, tp=tp,
+                               gemm="" if m.tie_embeddings else "head"))
     return tuple(out)
 
 
@@ -181,6 +192,15 @@ def mtp_tensors(m: ModelConfig, *, tp: int, sequence_parallel: bool) -> tuple[Te
 
 
 # ------------------------------------------------------------------------------- a rank's FSDP2 units
+
+
+def fp8_gathered_kinds(recipe: Recipe) -> frozenset[str]:
+    """The `Tensor.gemm` kinds FSDP2 gathers in fp8 (`train.fp8.fp8_all_gather`): the fp8-marked Linear weights;
+    the routed experts' grouped weights stay bf16 (models/fp8/all_gather.py)."""
+    t = recipe.train
+    if t.precision != "fp8" or not t.fp8.fp8_all_gather:
+        return frozenset()
+    return frozenset(t.fp8.modules) - {"experts"}
 
 
 @dataclass
@@ -205,6 +225,16 @@ class Unit:
     def numel(self) -> int:
         return _unit_sizes(self.tensors, self.shards)[2]
 
+    def shard_bytes(self, param_bytes: int, fp8: frozenset[str]) -> int:
+        """Bytes one rank sends in the unit's all-gather: its padded shard in the parameter dtype, the weights
+        of the kinds `fp8` names (FSDP2's fp8 all-gather, `fp8_gathered_kinds`) at one byte each."""
+        return sum(fsdp_rows(t.shape[0], self.shards)[1] * (t.numel // t.shape[0])
+                   * (1 if t.gemm in fp8 else param_bytes) for t in self.tensors)
+
+    def fp8_weights(self, fp8: frozenset[str]) -> int:
+        """The unit's weights gathered in fp8: one fp32 amax all-reduce each per gather."""
+        return sum(t.gemm in fp8 for t in self.tensors)
+
 
 @functools.lru_cache(maxsize=4096)
 def _unit_sizes(tensors: tuple[Tensor, ...], shards: int) -> tuple[int, int, int]:
@@ -221,6 +251,7 @@ def _unit_sizes(tensors: tuple[Tensor, ...], shards: int) -> tuple[int, int, int
 class RankParams:
     units: list[Unit] = field(default_factory=list)
     largest_unit: float = 0.0  # the largest FSDP unit (a layer with its experts, or the embedding/head)
+    largest_gemms: dict[str, float] = field(default_factory=dict)  # its weights' elements by fp8 kind (Tensor)
 
     @property
     def tensors(self) -> list[tuple[Tensor, int]]:
@@ -242,6 +273,16 @@ class RankParams:
         """Elements this rank holds after FSDP2 (dp coordinate 0: full chunks, the most loaded)."""
         return sum(unit.local for unit in self.units)
 
+    def fp8_elements(self, fp8: frozenset[str]) -> float:
+        """Elements of this rank's weights FSDP2 gathers in fp8 (before sharding)."""
+        return sum(t.numel * count for t, count in self.tensors if t.gemm in fp8)
+
+    def gathered_bytes(self, param_bytes: int, fp8: frozenset[str]) -> int:
+        """Bytes of every unit's gathered parameters, as FSDP2's all-gather outputs hold them (each tensor's
+        padded chunks of all shards): what the rank holds over a step whose units stay gathered (per-step
+        gathers, pipeline stages); measure's `gathered_param_bytes`."""
+        return sum(unit.count * unit.shards * unit.shard_bytes(param_bytes, fp8) for unit in self.units)
+
 
 def rank_params(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk]) -> RankParams:
     """The FSDP2 units of one pipeline rank (parallel/data_parallel.py): each decoder block, its routed experts
@@ -261,7 +302,11 @@ def rank_params(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk]) -> Rank
             experts = tuple(t for t in tensors if t.unit == "experts")
             if experts:
                 out.units.append(Unit(experts, layout.edps, count))
-        out.largest_unit = max(out.largest_unit, sum(t.numel for t in tensors))
+        if sum(t.numel for t in tensors) > out.largest_unit:
+            out.largest_unit = sum(t.numel for t in tensors)
+            out.largest_gemms = {}
+            for t in tensors:
+                out.largest_gemms[t.gemm] = out.largest_gemms.get(t.gemm, 0) + t.numel
 
     root: list[Tensor] = []
     for chunk in chunks:
@@ -278,5 +323,8 @@ def rank_params(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk]) -> Rank
     if root:
         out.units.append(Unit(tuple(root), dense_shards, 1))
         vocab = m.padded_vocab_size() * m.hidden_size / layout.tp
-        out.largest_unit = max(out.largest_unit, vocab)
+        if vocab > out.largest_unit:  # one vocabulary matrix: the head's when the root holds no embedding
+            out.largest_unit = vocab
+            matrices = [t for t in root if len(t.shape) == 2]
+            out.largest_gemms = {matrices[0].gemm: vocab} if len(matrices) == 1 else {}
     return out

@@ -47,6 +47,18 @@ def whole_state(trainer) -> dict[str, torch.Tensor]:
                                          for k, v in part.state_dict().items()})
 
 
+def fp8_gathering(trainer) -> dict[str, int]:
+    """How many parameters FSDP2 gathers in fp8 (train.fp8.fp8_all_gather), and how many state-dict entries are
+    not plain tensors (a checkpoint must see none)."""
+    from moe_train.models.fp8.all_gather import gathered_in_fp8
+
+    def plain(value: torch.Tensor) -> bool:
+        return type(value.to_local() if isinstance(value, DTensor) else value) in (torch.Tensor, torch.nn.Parameter)
+
+    return {"gathered": sum(gathered_in_fp8(p) for part in trainer.chunks for p in part.parameters()),
+            "not_plain": sum(not plain(v) for part in trainer.chunks for v in part.state_dict().values())}
+
+
 def full_state(trainer) -> dict[str, torch.Tensor]:
     """`whole_state` and every optimizer state tensor (`{param}/exp_avg` etc.) as full tensors: what a checkpoint
     holds of the model and optimizer, whatever the layout (collective)."""
@@ -73,7 +85,7 @@ def record_run(recipe_name: str, overrides: list[str], *, world: int, run_dir: P
                prepare: Callable | None = None, evaluate: bool = False) -> dict:
     """{"losses", "grads" (step 1), "state" (after `steps`), "moe" (balance figures per step), "eval" (the
     validation loss after the last step, when `evaluate`), "meshes" (this rank's parameters' mesh dimensions),
-    "fp8_gemms" (this rank's fp8 GEMMs by "kind/product/mode")};
+    "fp8_gemms" (this rank's fp8 GEMMs by "kind/product/mode"), "fp8_gathering" (`fp8_gathering`)};
     every rank must call it (the full tensors are gathered collectively). `prepare(trainer)` runs before the
     first step."""
     from moe_train.train.loop import Trainer
@@ -111,7 +123,8 @@ def record_run(recipe_name: str, overrides: list[str], *, world: int, run_dir: P
               for part in trainer.chunks for n, p in part.named_parameters()}
     return {"losses": losses, "grads": whole_grads(trainer, grads), "state": whole_state(trainer), "moe": balance,
             "initial": initial, "eval": trainer.evaluate() if evaluate else None, "meshes": meshes,
-            "fp8_gemms": {"/".join(key): count for key, count in fp8_gemms.items()}}
+            "fp8_gemms": {"/".join(key): count for key, count in fp8_gemms.items()},
+            "fp8_gathering": fp8_gathering(trainer)}
 
 
 def record_resumed(recipe_name: str, overrides: list[str], *, world: int, run_dir: Path, steps: int,
@@ -126,7 +139,7 @@ def record_resumed(recipe_name: str, overrides: list[str], *, world: int, run_di
     resumed = Trainer(load_recipe(recipe_name, [*base, *resume_overrides, "checkpoint.resume=required"]))
     started = resumed.progress.step
     resumed.train()
-    return {"started": started, "state": whole_state(resumed)}
+    return {"started": started, "state": whole_state(resumed), "fp8_gathering": fp8_gathering(resumed)}
 
 
 def keep_record(record: dict, *, run_root: Path, case_id: str, rank: int, saved: dict[str, str]) -> None:

@@ -45,6 +45,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from moe_train.kernels import fp8_kernel
+from moe_train.models.fp8.all_gather import Fp8GatheredWeight
 from moe_train.models.fp8.layouts import kernel_multiples, padded, row_scales, scaled_mm_scales
 from moe_train.models.fp8.scaling import (
     GroupQuantised,
@@ -168,6 +169,14 @@ def grouped_product(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
     return torch._grouped_mm(qa.dequantise(rows.dtype), qb.dequantise(rows.dtype).transpose(-2, -1), offs=offsets)
 
 
+def _weight_operand(weight: torch.Tensor, *, transposed: bool) -> torch.Tensor | Quantised:
+    """A linear weight [out, in] (transposed: [in, out], for the input gradient) as `product` takes it: gathered
+    by FSDP2 in fp8 (all_gather.py), its fp8 data and scale as they are; otherwise the high-precision weight."""
+    if isinstance(weight, Fp8GatheredWeight):
+        return weight.quantised(transposed=transposed)
+    return weight.t().contiguous() if transposed else weight
+
+
 @dataclass(frozen=True)
 class Fp8Gemm:
     """What a module marked for fp8 (`Linear.fp8`, `GroupedExperts.fp8`) runs its GEMMs with; `saved_inputs`:
@@ -191,13 +200,13 @@ class Fp8Gemm:
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        out = self._run(rows, weight, ("input", "weight"), "forward", x.dtype)
+        out = self._run(rows, _weight_operand(weight, transposed=False), ("input", "weight"), "forward", x.dtype)
         return out.view(*x.shape[:-1], weight.shape[0])
 
     def input_grad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """grad [..., out] @ weight [out, in] -> [..., in], reduced over `out`."""
         rows = grad.reshape(-1, grad.shape[-1])
-        out = self._run(rows, weight.t().contiguous(), ("grad", "weight"), "input_grad", grad.dtype)
+        out = self._run(rows, _weight_operand(weight, transposed=True), ("grad", "weight"), "input_grad", grad.dtype)
         return out.view(*grad.shape[:-1], weight.shape[1])
 
     def weight_grad(self, grad: torch.Tensor, x: torch.Tensor | Quantised) -> torch.Tensor:

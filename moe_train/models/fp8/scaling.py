@@ -49,6 +49,10 @@ class Quantised:
     block_rows: int
     block_cols: int
 
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
     def dequantise(self, dtype: torch.dtype) -> torch.Tensor:
         inverse = _expand(self.scale.reciprocal(), self.block_rows, self.block_cols, self.data.shape)
         return (self.data.to(torch.float32) * inverse).to(dtype)
@@ -95,27 +99,34 @@ def _scale(amax: torch.Tensor, recipe: Recipe, dtype: torch.dtype) -> torch.Tens
     return amax_to_scale(amax, dtype, round_scales_to_power_of_2=recipe == "rowwise")
 
 
-def quantise(x: torch.Tensor, *, recipe: Recipe, role: Role) -> Quantised:
-    """x [..., rows, K] (K: the product's reduction dimension) in fp8 with the recipe's scales."""
+def quantise(x: torch.Tensor, *, recipe: Recipe, role: Role, amax: torch.Tensor | None = None) -> Quantised:
+    """x [..., rows, K] (K: the product's reduction dimension) in fp8 with the recipe's scales. `amax`: the
+    blocks' largest magnitudes when they were taken over more than x (FSDP2's fp8 all-gather quantises each
+    shard with the whole weight's, all_gather.py); None: x's own."""
     from torchao.float8.float8_utils import to_fp8_saturated
 
     dtype = fp8_dtype(recipe, role)
     block_rows, block_cols = block_shape(recipe, role, tuple(x.shape))
-    scale = _scale(block_amax(x, block_rows, block_cols), recipe, dtype)
+    scale = _scale(block_amax(x, block_rows, block_cols) if amax is None else amax, recipe, dtype)
     data = to_fp8_saturated(x.float() * _expand(scale, block_rows, block_cols, x.shape), dtype)
     return Quantised(data=data, scale=scale, block_rows=block_rows, block_cols=block_cols)
 
 
-def padded_quantised(q: Quantised, rows: int, cols: int, *, recipe: Recipe, role: Role) -> Quantised:
+def padded_quantised(q: Quantised, rows: int, cols: int, *, recipe: Recipe = "tensorwise",
+                     role: Role = "weight") -> Quantised:
     """`q` (of x [R, C]) as `quantise` of x with zero rows and columns appended up to multiples of `rows` and
-    `cols` gives it (layouts.padded, which real CUDA kernels need): the data padded with zeros, each block's scale
-    as it was (a zero never raises a block's amax), the scale of an all-zero block for the blocks the padding
-    adds. What lets a GEMM input kept in fp8 meet a kernel's multiples with the bits a bf16 input gets."""
+    `cols` gives it (layouts.padded, which a real CUDA kernel needs of its operands): fp8 zero is every bit clear,
+    and a zero never raises a block's amax, so each block keeps its scale; the blocks the padding adds get an
+    all-zero block's. Tensorwise (FSDP2's fp8 all-gather, a kept input): the one scale as it is. What lets an
+    operand already in fp8 (gathered so, or a GEMM input kept so for backward) meet a kernel's multiples with the
+    bits its high-precision tensor would get."""
     r, c = q.data.shape
     pad_rows, pad_cols = -r % rows, -c % cols
     if not pad_rows and not pad_cols:
         return q
     data = torch.nn.functional.pad(q.data.view(torch.uint8), (0, pad_cols, 0, pad_rows)).view(q.data.dtype)
+    if recipe == "tensorwise":
+        return Quantised(data=data, scale=q.scale, block_rows=data.shape[0], block_cols=data.shape[1])
     block_rows, block_cols = block_shape(recipe, role, tuple(data.shape))
     zero_block = _scale(q.scale.new_zeros(1, 1), recipe, fp8_dtype(recipe, role))
     scale = zero_block.expand(-(-data.shape[0] // block_rows), -(-data.shape[1] // block_cols)).clone()
