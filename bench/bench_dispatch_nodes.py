@@ -55,8 +55,8 @@ def _rank(rank: int, store: str, args: argparse.Namespace, out: dict) -> None:
             x, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
             dist.barrier()
             start = time.perf_counter()
-            rows, counts, plan = dispatcher.dispatch(x, indices)
-            dispatcher.combine(rows * 1.0, w, plan).sum().backward()
+            rows, probs, counts, plan = dispatcher.dispatch(x, indices, w)
+            dispatcher.combine(rows * probs.unsqueeze(-1), plan).sum().backward()
             dist.barrier()
             times[name].append(time.perf_counter() - start)
             sent[name] = {"total": sum(dispatcher.sent_bytes.values())}

@@ -17,12 +17,20 @@ from moe_train.models.moe.permute import permute, unpermute
 
 
 def check_round_trip(hidden, indices, keep, pad_to, num_experts):
-    rows, counts, perm = permute(hidden, indices, num_experts=num_experts, keep=keep, pad_to=pad_to)
     tokens, top_k = indices.shape
+    probs = torch.rand(tokens, top_k, generator=torch.Generator().manual_seed(tokens)) + 1  # nonzero weights
+    rows, row_probs, counts, perm = permute(hidden, indices, probs, num_experts=num_experts, keep=keep,
+                                            pad_to=pad_to)
     expected = hidden.repeat_interleave(top_k, dim=0)
+    expected_probs = probs.reshape(-1, 1)
     if keep is not None:
         expected = expected * keep.reshape(-1, 1)
+        expected_probs = expected_probs * keep.reshape(-1, 1)
     assert torch.equal(unpermute(rows, perm), expected)
+    # each row's weight travels with it (exactly: a copy), padding rows carry 0
+    assert row_probs.shape == (rows.shape[0],) and row_probs.dtype == probs.dtype
+    assert torch.equal(unpermute(row_probs.unsqueeze(-1), perm), expected_probs)
+    assert int((row_probs != 0).sum()) == (tokens * top_k if keep is None else int(keep.sum()))
     kept = indices.reshape(-1) if keep is None else indices[keep]
     real = torch.bincount(kept, minlength=num_experts)
     assert counts.tolist() == ([pad_to] * num_experts if pad_to is not None else real.tolist())
@@ -80,12 +88,12 @@ def test_without_a_group_the_dispatchers_are_the_local_one(name):
     weights = torch.rand(7, 2, generator=generator)
     keep = torch.rand(7, 2, generator=generator) > 0.25
     for options in ({}, {"keep": keep}, {"keep": keep, "pad_to": 7}):
-        rows, counts, plan = dispatcher.dispatch(hidden, indices, **options)
-        rows_l, counts_l, plan_l = local.dispatch(hidden, indices, **options)
-        assert torch.equal(rows, rows_l) and torch.equal(counts, counts_l)
-        out = dispatcher.combine(rows * 2, weights, plan)
+        rows, probs, counts, plan = dispatcher.dispatch(hidden, indices, weights, **options)
+        rows_l, probs_l, counts_l, plan_l = local.dispatch(hidden, indices, weights, **options)
+        assert torch.equal(rows, rows_l) and torch.equal(probs, probs_l) and torch.equal(counts, counts_l)
+        out = dispatcher.combine(rows * 2 * probs.unsqueeze(-1), plan)
         assert out.dtype == torch.float32
-        assert torch.equal(out, local.combine(rows_l * 2, weights, plan_l))
+        assert torch.equal(out, local.combine(rows_l * 2 * probs_l.unsqueeze(-1), plan_l))
     assert not dispatcher.sent_bytes
 
 

@@ -350,12 +350,13 @@ def test_grouped_mm_equals_loop(dtype: torch.dtype):
             p.copy_(torch.randn(p.shape) * 0.2)
     counts = torch.tensor([5, 0, 17, 3])  # an empty expert included
     rows = torch.randn(25, 64, dtype=dtype)
+    probs = torch.rand(25)  # fp32, as the router makes them
     results = []
     for grouped in (True, False):
         experts.use_grouped_mm = grouped
         experts.zero_grad()
         x = rows.clone().requires_grad_()
-        out = experts(x, counts)
+        out = experts(x, counts, probs=probs)
         out.sum().backward()  # a stride-0 incoming gradient must not reach _grouped_mm's backward
         results.append((out.float(), x.grad.float(), *(p.grad.float() for p in experts.parameters())))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -371,7 +372,7 @@ def test_experts_without_rows_give_zero_gradients(dtype: torch.dtype):
         for p in experts.parameters():
             p.normal_()
     x = torch.zeros(0, 64, dtype=dtype, requires_grad=True)
-    out = experts(x, torch.zeros(2, dtype=torch.int64))
+    out = experts(x, torch.zeros(2, dtype=torch.int64), probs=torch.zeros(0))
     out.sum().backward()
     assert out.shape == (0, 64)
     assert all(p.grad is not None and not p.grad.any() for p in experts.parameters())
@@ -389,13 +390,14 @@ def test_padded_batched_gemm_equals_the_loop():
         counts = torch.tensor(counts)
         rows = torch.randn(int(counts.sum()), 24, dtype=torch.float64)
         cotangent = torch.randn_like(rows)
+        probs = torch.rand(int(counts.sum()), 1, dtype=torch.float64)
         results = []
         for path in ("padded", "loop"):
             experts.zero_grad()
             x = rows.clone().requires_grad_()
             reads = HostReads()
             with reads.counting():
-                out = experts._padded(x, counts, 9) if path == "padded" else experts._loop(x, counts)
+                out = experts._padded(x, counts, probs, 9) if path == "padded" else experts._loop(x, counts, probs)
             if path == "padded":
                 assert reads.total() == 0, dict(reads.by_line)
             (out * cotangent).sum().backward()
@@ -403,7 +405,8 @@ def test_padded_batched_gemm_equals_the_loop():
         for a, b in zip(*results, strict=True):
             assert torch.allclose(a, b, atol=1e-12), counts
     with pytest.raises((IndexError, RuntimeError)):
-        experts._padded(torch.randn(10, 24, dtype=torch.float64), torch.tensor([10, 0, 0, 0]), 9)
+        experts._padded(torch.randn(10, 24, dtype=torch.float64), torch.tensor([10, 0, 0, 0]),
+                        torch.ones(10, 1, dtype=torch.float64), 9)
 
 
 def test_expert_kernel_per_device_names_why_it_falls_back(monkeypatch: pytest.MonkeyPatch):

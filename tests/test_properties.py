@@ -214,7 +214,8 @@ def test_dispatch_then_combine_is_each_tokens_weighted_sum_of_its_kept_experts(c
     loads = [int(((indices == e) & kept).sum()) for e in range(num_experts)]
     pad_to = max(loads) + 1 if pad else None
     dispatcher = LocalDispatcher(num_experts=num_experts)
-    rows, counts, plan = dispatcher.dispatch(x, indices, keep=keep, pad_to=pad_to)
+    weights = torch.rand(tokens, top_k, dtype=torch.float64, generator=torch.Generator().manual_seed(tokens))
+    rows, probs, counts, plan = dispatcher.dispatch(x, indices, weights, keep=keep, pad_to=pad_to)
 
     # Expert-major rows: expert e's block holds, in token order, the tokens routed to e (then zero padding).
     assert counts.tolist() == ([pad_to] * num_experts if pad else loads)
@@ -227,10 +228,10 @@ def test_dispatch_then_combine_is_each_tokens_weighted_sum_of_its_kept_experts(c
         start += block
     assert rows.shape[0] == start
 
-    # An "expert" that scales its rows by (e + 1); combine must undo the permutation and weight each slot.
+    # An "expert" that scales its rows by (e + 1) and applies each row's weight (as the experts' activation
+    # does); combine must undo the permutation and sum each token's slots.
     scale = torch.cat([torch.full((pad_to if pad else loads[e],), float(e + 1)) for e in range(num_experts)])
-    weights = torch.rand(tokens, top_k, dtype=torch.float64, generator=torch.Generator().manual_seed(tokens))
-    out = dispatcher.combine(rows * scale[:, None].double(), weights, plan)
+    out = dispatcher.combine(rows * (scale.double() * probs)[:, None], plan)
     expected = torch.zeros_like(x)
     for t in range(tokens):
         for k in range(top_k):

@@ -177,9 +177,11 @@ def _engine_experts(device: str, dtype, counts, experts: int, hidden: int, ffn: 
     x = torch.randn(int(counts.sum()), hidden, device=device, dtype=dtype, requires_grad=True)
     kernel, why = expert_kernel(dtype, x.device, hidden_size=hidden, ffn_hidden_size=ffn)
     out = {"table_choice": kernel, "why": why, "capacity": capacity}
-    paths = {"loop": lambda: module._loop(x, counts), "padded_bmm": lambda: module._padded(x, counts, capacity)}
+    probs = torch.rand(x.shape[0], 1, device=device, dtype=dtype)  # the rows' routing weights
+    paths = {"loop": lambda: module._loop(x, counts, probs),
+             "padded_bmm": lambda: module._padded(x, counts, probs, capacity)}
     if kernel == "grouped_mm":
-        paths["grouped_mm"] = lambda: module._grouped(x, counts)
+        paths["grouped_mm"] = lambda: module._grouped(x, counts, probs)
     results = {}
     for name, fn in paths.items():
         module.zero_grad()

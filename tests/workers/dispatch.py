@@ -127,11 +127,13 @@ def run(dispatcher, shard: Shard, experts: torch.Tensor, first: int, columns: sl
     weights = shard.weights.clone().requires_grad_()
     experts = experts.clone().requires_grad_()
     dispatcher.sent_bytes.clear()
-    rows, counts, plan = dispatcher.dispatch(hidden, shard.indices, keep=shard.keep, pad_to=shard.pad_to,
-                                             host_counts=shard.host_counts)
+    rows, probs, counts, plan = dispatcher.dispatch(hidden, shard.indices, weights, keep=shard.keep,
+                                                    pad_to=shard.pad_to, host_counts=shard.host_counts)
     assert rows.shape[0] == int(counts.sum()), "rows and tokens_per_local_expert disagree"
     assert counts.shape == (dispatcher.num_local_experts,) and counts.dtype == torch.int64
-    out = dispatcher.combine(apply_experts(rows, counts, experts, first, columns), weights, plan)
+    assert probs.shape == (rows.shape[0],), "a routing weight per row"
+    # the experts apply each row's weight (a row-parallel shard's partial sum too: the weight is linear)
+    out = dispatcher.combine(apply_experts(rows, counts, experts, first, columns) * probs.unsqueeze(-1), plan)
     forward = dict(dispatcher.sent_bytes)
     (out * shard.cotangent).sum().backward()
     metadata = dict(getattr(dispatcher, "metadata_bytes", {}))
@@ -165,20 +167,21 @@ def close(name: str, got: torch.Tensor, expected: torch.Tensor, tol: float) -> N
     assert error <= tol * scale, f"{name}: differs by {error:.3e} (scale {scale:.3e})"
 
 
+def rows_between(shards: list[Shard], local: int, source: int, destination: int) -> int:
+    """Rows the all-to-all dispatcher sends from group rank `source` to `destination`."""
+    shard = shards[source]
+    if shard.pad_to is not None:
+        return shard.pad_to * local
+    kept = shard.indices if shard.keep is None else shard.indices[shard.keep]
+    return int(((kept // local) == destination).sum())
+
+
 def expected_bytes(kind: str, shards: list[Shard], me: int, local: int, itemsize: int) -> dict[str, int]:
     """The exact token bytes the routing implies for group rank `me` (forward only; backward doubles them)."""
     size = len(shards)
-
-    def rows_between(source: int, destination: int) -> int:
-        shard = shards[source]
-        if shard.pad_to is not None:
-            return shard.pad_to * local
-        kept = shard.indices if shard.keep is None else shard.indices[shard.keep]
-        return int(((kept // local) == destination).sum())
-
     if kind == "alltoall":
-        sent = sum(rows_between(me, other) for other in range(size) if other != me)
-        received = sum(rows_between(other, me) for other in range(size) if other != me)
+        sent = sum(rows_between(shards, local, me, other) for other in range(size) if other != me)
+        received = sum(rows_between(shards, local, other, me) for other in range(size) if other != me)
         return {"all_to_all": (sent + received) * HIDDEN * itemsize}
     max_tokens = max(len(s.hidden) for s in shards)
     return {"all_gather": max_tokens * HIDDEN * itemsize, "reduce_scatter": size * max_tokens * HIDDEN * itemsize}
@@ -210,7 +213,10 @@ def check_case(case: str, kind: str, *, group, num_experts: int, dtype: torch.dt
     assert got.bytes_forward == forward, f"forward bytes {got.bytes_forward} != {forward}"
     assert got.bytes_total == {op: 2 * n for op, n in forward.items()}, f"bytes {got.bytes_total} != 2 x {forward}"
     if kind == "alltoall":
-        metadata = {"all_to_all": (size - 1) * dispatcher.num_local_experts * 8}
+        # the row counts, and each row's routing weight with it (forward) and its gradient back (backward)
+        rows = sum(rows_between(shards, local, me, other) + rows_between(shards, local, other, me)
+                   for other in range(size) if other != me)
+        metadata = {"all_to_all": (size - 1) * dispatcher.num_local_experts * 8 + rows * itemsize}
     else:
         max_tokens, top_k = max(len(s.hidden) for s in shards), shards[0].indices.shape[1]
         metadata = {

@@ -1,8 +1,9 @@
 """The all-gather dispatcher: every rank sees every token of the group and computes its own experts' share.
 
-dispatch: all-gather the hidden states and the routing (dropped slots marked) of the group, then permute the
-slots routed to this rank's local experts. combine: weight the local experts' outputs (with the all-gathered
-routing weights) and scatter-add them into per-token sums over the whole group's tokens, then reduce-scatter:
+dispatch: all-gather the hidden states, the routing (dropped slots marked) and the routing weights of the group,
+then permute the slots routed to this rank's local experts with their weights (the experts apply them).
+combine: scatter-add the local experts' (weighted) outputs into per-token sums over the whole group's tokens,
+then reduce-scatter:
 each token's owner gets the sum over all ranks, i.e. over all its experts. The traffic grows with the group
 size, not with the routing, so it suits small groups and heavily skewed or dense routing (Megatron-Core's
 "allgather" dispatcher).
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 from moe_train.models.moe.dispatch_collectives import all_gather_rows, reduce_scatter_rows
 from moe_train.models.moe.expert_group import ExpertShard
-from moe_train.models.moe.permute import Permutation, permute, unpermute, weighted_scatter, weighted_sum
+from moe_train.models.moe.permute import Permutation, permute, scatter_sum, slot_sum, unpermute
 from moe_train.models.moe.router import count_per_expert
 
 
@@ -45,8 +46,8 @@ class AllGatherDispatcher:
     hidden H, top-k K, the hidden dtype's itemsize b and T_max the group's largest token count:
     forward "all_gather" += T_max*H*b (this rank's hidden states), "reduce_scatter" += G*T_max*H*4 (the fp32
     per-token sums); backward "reduce_scatter" += G*T_max*H*b (hidden gradients), "all_gather" += T_max*H*4.
-    `metadata_bytes["all_gather"]` counts the routing: 16 (token count, pad_to) + T_max*K*8 (expert ids) per dispatch
-    and T_max*K*4 (fp32 weights) per combine; backward adds `metadata_bytes["reduce_scatter"]` G*T_max*K*4
+    `metadata_bytes["all_gather"]` counts the routing: 16 (token count, pad_to) + T_max*K*8 (expert ids) +
+    T_max*K*4 (fp32 weights) per dispatch; backward adds `metadata_bytes["reduce_scatter"]` G*T_max*K*4
     (weight gradients). Both restart at zero on `reset_counts` (the layer's `reset_telemetry`, once per step).
 
     With expert tensor parallelism, pass the ep x etp group (etp fastest) and `expert_tp_size`: the etp ranks
@@ -65,13 +66,14 @@ class AllGatherDispatcher:
         self,
         hidden: torch.Tensor,
         topk_indices: torch.Tensor,
+        topk_weights: torch.Tensor,
         *,
         keep: torch.Tensor | None = None,
         pad_to: int | None = None,
         host_counts: Sequence[int] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, AllGatherPlan]:
-        """hidden [T, H], topk_indices [T, K] (global expert ids) -> (rows [N, H] sorted by local expert,
-        rows per local expert [E_local] int64, plan).
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AllGatherPlan]:
+        """hidden [T, H], topk_indices [T, K] (global expert ids), topk_weights [T, K] -> (rows [N, H] sorted by
+        local expert, their routing weights [N] (0 for padding), rows per local expert [E_local] int64, plan).
 
         keep [T, K] drops slots as decided on their source rank; pad_to (per source rank, as the all-to-all
         dispatcher) gives each local expert the sum over the group's ranks of their pad_to rows. host_counts
@@ -81,10 +83,10 @@ class AllGatherDispatcher:
         tokens = hidden.shape[0]
         shard = self.shard
         if shard.group is None:
-            rows, counts, permutation = permute(
-                hidden, topk_indices, num_experts=self.num_experts, keep=keep, pad_to=pad_to
+            rows, probs, counts, permutation = permute(
+                hidden, topk_indices, topk_weights, num_experts=self.num_experts, keep=keep, pad_to=pad_to
             )
-            return rows, counts, AllGatherPlan(permutation, None, None, tokens, tokens)
+            return rows, probs, counts, AllGatherPlan(permutation, None, None, tokens, tokens)
         # Dropped slots and padding tokens are marked -1: no rank holds that expert.
         routing = topk_indices if keep is None else topk_indices.masked_fill(~keep, -1)
         gathered = self._sizes(routing, tokens, pad_to)  # gathered even when known: plan counts one shape
@@ -102,11 +104,14 @@ class AllGatherDispatcher:
         routing = all_gather_rows(routing, group=shard.group, sent_bytes=self.metadata_bytes)
         hidden = F.pad(hidden, (0, 0, 0, max_tokens - tokens))
         hidden = all_gather_rows(hidden, group=shard.group, sent_bytes=self.sent_bytes)
+        weights = F.pad(topk_weights, (0, 0, 0, max_tokens - tokens))
+        weights = all_gather_rows(weights, group=shard.group, sent_bytes=self.metadata_bytes)
         local = routing - shard.first_expert
         is_local = (local >= 0) & (local < self.num_local_experts)
-        rows, counts, permutation = permute(
+        rows, probs, counts, permutation = permute(
             hidden,
             local.clamp(0, self.num_local_experts - 1),
+            weights,
             num_experts=self.num_local_experts,
             keep=is_local,
             pad_to=None if pad_to is None else sum(pad for _, pad in sizes),
@@ -114,7 +119,7 @@ class AllGatherDispatcher:
         )
         local_slots = torch.nonzero_static(is_local.reshape(-1), size=local_slots_count).squeeze(1)
         local_rows = permutation.slot_rows.index_select(0, local_slots)
-        return rows, counts, AllGatherPlan(permutation, local_slots, local_rows, tokens, max_tokens)
+        return rows, probs, counts, AllGatherPlan(permutation, local_slots, local_rows, tokens, max_tokens)
 
     def _sizes(self, routing: torch.Tensor, tokens: int, pad_to: int | None) -> torch.Tensor:
         """[group size, 2 + ep] on the device: every rank's [tokens, pad_to, its slots for each expert holder (ep
@@ -128,20 +133,17 @@ class AllGatherDispatcher:
         row[2:] = count_per_expert(owner, holders + 1)[:holders]
         return all_gather_rows(row.unsqueeze(0), group=shard.group, sent_bytes=self.metadata_bytes)
 
-    def combine(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, plan: AllGatherPlan) -> torch.Tensor:
-        """expert_out [N, H] (rows as dispatch returned them) -> [T, H] fp32 on the tokens' own rank."""
+    def combine(self, expert_out: torch.Tensor, plan: AllGatherPlan) -> torch.Tensor:
+        """expert_out [N, H] (rows as dispatch returned them, weighted by the experts) -> [T, H] fp32 on the
+        tokens' own rank."""
         shard = self.shard
         if shard.group is None:
-            return weighted_sum(unpermute(expert_out, plan.permutation), topk_weights)
-        weights = F.pad(topk_weights, (0, 0, 0, plan.max_tokens - plan.num_tokens))
-        weights = all_gather_rows(weights, group=shard.group, sent_bytes=self.metadata_bytes)
+            return slot_sum(unpermute(expert_out, plan.permutation), plan.permutation.top_k)
         # Scatter-add only the local rows (not all G*T_max*K slots, mostly other ranks' experts) into per-token
         # sums, in fp32 at least.
-        top_k = weights.shape[1]
-        per_token = weighted_scatter(
+        per_token = scatter_sum(
             expert_out.index_select(0, plan.local_rows),
-            weights.reshape(-1).index_select(0, plan.local_slots),
-            plan.local_slots // top_k,
+            plan.local_slots // plan.permutation.top_k,
             shard.size * plan.max_tokens,
         )
         return reduce_scatter_rows(per_token, group=shard.group, sent_bytes=self.sent_bytes)[: plan.num_tokens]

@@ -1,9 +1,10 @@
 """The all-to-all dispatcher: each token slot travels only to the rank that holds its expert, and back.
 
 dispatch: permute the slots by (global) expert on the source rank (capacity drops and padding applied there,
-so padded rows travel too), exchange the per-expert row counts with one all-to-all, send the rows with an
-all-to-all of uneven splits, and sort the received rows (source-major) by local expert. combine: undo the sort,
-all-to-all the expert outputs back with the splits swapped, and unpermute and weight them on the source rank.
+so padded rows travel too), exchange the per-expert row counts with one all-to-all, send the rows and their
+routing weights (one fp32 value a row) with all-to-alls of uneven splits, and sort the received rows
+(source-major) by local expert. combine: undo the sort, all-to-all the (weighted) expert outputs back with the
+splits swapped, and unpermute and sum them on the source rank.
 Dropless unless the caller passes a keep-mask. The traffic grows with the routed rows, not the group size,
 which is why Megatron-Core defaults to it for expert parallelism.
 
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 from moe_train.models.moe.dispatch_collectives import all_to_all_rows
 from moe_train.models.moe.expert_group import ExpertShard
-from moe_train.models.moe.permute import Permutation, permute, unpermute, weighted_sum
+from moe_train.models.moe.permute import Permutation, permute, slot_sum, unpermute
 from moe_train.models.moe.router import count_per_expert
 
 
@@ -45,7 +46,8 @@ class AllToAllDispatcher:
     `sent_bytes` (Counter) accumulates token rows sent to OTHER ranks x hidden x itemsize under "all_to_all",
     forward and backward: dispatch sends the rows, combine sends the expert outputs back, backward sends their
     gradients the other way. `metadata_bytes["all_to_all"]` counts the row-count exchange ((size-1) x
-    E_local x 8 per dispatch). Both restart at zero on `reset_counts` (the layer's `reset_telemetry`, once per step).
+    E_local x 8 per dispatch) and the rows' routing weights (4 bytes a row sent to another rank; backward their
+    gradients). Both restart at zero on `reset_counts` (the layer's `reset_telemetry`, once per step).
     """
 
     def __init__(self, *, num_experts: int, group: dist.ProcessGroup | None = None):
@@ -59,13 +61,14 @@ class AllToAllDispatcher:
         self,
         hidden: torch.Tensor,
         topk_indices: torch.Tensor,
+        topk_weights: torch.Tensor,
         *,
         keep: torch.Tensor | None = None,
         pad_to: int | None = None,
         host_counts: Sequence[int] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, AllToAllPlan]:
-        """hidden [T, H], topk_indices [T, K] (global expert ids) -> (rows [N, H] sorted by local expert,
-        rows per local expert [E_local] int64, plan).
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AllToAllPlan]:
+        """hidden [T, H], topk_indices [T, K] (global expert ids), topk_weights [T, K] -> (rows [N, H] sorted by
+        local expert, their routing weights [N] (0 for padding), rows per local expert [E_local] int64, plan).
 
         keep [T, K] drops slots on this (source) rank; pad_to gives each expert pad_to rows from this source
         rank, so a local expert receives the sum over the group's ranks of their pad_to rows. host_counts [E]:
@@ -75,11 +78,11 @@ class AllToAllDispatcher:
         """
         shard = self.shard
         if shard.group is None:
-            rows, counts, permutation = permute(
-                hidden, topk_indices, num_experts=self.num_experts, keep=keep, pad_to=pad_to,
+            rows, probs, counts, permutation = permute(
+                hidden, topk_indices, topk_weights, num_experts=self.num_experts, keep=keep, pad_to=pad_to,
                 kept=None if host_counts is None else sum(host_counts),
             )
-            return rows, counts, AllToAllPlan(permutation, [len(rows)], [len(rows)], None)
+            return rows, probs, counts, AllToAllPlan(permutation, [len(rows)], [len(rows)], None)
         if pad_to is not None:  # static: pad_to rows per expert from every rank, whatever was kept
             counts = torch.full((self.num_experts,), pad_to, dtype=torch.int64, device=hidden.device)
         else:
@@ -103,11 +106,14 @@ class AllToAllDispatcher:
             per_rank = [sum(host_counts[r * self.num_local_experts: (r + 1) * self.num_local_experts])
                         for r in range(shard.size)]
             send_splits, recv_splits, kept = per_rank, [per_rank[shard.rank]] * shard.size, sum(host_counts)
-        rows, _, permutation = permute(
-            hidden, topk_indices, num_experts=self.num_experts, keep=keep, pad_to=pad_to, kept=kept
+        rows, probs, _, permutation = permute(
+            hidden, topk_indices, topk_weights, num_experts=self.num_experts, keep=keep, pad_to=pad_to, kept=kept
         )
         arrived = all_to_all_rows(
             rows, send_splits=send_splits, recv_splits=recv_splits, group=shard.group, sent_bytes=self.sent_bytes
+        )
+        probs = all_to_all_rows(
+            probs, send_splits=send_splits, recv_splits=recv_splits, group=shard.group, sent_bytes=self.metadata_bytes
         )
         if self.num_local_experts == 1:
             local_order = None  # one local expert: source-major order already is expert-major
@@ -116,12 +122,15 @@ class AllToAllDispatcher:
             rows_by_expert = local_expert.repeat_interleave(received.reshape(-1), output_size=sum(recv_splits))
             local_order = torch.argsort(rows_by_expert, stable=True)
             arrived = arrived.index_select(0, local_order)
+            probs = probs.index_select(0, local_order)  # the rows' index: one storage
         plan = AllToAllPlan(permutation, send_splits, recv_splits, local_order)
-        return arrived, received.sum(dim=0), plan
+        return arrived, probs, received.sum(dim=0), plan
 
-    def combine(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
-        """expert_out [N, H] (rows as dispatch returned them) -> [T, H] fp32 on the tokens' own rank."""
-        return weighted_sum(unpermute(self.return_rows(expert_out, plan), plan.permutation), topk_weights)
+    def combine(self, expert_out: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
+        """expert_out [N, H] (rows as dispatch returned them, weighted by the experts) -> [T, H] fp32 on the
+        tokens' own rank: each token's sum of its slots."""
+        permutation = plan.permutation
+        return slot_sum(unpermute(self.return_rows(expert_out, plan), permutation), permutation.top_k)
 
     def return_rows(self, expert_out: torch.Tensor, plan: AllToAllPlan) -> torch.Tensor:
         """expert_out [N, H] (rows as dispatch returned them) -> the source rank's sent buffer [kept slots, H]:

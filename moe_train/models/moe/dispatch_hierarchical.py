@@ -6,9 +6,10 @@ The expert-parallel group is `epnode` x `eplocal` (eplocal fastest: ep rank = no
 [b x E/N, (b + 1) x E/N) live on node b, spread over its L ranks as the all-to-all dispatcher spreads them.
 dispatch: (1) every token goes, once, to the rank of each node it needs that has this rank's local index (an
 all-to-all over `epnode`, the network), with its top-k expert ids relative to that node (-1 for experts
-elsewhere); (2) on that rank the all-to-all dispatcher over `eplocal` (NVLink) sends each (token, expert) pair
-to the rank holding the expert. combine, in reverse: (2) the pairs' outputs come back inside the node and are
-weighted and summed per token there, in fp32 (the node's partial sum); (1) one row per (token, node) returns
+elsewhere) and its K routing weights; (2) on that rank the all-to-all dispatcher over `eplocal` (NVLink) sends
+each (token, expert) pair with its weight to the rank holding the expert (whose activation applies it).
+combine, in reverse: (2) the pairs' (weighted) outputs come back inside the node and are summed per token
+there, in fp32 (the node's partial sum); (1) one row per (token, node) returns
 over the network, in the activation dtype (DeepEP's bf16 combine), and the source sums its nodes' partials in
 fp32. So in fp32 and fp64 it equals the all-to-all dispatcher up to the order of a token's terms; in bf16 each
 node's partial is rounded once more before the final sum.
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from moe_train.config.routing_shapes import even_node_tokens
 from moe_train.models.moe.dispatch_alltoall import AllToAllDispatcher, AllToAllPlan
 from moe_train.models.moe.dispatch_collectives import all_to_all_rows
-from moe_train.models.moe.permute import scatter_sum, weighted_scatter
+from moe_train.models.moe.permute import scatter_sum
 from moe_train.models.moe.router import even_counts
 
 
@@ -53,7 +54,7 @@ class HierarchicalDispatcher:
     `node_bytes` counts the token rows sent over the network (to other nodes) under "all_to_all", forward and
     backward: dispatch sends each token once per other node it needs, combine sends each node's partial sums
     back; `inner.sent_bytes` the pairs sent inside the node. `sent_bytes` is their sum; `metadata_bytes` the row
-    counts, the expert ids and the routing weights sent over the network.
+    counts, the expert ids and the routing weights sent over the network (`inner.metadata_bytes` inside it).
     """
 
     def __init__(self, *, num_experts: int, node_group: dist.ProcessGroup | None,
@@ -78,13 +79,15 @@ class HierarchicalDispatcher:
         self,
         hidden: torch.Tensor,
         topk_indices: torch.Tensor,
+        topk_weights: torch.Tensor,
         *,
         keep: torch.Tensor | None = None,
         pad_to: int | None = None,
         host_counts: Sequence[int] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, HierarchicalPlan]:
-        """hidden [T, H], topk_indices [T, K] (global expert ids) -> (rows [N, H] sorted by local expert,
-        rows per local expert [E_local] int64, plan). keep [T, K] drops slots on the source rank.
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, HierarchicalPlan]:
+        """hidden [T, H], topk_indices [T, K] (global expert ids), topk_weights [T, K] -> (rows [N, H] sorted by
+        local expert, their routing weights [N] (0 for padding), rows per local expert [E_local] int64, plan).
+        keep [T, K] drops slots on the source rank.
 
         Every split is a host value: read from the device once (the network counts), or without a read, from
         forced even routing's `host_counts` (the router's `even_counts`, no keep-mask: `even_node_tokens`
@@ -116,13 +119,16 @@ class HierarchicalDispatcher:
         ids = topk_indices.index_select(0, token_ids) - (row_node * self.experts_per_node).unsqueeze(1)
         ids = ids.masked_fill(node_of.index_select(0, token_ids) != row_node.unsqueeze(1), -1)
         rows = hidden.index_select(0, token_ids)
+        weights = topk_weights.index_select(0, token_ids)  # the rows' index: one storage
         if self.node_group is not None:
             rows = all_to_all_rows(rows, send_splits=send_splits, recv_splits=recv_splits, group=self.node_group,
                                    sent_bytes=self.node_bytes)
             ids = all_to_all_rows(ids, send_splits=send_splits, recv_splits=recv_splits, group=self.node_group,
                                   sent_bytes=self.metadata_bytes)
-        out, counts, plan = self.inner.dispatch(rows, ids.clamp(min=0), keep=ids >= 0, **inner)
-        return out, counts, HierarchicalPlan(token_ids, send_splits, recv_splits, plan, tokens)
+            weights = all_to_all_rows(weights, send_splits=send_splits, recv_splits=recv_splits,
+                                      group=self.node_group, sent_bytes=self.metadata_bytes)
+        out, probs, counts, plan = self.inner.dispatch(rows, ids.clamp(min=0), weights, keep=ids >= 0, **inner)
+        return out, probs, counts, HierarchicalPlan(token_ids, send_splits, recv_splits, plan, tokens)
 
     def _splits(self, needed: torch.Tensor, tokens: int, top_k: int, host_counts: Sequence[int] | None,
                 keep: torch.Tensor | None) -> tuple[list[int], list[int], dict]:
@@ -147,33 +153,28 @@ class HierarchicalDispatcher:
             send_splits = recv_splits = [int(send_counts.sum())] if tokens else [0]
         return send_splits, recv_splits, inner
 
-    def combine(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, plan: HierarchicalPlan) -> torch.Tensor:
-        """expert_out [N, H] (rows as dispatch returned them) -> [T, H] fp32 on the tokens' own rank."""
-        weights = topk_weights.index_select(0, plan.token_ids)
-        if self.node_group is not None:
-            weights = all_to_all_rows(weights, send_splits=plan.send_splits, recv_splits=plan.recv_splits,
-                                      group=self.node_group, sent_bytes=self.metadata_bytes)
-        partial = self._node_sums(expert_out, weights, plan.inner)  # this node's experts, per row, in fp32
+    def combine(self, expert_out: torch.Tensor, plan: HierarchicalPlan) -> torch.Tensor:
+        """expert_out [N, H] (rows as dispatch returned them, weighted by the experts) -> [T, H] fp32 on the
+        tokens' own rank."""
+        partial = self._node_sums(expert_out, plan.inner, sum(plan.recv_splits))  # per network row, in fp32
         if self.node_group is not None:
             partial = all_to_all_rows(partial.to(expert_out.dtype), send_splits=plan.recv_splits,
                                       recv_splits=plan.send_splits, group=self.node_group,
                                       sent_bytes=self.node_bytes)
         return scatter_sum(partial, plan.token_ids, plan.num_tokens)
 
-    def _node_sums(self, expert_out: torch.Tensor, weights: torch.Tensor, inner: AllToAllPlan) -> torch.Tensor:
-        """The all-to-all dispatcher's combine inside the node, weighting and summing only the kept (on-node)
-        slots of each received row: a row carries all K expert ids, most of them elsewhere, and the plain
-        combine would keep a zero row for each of those (K rows a token, not its on-node experts'). Padded,
-        the buffer's rows (padding included) are weighted as they came back: their number is static."""
+    def _node_sums(self, expert_out: torch.Tensor, inner: AllToAllPlan, network_rows: int) -> torch.Tensor:
+        """The all-to-all dispatcher's combine inside the node, summing only the kept (on-node) slots of each
+        received row: a row carries all K expert ids, most of them elsewhere, and the plain combine would read a
+        zero row for each of those (K rows a token, not its on-node experts'). Padded, the buffer's rows (padding
+        included) are summed as they came back: their number is static."""
         rows = self.inner.return_rows(expert_out, inner)  # [kept slots, H], expert-major as sent
-        perm, top_k = inner.permutation, weights.shape[1]
+        perm = inner.permutation
         if perm.row_slots is not None:  # padded: each buffer row's slot, padding into a spare row cut off after
-            slots = perm.row_slots
-            row_weights = torch.cat([weights.reshape(-1), weights.new_zeros(1)]).index_select(0, slots)
-            return weighted_scatter(rows, row_weights, slots // top_k, weights.shape[0] + 1)[:-1]
+            return scatter_sum(rows, perm.row_slots // perm.top_k, network_rows + 1)[:-1]
         kept = torch.nonzero_static(perm.slot_rows < perm.num_rows, size=perm.num_rows).squeeze(1)
-        return weighted_scatter(rows.index_select(0, perm.slot_rows.index_select(0, kept)),
-                                weights.reshape(-1).index_select(0, kept), kept // top_k, weights.shape[0])
+        return scatter_sum(rows.index_select(0, perm.slot_rows.index_select(0, kept)), kept // perm.top_k,
+                           network_rows)
 
     def reset_counts(self) -> None:
         self.node_bytes.clear()

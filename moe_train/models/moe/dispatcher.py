@@ -2,9 +2,13 @@
 
 As in Megatron-Core, dispatch is separate from routing and from the expert computation, so that expert
 parallelism replaces only this piece. Every dispatcher has the same pair:
-    dispatch(hidden [T, H], topk_indices [T, K], *, keep=None, pad_to=None, host_counts=None)
-        -> (rows [N, H] sorted by local expert, tokens_per_local_expert [E_local] int64, plan)
-    combine(expert_out [N, H], topk_weights [T, K], plan) -> [T, H] fp32
+    dispatch(hidden [T, H], topk_indices [T, K], topk_weights [T, K], *, keep=None, pad_to=None, host_counts=None)
+        -> (rows [N, H] sorted by local expert, row_probs [N], tokens_per_local_expert [E_local] int64, plan)
+    combine(expert_out [N, H], plan) -> [T, H] fp32
+Each row travels with its slot's routing weight (`row_probs`, fp32 as the router made it, 0 for padding), the
+experts multiply their activation by it (experts.py), so combine is each token's plain sum of its returned rows
+(Megatron-Core's moe_permute_fusion with probs): the weights' gradient flows back through the dispatch's
+collectives, and the combine keeps no expert output for backward.
 `LocalDispatcher` is the no-communication case (every expert on this process); the expert-parallel ones
 (dispatch_alltoall.py, dispatch_allgather.py, dispatch_hierarchical.py) are built by `dispatcher_for` from
 `model.moe.dispatcher`.
@@ -25,7 +29,7 @@ import torch.distributed as dist
 from moe_train.models.moe.dispatch_allgather import AllGatherDispatcher
 from moe_train.models.moe.dispatch_alltoall import AllToAllDispatcher
 from moe_train.models.moe.dispatch_hierarchical import HierarchicalDispatcher
-from moe_train.models.moe.permute import Permutation, permute, unpermute, weighted_sum
+from moe_train.models.moe.permute import Permutation, permute, slot_sum, unpermute
 
 
 class TokenDispatcher(Protocol):
@@ -40,13 +44,14 @@ class TokenDispatcher(Protocol):
         self,
         hidden: torch.Tensor,
         topk_indices: torch.Tensor,
+        topk_weights: torch.Tensor,
         *,
         keep: torch.Tensor | None = None,
         pad_to: int | None = None,
         host_counts: Sequence[int] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]: ...
 
-    def combine(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, plan: Any) -> torch.Tensor: ...
+    def combine(self, expert_out: torch.Tensor, plan: Any) -> torch.Tensor: ...
 
     def reset_counts(self) -> None: ...
 
@@ -63,21 +68,23 @@ class LocalDispatcher:
         self,
         hidden: torch.Tensor,
         topk_indices: torch.Tensor,
+        topk_weights: torch.Tensor,
         *,
         keep: torch.Tensor | None = None,
         pad_to: int | None = None,
         host_counts: Sequence[int] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, Permutation]:
-        """hidden [T, H], topk_indices [T, K] -> (rows [N, H] sorted by expert, tokens per expert [E], plan).
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Permutation]:
+        """hidden [T, H], topk_indices [T, K], topk_weights [T, K] -> (rows [N, H] sorted by expert, their
+        weights [N], tokens per expert [E], plan).
 
         keep [T, K] (bool) drops the assignments that are False. pad_to gives every expert exactly that many
         rows (zeros after its real ones), for static shapes. host_counts: unused (nothing to size here).
         """
-        return permute(hidden, topk_indices, num_experts=self.num_experts, keep=keep, pad_to=pad_to)
+        return permute(hidden, topk_indices, topk_weights, num_experts=self.num_experts, keep=keep, pad_to=pad_to)
 
-    def combine(self, expert_out: torch.Tensor, topk_weights: torch.Tensor, plan: Permutation) -> torch.Tensor:
-        """expert_out [N, H] -> [T, H] fp32: each token's sum of its experts' outputs times the routing weights."""
-        return weighted_sum(unpermute(expert_out, plan), topk_weights)
+    def combine(self, expert_out: torch.Tensor, plan: Permutation) -> torch.Tensor:
+        """expert_out [N, H] (weighted by the experts) -> [T, H] fp32: each token's sum of its experts' outputs."""
+        return slot_sum(unpermute(expert_out, plan), plan.top_k)
 
     def reset_counts(self) -> None:
         self.sent_bytes.clear()

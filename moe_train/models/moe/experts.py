@@ -73,7 +73,9 @@ def grouped_mm_supported(dtype: torch.dtype, device: torch.device, *, hidden_siz
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts over rows already sorted by expert (see dispatcher.py): down(silu(gate x) * up x).
+    """E SwiGLU experts over rows already sorted by expert (see dispatcher.py): down(p * silu(gate x) * up x),
+    p each row's routing weight (Megatron-Core's weighted SwiGLU): the combine is then a plain sum, and the
+    weights' gradient comes from the product the down projection keeps anyway.
 
     `use_grouped_mm` False forces the loop (benchmarks, and the equivalence test).
     """
@@ -89,10 +91,14 @@ class GroupedExperts(nn.Module):
         self.use_grouped_mm = True
         self.fp8: Fp8Gemm | None = None  # set by models/fp8/select.py when the routed experts run in fp8
 
-    def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, *,
+    def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, *, probs: torch.Tensor,
                 capacity: int | None = None) -> torch.Tensor:
-        """rows [N, H] (expert e's rows contiguous, in expert order), tokens_per_expert [E] -> [N, H].
+        """rows [N, H] (expert e's rows contiguous, in expert order), tokens_per_expert [E], probs [N] (each
+        row's routing weight) -> [N, H], each row weighted.
 
+        The weights arrive in fp32 (the router's) and are cast once to the rows' dtype, outside the recomputed
+        activation: the product is formed in the dtype the down projection reads, and the cast weights are the
+        one storage both the plain and the recomputed activation keep (2 bytes a row in bf16).
         `capacity`: a host-known bound on every expert's rows (the layer's expert capacity, where it bounds what
         this rank's experts receive), which lets the padded batched GEMM run without reading the counts.
         N may be 0 (an expert-parallel rank that received no tokens): the loop then gives every weight a zero
@@ -101,15 +107,17 @@ class GroupedExperts(nn.Module):
         """
         local_ffn = self.local_weights()[0].shape[1]  # the FFN dimension this rank holds (I / etp)
         kernel, _ = expert_kernel(rows.dtype, rows.device, hidden_size=self.hidden_size, ffn_hidden_size=local_ffn)
+        probs = probs.to(rows.dtype).unsqueeze(-1)
         if kernel == "grouped_mm" and self.use_grouped_mm and rows.shape[0] > 0:
-            return self._grouped(rows, tokens_per_expert)
+            return self._grouped(rows, tokens_per_expert, probs)
         if kernel == "padded_bmm" and self.use_grouped_mm and capacity is not None and self.fp8 is None:
-            return self._padded(rows, tokens_per_expert, capacity)
-        return self._loop(rows, tokens_per_expert)
+            return self._padded(rows, tokens_per_expert, probs, capacity)
+        return self._loop(rows, tokens_per_expert, probs)
 
-    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up: the region `parallel.recompute`'s moe_act policy recomputes."""
-        return F.silu(gate) * up
+    def activation(self, gate: torch.Tensor, up: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up * probs (probs [rows, 1]): the region `parallel.recompute`'s moe_act policy recomputes.
+        Kept without recompute: gate, up, silu(gate), their product and probs."""
+        return F.silu(gate) * up * probs
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate, up, down) of the experts this rank holds: all of them, or its shard under expert parallelism
@@ -117,17 +125,18 @@ class GroupedExperts(nn.Module):
         return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_proj, self.up_proj,
                                                                                self.down_proj))
 
-    def _grouped(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def _grouped(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         gate_proj, up_proj, down_proj = self.local_weights()
         offsets = expert_offsets(tokens_per_expert)
         gate = grouped_mm(rows, gate_proj, offsets, fp8=self.fp8)
         up = grouped_mm(rows, up_proj, offsets, fp8=self.fp8)
-        out = grouped_mm(self.activation(gate, up), down_proj, offsets, fp8=self.fp8)
+        out = grouped_mm(self.activation(gate, up, probs), down_proj, offsets, fp8=self.fp8)
         if out.requires_grad:  # its backward rejects stride-0 gradients, which an out.sum() downstream gives
             out.register_hook(torch.Tensor.contiguous)
         return out
 
-    def _padded(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, capacity: int) -> torch.Tensor:
+    def _padded(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor,
+                capacity: int) -> torch.Tensor:
         """Each expert's rows scattered into its block of [E, capacity, H] (zeros after them), three batched GEMMs,
         and the real rows gathered back. Sized by the host's `capacity`, so nothing is read from the device; the
         zero rows add nothing to any gradient. A row past its expert's capacity is sent out of range, so the
@@ -141,18 +150,20 @@ class GroupedExperts(nn.Module):
         slot = torch.where(rank < capacity, expert * capacity + rank, experts * capacity)
         padded = rows.new_zeros(experts * capacity, rows.shape[1]).index_copy(0, slot, rows)
         padded = padded.view(experts, capacity, rows.shape[1])
-        hidden = self.activation(batched_mm(padded, gate_proj), batched_mm(padded, up_proj))
+        padded_probs = probs.new_zeros(experts * capacity, 1).index_copy(0, slot, probs).view(experts, capacity, 1)
+        hidden = self.activation(batched_mm(padded, gate_proj), batched_mm(padded, up_proj), padded_probs)
         out = batched_mm(hidden, down_proj)
         return out.reshape(experts * capacity, -1).index_select(0, slot)
 
     @torch.compiler.disable  # compiled, each expert's data-dependent rows would be a graph break of its own
-    def _loop(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def _loop(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         # unbind once: indexing the stacked weight per expert would make each expert's backward allocate (and
         # zero) a gradient the size of all experts.
         outputs = []
-        chunks = torch.split(rows, tokens_per_expert.tolist())
+        counts = tokens_per_expert.tolist()
+        chunks, chunk_probs = torch.split(rows, counts), torch.split(probs, counts)
         weights = zip(*(w.unbind(0) for w in self.local_weights()), strict=True)
-        for chunk, (gate_proj, up_proj, down_proj) in zip(chunks, weights, strict=True):
+        for chunk, p, (gate_proj, up_proj, down_proj) in zip(chunks, chunk_probs, weights, strict=True):
             gate, up = linear(chunk, gate_proj, fp8=self.fp8), linear(chunk, up_proj, fp8=self.fp8)
-            outputs.append(linear(self.activation(gate, up), down_proj, fp8=self.fp8))
+            outputs.append(linear(self.activation(gate, up, p), down_proj, fp8=self.fp8))
         return torch.cat(outputs)

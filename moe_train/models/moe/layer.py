@@ -143,15 +143,15 @@ class MoELayer(nn.Module):
         even = self.router.even_routing and keep is None
         known = even_counts(tokens, top_k, self.moe.num_experts) if even else None
         shared = self._start_shared_experts(x)  # before the dispatch: on CUDA it overlaps the all-to-all
-        rows, rows_per_expert, plan = self.dispatcher.dispatch(
-            x, routing.topk_indices, keep=keep, pad_to=capacity if self.moe.pad_to_capacity else None,
-            host_counts=known,
+        rows, row_probs, rows_per_expert, plan = self.dispatcher.dispatch(
+            x, routing.topk_indices, routing.topk_weights, keep=keep,
+            pad_to=capacity if self.moe.pad_to_capacity else None, host_counts=known,
         )
         # The capacity bounds each expert's rows where this rank holds every expert (no expert parallelism: the
         # rows come from its own tokens alone), so the padded batched GEMM can size itself without a read.
         bound = capacity if self.dispatcher.num_local_experts == self.moe.num_experts else None
-        out = self.experts(rows, rows_per_expert, capacity=bound)
-        out = self.dispatcher.combine(out, routing.topk_weights, plan).to(hidden.dtype)
+        out = self.experts(rows, rows_per_expert, probs=row_probs, capacity=bound)
+        out = self.dispatcher.combine(out, plan).to(hidden.dtype)
         if shared is not None:
             out = out + self._finish_shared_experts(shared)
 
