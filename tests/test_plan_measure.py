@@ -224,7 +224,8 @@ def _run_real(world: int, tmp_path) -> tuple[dict, dict]:
 def routed_all_to_all_bytes(case: dict, recipe) -> int:
     """What the alltoall dispatcher must send for the routing this rank and its peers chose: per MoE layer
     forward, the rows to other ranks (dispatch) and the rows it received (combine sends them back), each a
-    hidden-size row in the activation dtype, both again in backward; plus the row-count exchange."""
+    hidden-size row in the activation dtype, both again in backward; plus the row-count exchange, and each sent
+    row's fp32 routing weight (forward) and each received row's weight gradient (backward)."""
     me, moe = case["ep_rank"], recipe.model.moe
     slots = {int(rank): forwards for rank, forwards in case["slots"].items()}
     mine = slots[0]
@@ -234,7 +235,7 @@ def routed_all_to_all_bytes(case: dict, recipe) -> int:
     for forward, to_ranks in enumerate(mine):
         sent = sum(to_ranks) - to_ranks[me]
         received = sum(slots[peer][forward][me] for peer in slots if peer != 0)
-        total += 2 * (sent + received) * row + (ep - 1) * (moe.num_experts // ep) * 8
+        total += 2 * (sent + received) * row + (ep - 1) * (moe.num_experts // ep) * 8 + (sent + received) * 4
     return total
 
 

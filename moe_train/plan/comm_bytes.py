@@ -19,8 +19,9 @@ micro-batch on this rank, Ts of them in the sequence region, Tm routed; a bytes 
   depth) all-reduces (SP: reduce-scatters) its output; each head enters a region; each loss all-reduces three
   fp32 values per token. Switch-style balancing losses all-reduce E + 1 int64 counts over tp (and, for
   global_aux_loss, over dp) in forward only, seq_aux_loss b x E fp32 counts in every forward (recompute too).
-- ep, alltoall: per MoE forward, the counts exchange ((ep - 1) x E/ep int64) and the rows a x h each: to
-  other ranks Tm k minus this rank's share, back the rows it received; backward the mirror image. Exact at
+- ep, alltoall: per MoE forward, the counts exchange ((ep - 1) x E/ep int64) and the rows a x h each, with
+  their fp32 routing weight: to other ranks Tm k minus this rank's share, back the rows it received (without
+  weights: the experts applied them); backward the mirror image (the weights' gradients). Exact at
   even routing (expert e gets floor or ceil of Tm k / E). allgather over ep (ep x etp: `ep_etp`): token
   counts, routing ids, hidden states and weights gathered, fp32 per-token sums reduce-scattered, and their
   backward (docs/plan.md lists each).
@@ -313,8 +314,12 @@ class _ModelComm:
             mine = even_share(int(slots), moe.num_experts, local)
             if self.capacity is not None:  # padded: every expert's capacity rows, whatever was kept
                 slots, mine = moe.num_experts * self.capacity, local * self.capacity
+            # the rows go with their fp32 routing weights (forward), and the weights' gradients come back
+            # (backward): the received rows' (dispatch_alltoall.py)
+            probs = (slots - mine) * FP32 if forward else (ep - 1) * mine * FP32
             out = [("ep", "all_to_all", (ep - 1) * local * INT64)] if forward else []
-            return out + [("ep", "all_to_all", (slots - mine) * h * a), ("ep", "all_to_all", (ep - 1) * mine * h * a)]
+            return out + [("ep", "all_to_all", (slots - mine) * h * a), ("ep", "all_to_all", probs),
+                          ("ep", "all_to_all", (ep - 1) * mine * h * a)]
         if moe.dispatcher == "hierarchical":
             return self._hierarchical(forward)
         group, n = ("ep_etp" if etp > 1 else "ep"), ep * etp
@@ -330,9 +335,9 @@ class _ModelComm:
 
     def _hierarchical(self, forward: bool) -> list[Collective]:
         """dispatch_hierarchical.py at even routing, on node 0's local rank 0 (the most loaded: remainders go
-        to the first experts): over epnode each token once per other node it needs (with its K expert ids, and
-        in combine its K fp32 weights) and each node's partial sums back; over eplocal the all-to-all
-        dispatcher's traffic for the (token, expert) pairs the node's rank of each node sends here. Padded to
+        to the first experts): over epnode each token once per other node it needs (with its K expert ids and
+        its K fp32 weights) and each node's partial sums back; over eplocal the all-to-all dispatcher's traffic
+        for the (token, expert) pairs the node's rank of each node sends here (each with its fp32 weight). Padded to
         capacity c: min(T, E/N c) rows to every node (no counts exchanged across nodes) and inside the node
         the all-to-all dispatcher padded to N c."""
         moe, a, h = self.m.moe, self.a, self.h
@@ -362,11 +367,14 @@ class _ModelComm:
             # pairs the node receives for each of its experts: every node's rank of this local index sends its
             # tokens' slots on those experts (even: expert x gets its share of each source's T K slots)
             to_others, from_others = node_pairs - mine, (local - 1) * mine
+            # with their fp32 weights forward, the weights' gradients back
             if forward:
                 out += [("eplocal", "all_to_all", (local - 1) * mine_experts * INT64),
-                        ("eplocal", "all_to_all", to_others * h * a), ("eplocal", "all_to_all", from_others * h * a)]
+                        ("eplocal", "all_to_all", to_others * h * a), ("eplocal", "all_to_all", to_others * FP32),
+                        ("eplocal", "all_to_all", from_others * h * a)]
             else:
-                out += [("eplocal", "all_to_all", from_others * h * a), ("eplocal", "all_to_all", to_others * h * a)]
+                out += [("eplocal", "all_to_all", from_others * h * a), ("eplocal", "all_to_all", from_others * FP32),
+                        ("eplocal", "all_to_all", to_others * h * a)]
         return out
 
     def block(self, moe: bool, direction: str) -> list[Collective]:

@@ -16,9 +16,10 @@ parameters excluded). What the code saves, and so what is listed:
   of the output.
 - SwiGLU keeps gate, up, silu(gate) and their product (the down projection's input).
 - MoE: the router keeps fp32 scores [T, E], the top-k indices, the normalised top-k weights and their sum;
-  the dispatch keeps the permutation; the grouped experts keep their input rows, the gate/up output (one
-  storage), silu(gate) and the product; the combine keeps the gathered expert outputs in the activation dtype
-  (the weighted sum runs in fp32 and widens them again in backward) and the weights.
+  the dispatch keeps the permutation (of the rows and of their routing weights); the grouped experts keep their
+  input rows, the gate/up output (one storage), silu(gate), the unweighted product, the rows' weights cast to
+  the activation dtype, and the weighted product (the down projection's input): the weights are applied in the
+  activation (Megatron-Core's weighted SwiGLU), so the combine is a plain sum that keeps only its indices.
 - Rotary tables: cos/sin are computed once per forward and shared by every layer (counted once, under
   `other`); in a bf16 run FSDP2 hands each layer its own bf16 cast of them, kept by its rotations.
 - fp8 GEMMs with `train.fp8.saved_inputs: fp8` keep their input in fp8 instead (`gemm_input`, models/fp8/gemm.py):
@@ -290,12 +291,15 @@ def _moe(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
         # the token of each network row (kept by its gather, the weights' gather and the final sum: one storage),
         # and the node's permutation of the pairs it received
         sent, pairs = hierarchical_rows(cfg, lay)
-        items += [Saved("moe", "dispatch.token_ids", INT64 * sent), Saved("moe", "dispatch.order", INT64 * pairs)]
+        items += [Saved("moe", "dispatch.token_ids", INT64 * sent), Saved("moe", "dispatch.order", INT64 * pairs),
+                  Saved("moe", "dispatch.probs_order", INT64 * pairs)]
     else:
         # The permutation's source index: this rank's slots (t k), the gathered slots routed here (R rows), or
         # padded to capacity the buffer's rows (E x capacity, padding included)
         padded = padded_capacity(cfg, lay) is not None
-        items.append(Saved("moe", "dispatch.order", INT64 * (rows if gathered or padded else t * k)))
+        order = INT64 * (rows if gathered or padded else t * k)
+        # the rows' gather and their routing weights' (by the slot, not the token: a second index)
+        items += [Saved("moe", "dispatch.order", order), Saved("moe", "dispatch.probs_order", order)]
     local = lay.ep // lay.ep_nodes if hierarchical else lay.ep
     if moe.dispatcher in ("alltoall", "hierarchical") and local > 1 and e // lay.ep > 1:
         # received rows (source-major) sorted by local expert, and back: each index_select keeps its index
@@ -306,25 +310,22 @@ def _moe(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
         Saved("moe", "experts.offsets", INT32 * rank_experts),
         *gemm_input("moe", "experts.input", rows, h, a, fp8, experts=rank_experts),
         Saved("moe", "experts.gate_up", a * rows * 2 * ffn),
+        Saved("moe", "experts.probs", a * rows),  # the rows' weights cast once (the recomputed region's input too)
         Saved("moe_act", "experts.silu", a * rows * ffn),
+        Saved("moe_act", "experts.act", a * rows * ffn),  # silu(gate) * up, which the weighting's product keeps
         *gemm_input("moe_act", "experts.down_input", rows, ffn, a, fp8, experts=rank_experts),
     ]
-    # The combine weights and sums in fp32 but keeps the expert outputs in the activation dtype (permute.py).
+    # The combine sums the (weighted) expert outputs in fp32 and keeps only indices (permute.py `slot_sum`).
     if gathered:
-        # the local rows weighted and scatter-added into per-token sums (dispatch_allgather.py): the rows, their
-        # weights, and three indices (rows, slots, tokens)
-        items += [Saved("moe", "combine.indices", 3 * INT64 * rows), Saved("moe", "combine.weights", FP32 * rows),
-                  Saved("moe", "combine.rows", a * rows * h)]
+        # the local rows scatter-added into per-token sums (dispatch_allgather.py): two indices (rows, tokens)
+        items.append(Saved("moe", "combine.indices", 2 * INT64 * rows))
     elif hierarchical:
-        # the node's partial sums (dispatch_hierarchical.py `_node_sums`): the pairs' returned rows, their weights
-        # and three indices (rows, slots, network rows; padded, the buffer's rows as they came: two)
-        indices = 2 if padded_capacity(cfg, lay) is not None else 3
-        items += [Saved("moe", "combine.indices", indices * INT64 * pairs),
-                  Saved("moe", "combine.weights", FP32 * pairs), Saved("moe", "combine.rows", a * pairs * h)]
+        # the node's partial sums (dispatch_hierarchical.py `_node_sums`): two indices (rows, network rows; padded,
+        # the buffer's rows as they came: one)
+        indices = 1 if padded_capacity(cfg, lay) is not None else 2
+        items.append(Saved("moe", "combine.indices", indices * INT64 * pairs))
     else:
-        items += [Saved("moe", "combine.slot_rows", INT64 * t * k),
-                  Saved("moe", "combine.expert_out", a * t * k * h),
-                  Saved("moe", "combine.weights", FP32 * t * k)]
+        items.append(Saved("moe", "combine.slot_rows", INT64 * t * k))
     if moe.shared_expert_ffn_hidden_size:
         # The shared expert's input is the norm's output, which the router keeps already (one storage).
         # Tensor-parallel like a dense MLP: the tp ranks' token shares gathered, the ffn sharded.
