@@ -295,6 +295,36 @@ def test_plan_holds_fp8_to_measure_exactly(no_process_group):
     assert figures and [f.name for f in figures if f.relative_error > (0 if f.name == "param_bytes" else 1e-9)] == []
     assert report["fp8_gemms"] == {**{f"linear/{p}/real": 16 for p in ("forward", "input_grad", "weight_grad")},
                                    **{f"grouped/{p}/emulated": 3 for p in ("forward", "input_grad", "weight_grad")}}
+    # the fp8 GEMMs' FLOPs (`flops/fp8` above, what plan's fp8 speed-up applies to): all but the router's, the
+    # head's and SDPA's
+    assert 0 < report["fp8_gemm_flops"] < report["flops"]["total"]
+
+
+def test_plan_prices_only_the_fp8_modules_flops_at_the_fp8_speed(no_process_group):
+    """plan's fp8_gemm_flops follows train.fp8.modules, equal to measure's under recomputation (selective, whose
+    reruns count again) and with the head in fp8 through the chunked loss (whose backward recomputes each chunk's
+    logits): qwen3-moe-tiny on one fake rank. Only the fp8 FLOPs get fp8_gemm_speedup: the step's compute time
+    falls from the experts alone to every module, and with no fp8 module it is bf16's."""
+    from moe_train.config import load_recipe
+    from moe_train.config.hardware import HARDWARE
+    from moe_train.measure.driver import Target, measure
+    from moe_train.measure.versus_plan import against
+    from moe_train.plan.estimate import estimate, plan_json
+
+    base = ["model.num_layers=2", "train.seq_length=64", "train.micro_batch_size=1", "train.global_batch_size=1"]
+    compute, fp8_flops = {}, {}
+    for modules in ("[experts]", "[attention,experts,head]"):
+        recipe = load_recipe("qwen3-moe-tiny", [
+            *base, "train.precision=fp8", f"train.fp8.modules={modules}", "train.loss_chunk_tokens=16",
+            "parallel.recompute.granularity=selective", "parallel.recompute.modules=[moe_act,core_attn]"],
+            check_files=False)
+        report, plan = measure(recipe, Target(fake=True)), estimate(recipe, HARDWARE["h100"])
+        assert [f.name for f in against(plan_json(plan), report) if f.relative_error > 1e-9] == [], modules
+        fp8_flops[modules], compute[modules] = report["fp8_gemm_flops"], plan.time["compute"]
+    assert 0 < fp8_flops["[experts]"] < fp8_flops["[attention,experts,head]"]
+    bf16 = estimate(load_recipe("qwen3-moe-tiny", [*base, "train.precision=bf16"], check_files=False),
+                    HARDWARE["h100"])
+    assert compute["[attention,experts,head]"] < compute["[experts]"] < bf16.time["compute"]
 
 
 # ------------------------------------------------------------------------------------- train.adam_moment_dtype

@@ -26,7 +26,7 @@ from moe_train.measure.layers import LayerTracker, in_backward
 from moe_train.measure.memory import LiveBytes, gathered_param_bytes, grad_bytes, optimizer_bytes, param_bytes
 from moe_train.measure.targets import as_fake_runs
 from moe_train.measure.traffic import CollectiveTraffic
-from moe_train.models.fp8.gemm import count_fp8_gemms
+from moe_train.models.fp8.gemm import count_fp8_flops, count_fp8_gemms
 from moe_train.parallel.bootstrap import bootstrap, shutdown
 from moe_train.parallel.context import ParallelContext
 from moe_train.train.batch import Batch, rank_batch
@@ -176,6 +176,7 @@ def _walk(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
         for context in (local_dtensor_ops(), live, comm, flops, saved):
             stack.enter_context(context)
         fp8_gemms = stack.enter_context(count_fp8_gemms())
+        fp8_flops = stack.enter_context(count_fp8_flops())
         # The trainer's step without its host-side figures (fake tensors have no values): the all-reduce of the
         # loss sums and MoE telemetry and the expert-bias update it feeds; the update is taken whatever the norm.
         compute_gradients(trainable, batch, recipe=recipe, ctx=ctx)
@@ -205,6 +206,8 @@ def _walk(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
         "comm_calls": dict(sorted(comm.calls.items())),
         # fp8 GEMMs by "kind/product/mode" (linear|grouped, forward|input_grad|weight_grad, real|emulated)
         "fp8_gemms": {"/".join(key): count for key, count in sorted(fp8_gemms.items())},
+        # their FLOPs (part of `flops`, every phase): plan's fp8_gemm_flops, what its fp8 GEMM speed-up applies to
+        "fp8_gemm_flops": sum(fp8_flops.values()),
         # every FSDP2 unit's gathered parameters (fp8-gathered weights at 1 byte): plan's params.gathered_bytes
         "gathered_param_bytes": sum(gathered_param_bytes(chunk) for chunk in chunks),
     }

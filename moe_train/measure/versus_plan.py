@@ -32,8 +32,8 @@ def against(plan: dict, report: dict) -> list[Figure]:
     """Figures of `moe-train plan --json` and `moe-train measure --json` for the same recipe and rank.
 
     Activation bytes per decoder layer (`other` aside: the plan counts the head and loss per stage, not as one
-    figure); the parameter bytes of this rank (fp32 master weights, FSDP2 shards); FLOPs by phase; payload bytes
-    per `<group>/<op>` over the union of both sides' keys."""
+    figure); the parameter bytes of this rank (fp32 master weights, FSDP2 shards); FLOPs by phase and those of the
+    fp8 GEMMs; payload bytes per `<group>/<op>` over the union of both sides' keys."""
     figures = [Figure(name="param_bytes", planned=plan["memory_bytes"]["weights"], measured=report["param_bytes"])]
     planned_layers, measured_layers = plan["activation_bytes_per_layer"], report["activation_bytes_per_layer"]
     for layer in sorted((set(planned_layers) | set(measured_layers)) - {"other"}, key=int):
@@ -41,6 +41,7 @@ def against(plan: dict, report: dict) -> list[Figure]:
                               measured=measured_layers.get(layer, 0)))
     for phase in ("forward", "backward", "recompute", "total"):
         figures.append(Figure(name=f"flops/{phase}", planned=plan["flops"][phase], measured=report["flops"][phase]))
+    figures.append(Figure(name="flops/fp8", planned=plan["fp8_gemm_flops"], measured=report["fp8_gemm_flops"]))
     planned_comm, measured_comm = plan["comm_bytes"], report["comm_bytes"]
     for key in sorted(set(planned_comm) | set(measured_comm)):
         figures.append(Figure(name=f"comm/{key}", planned=planned_comm.get(key, 0),

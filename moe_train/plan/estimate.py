@@ -122,8 +122,18 @@ def _fp8_kept(recipe: Recipe) -> dict:
     return {"fp8_kept": fp8.recipe, "fp8_modules": tuple(sorted(set(fp8.modules)))}
 
 
-def _kernel(region: str) -> str:
-    return "attention" if region == "core_attn" else "grouped_gemm" if region == "experts" else "gemm"
+# The train.fp8.modules kind each FLOP region's GEMMs belong to (models/fp8/select.py marks by these kinds); the
+# router, core attention (SDPA) and MTP's eh_proj never run in fp8.
+FP8_KIND = {"attention": "attention", "mla_down_proj": "attention", "mla_up_proj": "attention", "mlp": "mlp",
+            "shared_experts": "shared_experts", "experts": "experts", "head": "head"}
+
+
+def _kernel(region: str, fp8_modules: tuple[str, ...]) -> str:
+    """The kind of kernel a region's FLOPs run on: attention, (fp8_)grouped_gemm, (fp8_)gemm."""
+    if region == "core_attn":
+        return "attention"
+    kernel = "grouped_gemm" if region == "experts" else "gemm"
+    return f"fp8_{kernel}" if FP8_KIND.get(region) in fp8_modules else kernel
 
 
 def _layer_flops(m: ModelConfig, layout: PlanLayout, moe_layer: bool, a: Assumptions) -> dict[str, float]:
@@ -209,17 +219,18 @@ def _group_tail(m: ModelConfig, flops: dict[str, float], moe_layer: bool,
 
 def _rank_flops(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk], a: Assumptions) -> tuple[dict, dict]:
     """Executed FLOPs of one rank per step ({forward, backward, recompute, total}) and the same split by kind
-    of kernel ({gemm, grouped_gemm, attention}, forward + backward + recompute) for the time model."""
+    of kernel ({gemm, fp8_gemm, grouped_gemm, fp8_grouped_gemm, attention}, forward + backward + recompute) for
+    the time model: the fp8 GEMMs are those of the kinds train.fp8.modules names (`layout.fp8_modules`)."""
     tokens = layout.micro_batches * layout.micro_batch * layout.seq_length / layout.cp  # this rank's share
     policy = layout.recompute
-    fwd = {"gemm": 0.0, "grouped_gemm": 0.0, "attention": 0.0}
-    rec = {"gemm": 0.0, "grouped_gemm": 0.0, "attention": 0.0}
+    fwd = dict.fromkeys(("gemm", "fp8_gemm", "grouped_gemm", "fp8_grouped_gemm", "attention"), 0.0)
+    rec = dict(fwd)
     kinds = {moe: _layer_flops(m, layout, moe, a) for moe in {False, m.moe is not None}}
 
     def add(target: dict, regions: dict[str, float], times: float = 1.0) -> None:
         for name, value in regions.items():
             if name != "mla_up_proj" or target is rec:  # forward: part of `attention`
-                target[_kernel(name)] += times * value * tokens
+                target[_kernel(name, layout.fp8_modules)] += times * value * tokens
 
     def forward_layer(moe: bool, count: int = 1) -> None:
         add(fwd, kinds[moe], count)
@@ -369,12 +380,13 @@ def _moe_sync(model: ModelConfig, layout: PlanLayout, chunks: list[Chunk], assum
     return assumptions.moe_sync_s * moe_layers * moe_forwards * layout.micro_batches
 
 
-def _time(plan_rank: RankPlan, layout: PlanLayout, hw: Hardware, a: Assumptions, precision: str,
+def _time(plan_rank: RankPlan, layout: PlanLayout, hw: Hardware, a: Assumptions,
           local_params: float) -> dict[str, float]:
-    gemm_peak = hw.bf16_flops * (a.fp8_gemm_speedup if precision == "fp8" else 1.0)
+    fp8_peak = hw.bf16_flops * a.fp8_gemm_speedup
     split = plan_rank.flops_split
-    compute = (split["gemm"] / (gemm_peak * a.gemm_efficiency)
-               + split["grouped_gemm"] / (gemm_peak * a.grouped_gemm_efficiency)
+    compute = ((split["gemm"] / hw.bf16_flops + split["fp8_gemm"] / fp8_peak) / a.gemm_efficiency
+               + (split["grouped_gemm"] / hw.bf16_flops + split["fp8_grouped_gemm"] / fp8_peak)
+               / a.grouped_gemm_efficiency
                + split["attention"] / (hw.bf16_flops * a.attention_efficiency))
     elementwise = plan_rank.elementwise_bytes / hw.hbm_bytes_per_s
     comm = comm_time(plan_rank.comm, layout, hw, a)
@@ -416,7 +428,7 @@ def estimate(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None
         executed = sum(r.flops["total"] for r in ranks) * layout.pp / len(ranks) * layout.ranks_per_stage
     times = []
     for r in ranks:
-        times.append(_time(r, layout, hardware, a, recipe.train.precision, r.params.local))
+        times.append(_time(r, layout, hardware, a, r.params.local))
     worst = max(ranks, key=lambda r: r.memory["total"])
     plan = Plan(recipe, hardware, layout, a, ranks, worst, model_flops, executed)
     plan.time = max(times, key=lambda t: t["step"])
@@ -446,6 +458,8 @@ def plan_json(plan: Plan, *, pipeline_rank: int | None = None) -> dict:
         "within_margin": plan.tight,
         "flops_per_step": w.flops["total"],
         "flops": w.flops,
+        # the fp8 GEMMs' share of flops.total (measure's fp8_gemm_flops): what fp8_gemm_speedup applies to
+        "fp8_gemm_flops": w.flops_split["fp8_gemm"] + w.flops_split["fp8_grouped_gemm"],
         "model_flops_per_step": plan.model_flops_per_step,
         "executed_flops_per_step": plan.executed_flops_per_step,
         "comm_bytes": {k: int(v) for k, v in sorted(w.comm.payload.items())},

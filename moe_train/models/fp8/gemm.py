@@ -28,7 +28,9 @@ gradient. W stays as it is (a parameter: no activation memory). GEMMs reading th
 two down projections, gate and up) share one fp8 copy (`_kept`).
 
 `count_fp8_gemms` tallies every fp8 GEMM a region runs (measure and the tests): kind (linear or grouped),
-product (forward, input_grad, weight_grad), real or emulated.
+product (forward, input_grad, weight_grad), real or emulated; `count_fp8_flops` their FLOPs by the same keys (2 x
+M x N x K of the product as the model asks for it: CUDA's zero padding to the kernel's multiples is not counted),
+which plan's `fp8_gemm_flops` predicts.
 """
 
 from __future__ import annotations
@@ -61,23 +63,36 @@ from moe_train.models.fp8.scaling import (
 
 SavedInputs = Literal["bf16", "fp8"]
 
-_TALLIES: list[Counter] = []
+_GEMM_TALLIES: list[Counter] = []
+_FLOP_TALLIES: list[Counter] = []
 
 
 @contextlib.contextmanager
-def count_fp8_gemms() -> Iterator[Counter]:
-    """A Counter of (kind, product, mode) -> fp8 GEMMs run inside the block."""
+def _tallying(tallies: list[Counter]) -> Iterator[Counter]:
     tally: Counter = Counter()
-    _TALLIES.append(tally)
+    tallies.append(tally)
     try:
         yield tally
     finally:
-        _TALLIES.remove(tally)
+        tallies.remove(tally)
 
 
-def _record(kind: str, product: str, mode: str) -> None:
-    for tally in _TALLIES:
+def count_fp8_gemms() -> contextlib.AbstractContextManager[Counter]:
+    """A Counter of (kind, product, mode) -> fp8 GEMMs run inside the block."""
+    return _tallying(_GEMM_TALLIES)
+
+
+def count_fp8_flops() -> contextlib.AbstractContextManager[Counter]:
+    """A Counter of (kind, product, mode) -> FLOPs of the fp8 GEMMs run inside the block."""
+    return _tallying(_FLOP_TALLIES)
+
+
+def _record(kind: str, product: str, mode: str, *, rows: int, reduced: int, columns: int) -> None:
+    """One fp8 GEMM of [rows, reduced] x [reduced, columns] (grouped: every group's rows together)."""
+    for tally in _GEMM_TALLIES:
         tally[(kind, product, mode)] += 1
+    for tally in _FLOP_TALLIES:
+        tally[(kind, product, mode)] += 2 * rows * reduced * columns
 
 
 # (device kind, recipe, grouped) -> why its real kernel is not used in this process (the start-up probe saw it fail)
@@ -195,7 +210,8 @@ class Fp8Gemm:
     def _run(self, a: torch.Tensor, b: torch.Tensor | Quantised, roles: tuple[Role, Role], product_name: str,
              out_dtype: torch.dtype) -> torch.Tensor:
         real = runs_real(self.recipe, a.device)
-        _record("linear", product_name, "real" if real else "emulated")
+        _record("linear", product_name, "real" if real else "emulated", rows=a.shape[0], reduced=a.shape[1],
+                columns=b.shape[0])
         return product(a, b, recipe=self.recipe, roles=roles, real=real, out_dtype=out_dtype)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -242,7 +258,8 @@ class Fp8Gemm:
     def _run_grouped(self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, roles: tuple[Role, Role],
                      product_name: str) -> torch.Tensor:
         real = runs_real(self.recipe, rows.device, grouped=True)
-        _record("grouped", product_name, "real" if real else "emulated")
+        _record("grouped", product_name, "real" if real else "emulated", rows=rows.shape[0], reduced=rows.shape[1],
+                columns=weight.shape[1])
         return grouped_product(rows, weight, offsets, recipe=self.recipe, roles=roles, real=real)
 
     def grouped_forward(self, rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -258,12 +275,12 @@ class Fp8Gemm:
         """Expert e's grad_e^T @ rows_e -> [E, out, in], reduced over its own tokens: both operands quantised
         along each expert's tokens alone (scaling.quantise_along_groups); `rows` as they came, or kept so
         (`kept_rows`; in the dtype of the gradient, which is the rows' own: the forward's output dtype)."""
-        _record("grouped", "weight_grad", "emulated")
         a = dequantised_along_groups(grad, offsets, recipe=self.recipe, role="grad", dtype=grad.dtype)
         if isinstance(rows, GroupQuantised):
             b = rows.dequantise(offsets, grad.dtype)
         else:
             b = dequantised_along_groups(rows, offsets, recipe=self.recipe, role="input", dtype=rows.dtype)
+        _record("grouped", "weight_grad", "emulated", rows=a.shape[1], reduced=a.shape[0], columns=b.shape[1])
         return torch._grouped_mm(a.t(), b, offs=offsets)
 
     def kept_rows(self, rows: torch.Tensor, offsets: torch.Tensor) -> GroupQuantised:
