@@ -172,10 +172,12 @@ def test_all_to_all_payload_is_the_bytes_sent_to_other_ranks() -> None:
     recipe = load_recipe("qwen3-30b-a3b", ["parallel.recompute.modules=[moe_act,layernorm]"])
     plan = plan_json(estimate(recipe, HARDWARE["h100"]))
     m = recipe.model
-    per_pass = 2 * 4096 * m.moe.top_k * m.hidden_size * 7 / 8  # bf16 rows leaving this rank
+    rows = 4096 * m.moe.top_k * 7 / 8  # rows leaving this rank (and, at an even split, arriving)
+    per_pass = 2 * rows * m.hidden_size  # bf16 rows
     counts = 7 * m.moe.num_experts // 8 * 8  # the int64 row counts each dispatch exchanges first
+    probs = 2 * 4 * rows  # each sent row's fp32 routing weight, and each received row's weight gradient back
     # dispatch and combine, forward and backward, every layer, every micro-batch
-    assert plan["comm_bytes"]["ep/all_to_all"] == pytest.approx((4 * per_pass + counts) * 48 * 8, rel=1e-9)
+    assert plan["comm_bytes"]["ep/all_to_all"] == pytest.approx((4 * per_pass + counts + probs) * 48 * 8, rel=1e-9)
 
 
 def test_sequence_parallel_comm_gathers_the_saved_shard_again() -> None:
@@ -292,7 +294,8 @@ def test_executed_flops_add_recompute_and_the_cpus_mla_padding_to_model_flops() 
     full = plan_json(estimate(load_recipe("qwen3-30b-a3b", ["parallel.recompute.granularity=full", unchunked]),
                               h100))
     assert 0.2 < full["flops"]["recompute"] / full["flops"]["forward"] < 1.0
-    recipe = load_recipe("deepseek-v3", ["parallel.recompute.modules=[mlp]", unchunked])
+    # bf16: the formula below is bf16's (the recipe itself runs MXFP8)
+    recipe = load_recipe("deepseek-v3", ["parallel.recompute.modules=[mlp]", "train.precision=bf16", unchunked])
     ds = plan_json(estimate(recipe, HARDWARE["b200"]))
     m = recipe.model
     tokens = 2048 * 4096
@@ -303,8 +306,8 @@ def test_executed_flops_add_recompute_and_the_cpus_mla_padding_to_model_flops() 
     # on cuda SDPA takes MLA's v at its own width (the kernel table's mla_value); the CPU's flash kernel pads it
     assert recipe.launch.device == "cuda"
     assert ds["executed_flops_per_step"] - ds["model_flops_per_step"] == pytest.approx(dense_mlp, rel=1e-6)
-    cpu_recipe = load_recipe("deepseek-v3", ["parallel.recompute.modules=[mlp]", "launch.device=cpu", "launch.gpu=cpu",
-                                             unchunked])
+    cpu_recipe = load_recipe("deepseek-v3", ["parallel.recompute.modules=[mlp]", "train.precision=bf16",
+                                             "launch.device=cpu", "launch.gpu=cpu", unchunked])
     on_cpu = plan_json(estimate(cpu_recipe, HARDWARE["b200"]))
     assert on_cpu["executed_flops_per_step"] - on_cpu["model_flops_per_step"] == \
         pytest.approx(dense_mlp + padding, rel=1e-6)
