@@ -210,6 +210,10 @@ def test_hierarchical_dispatch_on_two_emulated_nodes_equals_single_process(tmp_p
     for key, record in records.items():
         if not key.endswith("-padded"):
             assert_same_run(record, qwen)
-    assert_same_run(records["ep4-hierarchical-padded"], records["ep4-alltoall-padded"])
+    # Padded, the two differ in fp32 rounding alone (tests/workers/dispatch_hierarchical.py holds them equal to
+    # 1e-12 in fp64): inside a node first, the combine sums a token's rows in another order; their gradients agree
+    # to ~2e-7 relative (the bound: 1e-6), and three AdamW steps, dividing by near-zero second moments,
+    # carry that to at most ~2e-6 absolute in a weight.
+    assert_same_run(records["ep4-hierarchical-padded"], records["ep4-alltoall-padded"], atol=5e-6)
     assert records["ep4-alltoall-padded"]["losses"] != records["ep4-alltoall-two-nodes"]["losses"]  # it drops
     assert records["ep4-hierarchical"]["meshes"] == records["ep4-alltoall-two-nodes"]["meshes"]

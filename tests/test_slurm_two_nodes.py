@@ -30,6 +30,9 @@ from moe_train.train.loop import Trainer
 pytestmark = pytest.mark.timeout(400)
 
 STEPS = 6
+# The preempted job's steps: enough that the notice (sent once 2 steps are logged, through slurmctld) cannot arrive
+# after the last one; a 6-step job once finished first at load 10 (its steps take ~0.1 s).
+PREEMPTED_STEPS = 40
 SHRINK = ["model.num_layers=2", "train.seq_length=32", "train.global_batch_size=8", "train.micro_batch_size=2",
           "train.warmup_steps=1", "train.precision=fp32", "train.eval_interval=null", "checkpoint.interval=null",
           "logging.interval=1", f"train.steps={STEPS}", "launch.nodes=2", "launch.gpus_per_node=1"]
@@ -40,12 +43,16 @@ def losses(run_dir: Path) -> list[float]:
     return [loss for _, loss in train_losses(run_dir)]
 
 
+def single_process_losses(run_dir: Path, steps: int = STEPS) -> list[float]:
+    """The single process's losses of the recipe the jobs here train, for `steps` steps."""
+    Trainer(load_recipe("qwen3-moe-tiny", [*SHRINK, f"train.steps={steps}", "launch.nodes=1",
+                                           f"run_dir={run_dir}"])).train()
+    return losses(run_dir)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[float]:
-    """The single process's losses of the recipe every job here trains."""
-    run_dir = tmp_path_factory.mktemp("reference")
-    Trainer(load_recipe("qwen3-moe-tiny", [*SHRINK, "launch.nodes=1", f"run_dir={run_dir}"])).train()
-    return losses(run_dir)
+    return single_process_losses(tmp_path_factory.mktemp("reference"))
 
 
 def test_two_node_preflight_and_sweep_of_dp2_and_ep2_match_one_process(slurm_cluster, tmp_path,  # noqa: F811
@@ -78,15 +85,16 @@ def test_two_node_preflight_and_sweep_of_dp2_and_ep2_match_one_process(slurm_clu
         assert losses(base / point) == pytest.approx(reference, rel=1e-5), point
 
 
-def test_two_node_pp2_preempted_requeued_resumes_to_the_single_process_losses(slurm_cluster, tmp_path,  # noqa: F811
-                                                                            reference):
+def test_two_node_pp2_preempted_requeued_resumes_to_the_single_process_losses(slurm_cluster, tmp_path):  # noqa: F811
     run_dir = tmp_path / "pp2"
     job_id = job_id_of(cli(slurm_cluster, tmp_path, "submit", "qwen3-moe-tiny",
-                           sets=[*SHRINK, "parallel.pp=2", "launch.slurm.signal_seconds=60",
-                                 "launch.slurm.max_restarts=2", f"run_dir={run_dir}"]))
-    _, text = preempt_and_finish(slurm_cluster, job_id, run_dir, STEPS)
+                           sets=[*SHRINK, f"train.steps={PREEMPTED_STEPS}", "parallel.pp=2",
+                                 "launch.slurm.signal_seconds=60", "launch.slurm.max_restarts=2",
+                                 f"run_dir={run_dir}"]))
+    _, text = preempt_and_finish(slurm_cluster, job_id, run_dir, PREEMPTED_STEPS)
     assert f"job {job_id} (restart 1) on 2 node(s)" in text, text
-    assert losses(run_dir) == pytest.approx(reference, rel=1e-5)
+    assert losses(run_dir) == pytest.approx(single_process_losses(tmp_path / "reference", PREEMPTED_STEPS),
+                                            rel=1e-5)
 
 
 def test_a_rank_killed_on_the_second_node_fails_the_two_node_job_fast(slurm_cluster, tmp_path):  # noqa: F811
