@@ -27,10 +27,10 @@ PUBLISHED = [
         "train.micro_batch_size=4", "train.global_batch_size=512",
         "parallel.recompute.modules=[moe_act, layernorm]"]),  # 165 GB of 186 (until 2026-12-02: 197, +core_attn)
     # MXFP8 with the GEMM inputs kept in fp8, as Megatron-Core with transformer-engine keeps them, and the
-    # published recompute: the recipe's own since the routing weights moved into the experts' activation
-    ("deepseek-v3", "B200", 256, 776.7, [*MXFP8, PUBLISHED_DSV3]),
-    ("deepseek-v3", "B200", 256, 776.7, [  # the node-aware dispatcher (Megatron-Core's run: DeepEP)
-        *MXFP8, PUBLISHED_DSV3, "model.moe.dispatcher=hierarchical"]),
+    # published recompute: the recipe's own since the routing weights moved into the experts' activation; with
+    # the all-to-all dispatcher, then the node-aware one (Megatron-Core's run: DeepEP; the recipe's own)
+    ("deepseek-v3", "B200", 256, 776.7, [*MXFP8, PUBLISHED_DSV3, "model.moe.dispatcher=alltoall"]),
+    ("deepseek-v3", "B200", 256, 776.7, [*MXFP8, PUBLISHED_DSV3, "model.moe.dispatcher=hierarchical"]),
 ]
 
 

@@ -147,10 +147,11 @@ def test_emulated_nodes_and_refusals() -> None:
 def test_search_weighs_both_dispatchers_where_ep_spans_nvlink_domains() -> None:
     """DeepSeek-V3 on 256 B200s (8 a NVLink domain): every layout whose ep group spans domains is planned with
     both dispatchers, and at EP32 (4 nodes) the hierarchical one is faster, layout for layout, and is the pick;
-    where ep fits in one domain only the recipe's own (alltoall) is offered."""
+    where ep fits in one domain only the recipe's own (set to alltoall here; the built-in recipe's is hierarchical)
+    is offered."""
     from moe_train.plan.search import dispatchers, search
 
-    recipe = load_recipe("deepseek-v3")
+    recipe = load_recipe("deepseek-v3", ["model.moe.dispatcher=alltoall"])
     assert dispatchers(recipe, ep=32, etp=1, nvlink_domain=8) == ["alltoall", "hierarchical"]
     assert dispatchers(recipe, ep=8, etp=1, nvlink_domain=8) == ["alltoall"]
     start = time.monotonic()
