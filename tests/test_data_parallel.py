@@ -200,8 +200,12 @@ def test_hierarchical_dispatch_on_two_emulated_nodes_equals_single_process(tmp_p
         case("ep4-hierarchical", "qwen3-moe-tiny", [*EP_MOE, "parallel.ep=4", *nodes]),
         case("tp2-dp2-ep4-hierarchical", "qwen3-moe-tiny", [*EP_MOE, "parallel.tp=2", "parallel.ep=4", *nodes]),
         case("ep4-alltoall-two-nodes", "qwen3-moe-tiny", [*EP_MOE, "parallel.ep=4", "launch.nodes=2"]),
-        case("ep4-hierarchical-padded", "qwen3-moe-tiny", [*EP_MOE, "parallel.ep=4", *nodes, *padded]),
-        case("ep4-alltoall-padded", "qwen3-moe-tiny", [*EP_MOE, "parallel.ep=4", "launch.nodes=2", *padded]),
+        # one step: the two differ by fp32 rounding alone (tests/workers/dispatch_hierarchical.py holds them to
+        # 1e-12 in fp64), and over more steps a rounding-level change in the router's outputs can drop another of
+        # two near-tied assignments (capacity 1.0 drops), after which their experts' weights part by more
+        case("ep4-hierarchical-padded", "qwen3-moe-tiny", [*EP_MOE, "parallel.ep=4", *nodes, *padded], steps=1),
+        case("ep4-alltoall-padded", "qwen3-moe-tiny", [*EP_MOE, "parallel.ep=4", "launch.nodes=2", *padded],
+             steps=1),
     ]
     saved = run_ranks("train_layouts", 4, {"cases": cases, "run_root": str(tmp_path / "nodes")}, tmp_path,
                       timeout=300)
@@ -210,10 +214,6 @@ def test_hierarchical_dispatch_on_two_emulated_nodes_equals_single_process(tmp_p
     for key, record in records.items():
         if not key.endswith("-padded"):
             assert_same_run(record, qwen)
-    # Padded, the two differ in fp32 rounding alone (tests/workers/dispatch_hierarchical.py holds them equal to
-    # 1e-12 in fp64): inside a node first, the combine sums a token's rows in another order; their gradients agree
-    # to ~2e-7 relative (the issue's bound: 1e-6), and three AdamW steps, dividing by near-zero second moments,
-    # carry that to at most ~2e-6 absolute in a weight.
-    assert_same_run(records["ep4-hierarchical-padded"], records["ep4-alltoall-padded"], atol=5e-6)
-    assert records["ep4-alltoall-padded"]["losses"] != records["ep4-alltoall-two-nodes"]["losses"]  # it drops
+    assert_same_run(records["ep4-hierarchical-padded"], records["ep4-alltoall-padded"])
+    assert records["ep4-alltoall-padded"]["losses"][0] != records["ep4-alltoall-two-nodes"]["losses"][0]  # it drops
     assert records["ep4-hierarchical"]["meshes"] == records["ep4-alltoall-two-nodes"]["meshes"]
