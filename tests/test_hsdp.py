@@ -44,11 +44,13 @@ def test_hsdp_2x2_equals_single_process_and_resumes_as_dp4(tmp_path: Path) -> No
     assert_same_run(records["hsdp-qwen3-moe-tiny"], want)
     assert_same_run(records["hsdp-ep2-qwen3-moe-tiny"], want)
 
-    # Two steps under HSDP, two more under FSDP over dp 4 from its checkpoint: the uninterrupted dp-4 run.
+    # Two steps under HSDP, two more under FSDP over dp 4 from its checkpoint: the uninterrupted dp-4 run, within
+    # every layout test's tolerance (HSDP reduces in two stages, dps then dpr, in another order than dp 4's one
+    # reduce-scatter, and four AdamW steps carry that rounding: 5.7e-7 in one embedding weight of ~0.02).
     resumed, straight = records["hsdp-to-dp4-qwen3-moe-tiny"], records["straight-dp4-qwen3-moe-tiny"]
     assert resumed["started"] == 2
     for key, value in straight["state"].items():
-        torch.testing.assert_close(resumed["state"][key], value, rtol=1e-5, atol=1e-7,
+        torch.testing.assert_close(resumed["state"][key], value, rtol=1e-4, atol=1e-6,
                                    msg=lambda m, key=key: f"{key}: {m}")
     logged = [json.loads(line) for line in (tmp_path / "hsdp" / "hsdp-to-dp4-qwen3-moe-tiny" / "metrics.jsonl").open()]
     assert [r["loss"] for r in logged if r["kind"] == "train"] == pytest.approx(straight["losses"], rel=1e-6)
