@@ -254,6 +254,33 @@ def test_expert_bias_moves_against_the_measured_load_by_the_rate(tmp_path: Path)
         torch.testing.assert_close(moved.double(), expected.double(), rtol=0, atol=1e-7)
 
 
+def test_expert_counts_and_bias_agree_with_recompute_and_micro_batches(tmp_path: Path) -> None:
+    """Each step's expert counts and the expert bias they move are the same with recomputation off, selective
+    (the MoE layer rerun) and full, and with 1, 2 or 4 micro-batches per step: a recompute rerun counts nothing
+    (the layer reads in_recomputation), every micro-batch counts once, and the routing weights now travelling with
+    the rows change neither."""
+    variants = {"none": [], "moe": ["parallel.recompute.granularity=selective", "parallel.recompute.modules=[moe]"],
+                "full": ["parallel.recompute.granularity=full"], "one-micro-batch": ["train.micro_batch_size=4"],
+                "four-micro-batches": ["train.micro_batch_size=1"]}
+    seen = {}
+    for key, sets in variants.items():
+        t = trainer("deepseek-v3-tiny", tmp_path / key, "train.steps=2", *sets)
+        steps = []
+        for step in (1, 2):
+            assert t.train_step(step).finite
+            steps.append({i: (layer.tokens_per_expert.clone(), layer.router.expert_bias.detach().clone())
+                          for i, layer in t.moe_layers.items()})
+        seen[key] = steps
+    tokens = 4 * 16 * load_recipe("deepseek-v3-tiny", SHRINK).model.moe.top_k  # the global batch's assignments
+    for key, steps in seen.items():
+        for step, layers in enumerate(steps):
+            for index, (counts, bias) in layers.items():
+                assert int(counts.sum()) == tokens, (key, step, index)
+                want_counts, want_bias = seen["none"][step][index]
+                assert torch.equal(counts, want_counts), (key, step, index)
+                assert torch.equal(bias, want_bias), (key, step, index)
+
+
 def test_update_expert_bias_direction_and_amount_by_hand() -> None:
     bias = torch.zeros(5)
     update_expert_bias(bias, torch.tensor([9, 1, 5, 5, 5]), 0.5)  # mean 5: 0 over, 1 under, the rest at the mean
