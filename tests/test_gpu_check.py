@@ -68,4 +68,5 @@ def test_stage_runs_in_its_own_process_under_a_timeout(tmp_path: Path) -> None:
 
 def test_check_scripts_parse() -> None:
     for script in ("check.sh", "fetch_wheels.sh"):
-        subprocess.run(["bash", "-n", str(REPO / "bench" / "gpu" / script)], check=True)
+        parsed = subprocess.run(["bash", "-n", str(REPO / "bench" / "gpu" / script)], capture_output=True, text=True)
+        assert parsed.returncode == 0, (script, parsed.stderr)

@@ -2,7 +2,9 @@
 - test modules never import one another: what two of them share lives in tests/helpers.py or the other shared
   modules (cli_helpers, multirank, processes, slurm_jobs, workers/);
 - every test that starts ranks or processes through the shared starters (multirank, processes, slurm_jobs) or
-  runs on the SLURM cluster is marked `slow`, so `-m "not slow"` stays the fast tier.
+  runs on the SLURM cluster is marked `slow`, so `-m "not slow"` stays the fast tier;
+- every test asserts something: an `assert`, `pytest.raises`/`warns`/`fail`, or a call of an `assert_*` helper,
+  in its body or in a function of its module that it calls (a test that only runs code passes whatever it does).
 """
 
 from __future__ import annotations
@@ -112,3 +114,31 @@ def test_unit():
     assert starting_tests_not_marked_slow(ast.parse(marked)) == []
     assert starting_tests_not_marked_slow(ast.parse(source + "\npytestmark = pytest.mark.slow\n")) == []
 
+
+def _checks(function: ast.FunctionDef, functions: dict[str, ast.FunctionDef], seen: frozenset[str]) -> bool:
+    for node in ast.walk(function):
+        if isinstance(node, ast.Assert):
+            return True
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            if name.startswith("assert") or name in ("raises", "warns", "fail"):
+                return True
+            if name in functions and name not in seen and _checks(functions[name], functions, seen | {name}):
+                return True
+    return False
+
+
+def unasserting_tests(tree: ast.Module) -> list[str]:
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    return [name for name, function in functions.items()
+            if name.startswith("test_") and not _checks(function, functions, frozenset({name}))]
+
+
+def test_every_test_asserts_something() -> None:
+    offenders = {path.name: found for path in sorted(TESTS.glob("test_*.py"))
+                 if (found := unasserting_tests(ast.parse(path.read_text())))}
+    assert offenders == {}
+    # The rule itself: a test that only loads a recipe is found; one whose helper asserts is not.
+    source = "def helper():\n    assert 1\n\ndef test_a():\n    load()\n\ndef test_b():\n    helper()\n"
+    assert unasserting_tests(ast.parse(source)) == ["test_a"]
