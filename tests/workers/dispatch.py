@@ -2,8 +2,9 @@
 
 Each case builds the tokens and routing of every rank of the expert group from one seed, so a rank can compute
 the single-process reference (LocalDispatcher on the union of the group's tokens) on its own and compare its
-slice: outputs, gradients of hidden states, routing weights and its local experts' weights, and the bytes the
-dispatcher counted. Rank 0 writes {"checks": n, "failures": ["rank R: case: message", ...]} for all ranks.
+slice: outputs, gradients of hidden states, routing weights and its local experts' weights (the bytes the
+dispatchers move are measure's to count: tests/test_plan_measure.py, tests/test_hierarchical_plan.py). Rank 0
+writes {"checks": n, "failures": ["rank R: case: message", ...]} for all ranks.
 """
 
 from __future__ import annotations
@@ -117,16 +118,12 @@ class Result:
     grad_hidden: torch.Tensor
     grad_weights: torch.Tensor
     grad_experts: torch.Tensor
-    bytes_forward: dict[str, int]
-    bytes_total: dict[str, int]
-    metadata_total: dict[str, int]
 
 
 def run(dispatcher, shard: Shard, experts: torch.Tensor, first: int, columns: slice = slice(None)) -> Result:
     hidden = shard.hidden.clone().requires_grad_()
     weights = shard.weights.clone().requires_grad_()
     experts = experts.clone().requires_grad_()
-    dispatcher.sent_bytes.clear()
     rows, probs, counts, plan = dispatcher.dispatch(hidden, shard.indices, weights, keep=shard.keep,
                                                     pad_to=shard.pad_to, host_counts=shard.host_counts)
     assert rows.shape[0] == int(counts.sum()), "rows and tokens_per_local_expert disagree"
@@ -134,10 +131,8 @@ def run(dispatcher, shard: Shard, experts: torch.Tensor, first: int, columns: sl
     assert probs.shape == (rows.shape[0],), "a routing weight per row"
     # the experts apply each row's weight (a row-parallel shard's partial sum too: the weight is linear)
     out = dispatcher.combine(apply_experts(rows, counts, experts, first, columns) * probs.unsqueeze(-1), plan)
-    forward = dict(dispatcher.sent_bytes)
     (out * shard.cotangent).sum().backward()
-    metadata = dict(getattr(dispatcher, "metadata_bytes", {}))
-    return Result(out.detach(), hidden.grad, weights.grad, experts.grad, forward, dict(dispatcher.sent_bytes), metadata)
+    return Result(out.detach(), hidden.grad, weights.grad, experts.grad)
 
 
 def reference(shards: list[Shard], experts: torch.Tensor, num_experts: int) -> list[Result]:
@@ -153,7 +148,7 @@ def reference(shards: list[Shard], experts: torch.Tensor, num_experts: int) -> l
     whole = run(LocalDispatcher(num_experts=num_experts), union, experts, 0)
     sizes = [len(s.hidden) for s in shards]
     return [
-        Result(out, grad_hidden, grad_weights, whole.grad_experts, {}, {}, {})
+        Result(out, grad_hidden, grad_weights, whole.grad_experts)
         for out, grad_hidden, grad_weights in zip(
             whole.out.split(sizes), whole.grad_hidden.split(sizes), whole.grad_weights.split(sizes), strict=True
         )
@@ -165,26 +160,6 @@ def close(name: str, got: torch.Tensor, expected: torch.Tensor, tol: float) -> N
     error = (got - expected).abs().max().item() if expected.numel() else 0.0
     assert got.shape == expected.shape, f"{name}: shape {tuple(got.shape)} != {tuple(expected.shape)}"
     assert error <= tol * scale, f"{name}: differs by {error:.3e} (scale {scale:.3e})"
-
-
-def rows_between(shards: list[Shard], local: int, source: int, destination: int) -> int:
-    """Rows the all-to-all dispatcher sends from group rank `source` to `destination`."""
-    shard = shards[source]
-    if shard.pad_to is not None:
-        return shard.pad_to * local
-    kept = shard.indices if shard.keep is None else shard.indices[shard.keep]
-    return int(((kept // local) == destination).sum())
-
-
-def expected_bytes(kind: str, shards: list[Shard], me: int, local: int, itemsize: int) -> dict[str, int]:
-    """The exact token bytes the routing implies for group rank `me` (forward only; backward doubles them)."""
-    size = len(shards)
-    if kind == "alltoall":
-        sent = sum(rows_between(shards, local, me, other) for other in range(size) if other != me)
-        received = sum(rows_between(shards, local, other, me) for other in range(size) if other != me)
-        return {"all_to_all": (sent + received) * HIDDEN * itemsize}
-    max_tokens = max(len(s.hidden) for s in shards)
-    return {"all_gather": max_tokens * HIDDEN * itemsize, "reduce_scatter": size * max_tokens * HIDDEN * itemsize}
 
 
 def check_case(case: str, kind: str, *, group, num_experts: int, dtype: torch.dtype, etp: int = 1) -> Result:
@@ -208,23 +183,6 @@ def check_case(case: str, kind: str, *, group, num_experts: int, dtype: torch.dt
     close("routing weight grad", got.grad_weights, want.grad_weights, tol)
     mine = slice(first, first + dispatcher.num_local_experts)
     close("local expert grad", got.grad_experts[mine, :, columns], want.grad_experts[mine, :, columns], tol)
-    itemsize = dtype.itemsize
-    forward = expected_bytes(kind, shards, me, local, itemsize)
-    assert got.bytes_forward == forward, f"forward bytes {got.bytes_forward} != {forward}"
-    assert got.bytes_total == {op: 2 * n for op, n in forward.items()}, f"bytes {got.bytes_total} != 2 x {forward}"
-    if kind == "alltoall":
-        # the row counts, and each row's routing weight with it (forward) and its gradient back (backward)
-        rows = sum(rows_between(shards, local, me, other) + rows_between(shards, local, other, me)
-                   for other in range(size) if other != me)
-        metadata = {"all_to_all": (size - 1) * dispatcher.num_local_experts * 8 + rows * itemsize}
-    else:
-        max_tokens, top_k = max(len(s.hidden) for s in shards), shards[0].indices.shape[1]
-        metadata = {
-            # sizes [tokens, padding, slots per expert holder] (issue 21: one read per dispatch)
-            "all_gather": 8 * (2 + size // etp) + max_tokens * top_k * (8 + itemsize),
-            "reduce_scatter": size * max_tokens * top_k * itemsize,
-        }
-    assert got.metadata_total == metadata, f"metadata bytes {got.metadata_total} != {metadata}"
     return got
 
 
@@ -266,7 +224,7 @@ def run_all(rank: int, world: int) -> tuple[int, list[str]]:
             close(f"fp32 allgather vs alltoall {name}", getattr(b, name), getattr(a, name), 1e-6)
 
     attempt("fp32 agreement", fp32_agree)
-    if world == 4:  # allgather over ep x etp = 2 x 2 (etp fastest), as DECISIONS.md asks
+    if world == 4:  # allgather over ep x etp = 2 x 2 (etp fastest), as docs/decisions.md asks
         for case in CASES:
             attempt(f"ep2 x etp2 E4 {case} allgather", lambda c=case: check_case(
                 c, "allgather", group=dist.group.WORLD, num_experts=4, dtype=torch.float64, etp=2))
