@@ -1,7 +1,7 @@
 #!/bin/bash
 # Download, here (where pip reaches the package index), the wheels the H200 machine lacks into .whl/ (git
 # ignores it; bench/gpu/check.sh installs them there). The machine has torch 2.11, transformers, typer, rich,
-# pyyaml and jinja2, but no pydantic and no torchao (../shared/reference/gpu.md). One version of each; under
+# pyyaml and jinja2, but no pydantic and no torchao (docs/gpu.md). One version of each; under
 # 64 MiB in all (transformer-engine's CUDA wheels are far over it: not carried).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
