@@ -24,16 +24,29 @@ def even_share(slots: int, num_experts: int, local_experts: int) -> int:
 
 def even_node_tokens(tokens: int, top_k: int, num_experts: int, nodes: int) -> list[int]:
     """Under forced even routing, how many of `tokens` tokens need each node (experts [b E/N, (b + 1) E/N) on
-    node b): the rows the hierarchical dispatcher sends there. The pattern repeats every E / gcd(K, E) tokens."""
+    node b): the rows the hierarchical dispatcher sends there. Token t's K slots are the consecutive experts
+    tK .. tK + K - 1 (mod E), so the nodes it needs are one cyclic run of nodes; the pattern repeats every
+    E / gcd(K, E) tokens. One step per token of a period (never per slot), at most E of them."""
     per_node = num_experts // nodes
     period = num_experts // math.gcd(top_k, num_experts)
-
-    def needs(t: int) -> set[int]:
-        return {((t * top_k + j) % num_experts) // per_node for j in range(top_k)}
-
-    counts = [0] * nodes
     cycles, rest = divmod(tokens, period)
-    for t in range(period):
-        for node in needs(t):
-            counts[node] += cycles + (t < rest)
+    every = 0  # tokens that need every node
+    starts = [0] * (nodes + 1)  # a difference array over nodes: runs [first, last] add their weight
+    for t in range(min(period, tokens)):
+        weight = cycles + (t < rest)
+        first = t * top_k % num_experts // per_node
+        last = (t * top_k % num_experts + top_k - 1) // per_node  # past nodes - 1: the run wraps around
+        if last - first + 1 >= nodes:
+            every += weight
+        elif last < nodes:
+            starts[first] += weight
+            starts[last + 1] -= weight
+        else:
+            starts[first] += weight
+            starts[0] += weight
+            starts[last - nodes + 1] -= weight
+    counts, running = [], every
+    for node in range(nodes):
+        running += starts[node]
+        counts.append(running)
     return counts
