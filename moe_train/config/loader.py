@@ -159,9 +159,9 @@ def _apply_overrides(data: dict, positions: dict[Path_, Origin], overrides: Iter
             problems.append(str(error))
             continue
         node = data
-        for part in parts[:-1]:
-            if not isinstance(node.get(part), dict):
-                node[part] = {}
+        for part in parts[:-1]:  # copy each mapping on the path: the rest stays shared with the source, unchanged
+            child = node.get(part)
+            node[part] = dict(child) if isinstance(child, dict) else {}
             node = node[part]
         node[parts[-1]] = value
         origin = Origin(f"--set {text}")
@@ -242,6 +242,7 @@ class RecipeSource:
     path: Path
     data: dict
     positions: dict[Path_, Origin]
+    origin: Origin  # where a problem with no position of its own is reported: the file (or built-in) itself
 
 
 def read_recipe(path_or_name: str | Path) -> RecipeSource:
@@ -260,7 +261,7 @@ def read_recipe(path_or_name: str | Path) -> RecipeSource:
         data, positions = _read_with_parents(path, ())
     except SourceError as error:
         raise RecipeError(error.problems) from None
-    return RecipeSource(path, data, positions)
+    return RecipeSource(path, data, positions, Origin(_display(path)))
 
 
 def resolve_recipe(source: RecipeSource, overrides: Iterable[str] = (), *, check_files: bool = True) -> Recipe:
@@ -268,10 +269,11 @@ def resolve_recipe(source: RecipeSource, overrides: Iterable[str] = (), *, check
     raise RecipeError listing every problem. `check_files`: as load_recipe's."""
     from .rules import check_recipe
 
-    path, data, positions = source.path, copy.deepcopy(source.data), dict(source.positions)
+    # Shallow copies: _apply_overrides copies each mapping it changes, and nothing after it changes one in place.
+    path, data, positions = source.path, dict(source.data), dict(source.positions)
     problems = _apply_overrides(data, positions, overrides)
     data["extends"] = None
-    default = Origin(_display(path))
+    default = source.origin
 
     launch = data.get("launch")
     if isinstance(launch, dict) and isinstance(launch.get("cluster"), str):
