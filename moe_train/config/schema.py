@@ -233,6 +233,24 @@ class Fp8Config(Section):
         "DeepSeek-V3's). The same numbers bit for bit; fp8 holds about half the bytes.")
 
 
+class MuonConfig(Section):
+    """train.optimizer muon: Newton-Schulz orthogonalised momentum for the hidden matrices (docs/optimizer.md);
+    the parameters it leaves out train with AdamW on train's lr, betas, eps and weight_decay."""
+
+    momentum: float = Field(0.95, ge=0, lt=1, description="The momentum buffer's decay.")
+    nesterov: bool = Field(True, description="Orthogonalise grad + momentum * buffer (Nesterov), not the buffer.")
+    ns_steps: int = Field(5, ge=1, le=20, description="Newton-Schulz iterations per matrix.")
+    adjust_lr: bool = Field(True, description="Scale each update by 0.2 * sqrt(max(rows, cols)) (Moonlight), so "
+                            "its RMS matches AdamW's and AdamW's lr carries over; false: sqrt(max(1, rows/cols)) "
+                            "(Keller Jordan's).")
+    weight_decay: float | None = Field(None, ge=0, description="Decoupled decay of the Muon matrices; null: "
+                                       "train.weight_decay.")
+    exclude: tuple[str, ...] = Field(("embed_tokens", "lm_head", "router", "eh_proj"), description="Module names "
+                                     "(any component of a parameter's dotted path) whose matrices train with AdamW.")
+    qk_clip: float | None = Field(None, gt=0, description="MuonClip: after a step, scale down the query and key "
+                                  "weights of each head whose largest pre-softmax logit exceeded this; null: off.")
+
+
 class TrainConfig(Section):
     seq_length: int = Field(ge=1)
     micro_batch_size: int = Field(1, ge=1)
@@ -254,7 +272,10 @@ class TrainConfig(Section):
     fp8: Fp8Config = Field(default_factory=Fp8Config, description="Read with precision fp8 only.")
     adam_moment_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="AdamW's two moments stored in bf16 (half their memory; each step computes in fp32, "
-        "Megatron-Core's precision-aware optimizer); master weights stay fp32.")
+        "Megatron-Core's precision-aware optimizer); master weights stay fp32. Muon's momentum follows it.")
+    optimizer: Literal["adamw", "muon"] = Field("adamw", description="muon: train.muon's orthogonalised momentum "
+                                                "for hidden matrices, AdamW for the rest (docs/optimizer.md).")
+    muon: MuonConfig = Field(default_factory=MuonConfig, description="Read with optimizer muon only.")
     seed: int = 1234
     deterministic: bool = Field(
         False, description="Deterministic kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG): "
