@@ -288,6 +288,12 @@ def _train(r: Recipe) -> list[Problem]:
         out.append(_p("train.min_lr", f"{t.min_lr} exceeds lr {t.lr}"))
     if t.eval_interval is not None and r.data.valid_fraction == 0:
         out.append(_p("train.eval_interval", "evaluation needs held-out data: set data.valid_fraction > 0"))
+    if t.optimizer == "muon" and t.muon.qk_clip is not None:
+        if r.model.qk_norm and r.model.kv_lora_rank is None:
+            out.append(_p("train.muon.qk_clip", "QK-norm after the projections would undo the clip: set "
+                          "model.qk_norm false (or use MLA)"))
+        if r.parallel.cp > 1:
+            out.append(_p("train.muon.qk_clip", "the max-logit measurement sees one context shard: needs parallel.cp 1"))
     return out
 
 

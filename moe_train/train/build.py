@@ -24,6 +24,7 @@ from moe_train.models.model import Transformer
 from moe_train.parallel import parallelize
 from moe_train.parallel.pipeline import Pipeline, duplicate_parameters, keep_layers, shared_embedding_group
 from moe_train.train.optimizer import build_optimizer
+from moe_train.train.qk_clip import QKClip
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -39,7 +40,7 @@ class Trainable:
     """This rank's model chunks and what every step takes with them, built once (`build_training`)."""
 
     chunks: list[Transformer]  # the whole model alone, or this rank's pipeline stages in virtual-stage order
-    optimizers: list[torch.optim.Optimizer]  # one AdamW per chunk
+    optimizers: list[torch.optim.Optimizer]  # one per chunk: AdamW or Muon (with QK-clip as its post-step hook)
     pipeline: Pipeline | None  # the schedule over the stages, when pp > 1
     shared_embedding: dist.ProcessGroup | None  # first and last stage, when both hold the embedding
     duplicates: list[torch.nn.Parameter]  # a stage's copy of another's parameter: counted once in the norm
@@ -69,9 +70,14 @@ def build_training(recipe: Recipe, ctx: ParallelContext, *, weights: Weights,
             if weights == "init":
                 init_weights(chunk, seed=recipe.train.seed, init_std=cfg.init_std)
         chunk.train()
+    optimizers = [build_optimizer(chunk, train=recipe.train) for chunk in chunks]
+    muon = recipe.train.muon
+    if recipe.train.optimizer == "muon" and muon.qk_clip is not None:
+        for chunk, optimizer in zip(chunks, optimizers, strict=True):
+            optimizer.register_step_post_hook(QKClip(chunk, threshold=muon.qk_clip, ctx=ctx))
     return Trainable(
         chunks=chunks,
-        optimizers=[build_optimizer(chunk, train=recipe.train) for chunk in chunks],
+        optimizers=optimizers,
         pipeline=Pipeline(chunks, recipe, ctx) if ctx.size("pp") > 1 else None,
         shared_embedding=shared_embedding_group(recipe, ctx),
         duplicates=duplicate_parameters(chunks),
