@@ -51,4 +51,5 @@ def test_muon_layouts_equal_single_process_and_resume(tmp_path: Path) -> None:
     resharded = records["dp2-to-tp2"]
     assert resharded["started"] == 2
     for key, value in want["qwen3-moe-tiny"]["state"].items():
-        torch.testing.assert_close(resharded["state"][key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(resharded["state"][key], value, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, k=key: f"{k}: {m}")

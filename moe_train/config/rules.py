@@ -293,7 +293,8 @@ def _train(r: Recipe) -> list[Problem]:
             out.append(_p("train.muon.qk_clip", "QK-norm after the projections would undo the clip: set "
                           "model.qk_norm false (or use MLA)"))
         if r.parallel.cp > 1:
-            out.append(_p("train.muon.qk_clip", "the max-logit measurement sees one context shard: needs parallel.cp 1"))
+            out.append(_p("train.muon.qk_clip", "the max-logit measurement sees one context shard: needs "
+                          "parallel.cp 1"))
     return out
 
 
