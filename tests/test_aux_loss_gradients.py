@@ -146,12 +146,14 @@ def _check(tmp_path: Path, table: list[tuple], global_table: list[tuple], saved:
         assert_same_gradients(case_id, got, global_aux_loss_gradients(mbs, dp))
 
 
+@pytest.mark.slow
 def test_aux_loss_gradients_on_two_ranks_equal_single_process(tmp_path: Path) -> None:
     saved = run_ranks("aux_gradients", 2, {"cases": _cases(WORLD2, GLOBAL2), "run_root": str(tmp_path / "w2")},
                       tmp_path, timeout=240)
     _check(tmp_path, WORLD2, GLOBAL2, saved)
 
 
+@pytest.mark.slow
 def test_aux_loss_gradients_on_four_ranks_equal_single_process(tmp_path: Path) -> None:
     saved = run_ranks("aux_gradients", 4, {"cases": _cases(WORLD4, GLOBAL4), "run_root": str(tmp_path / "w4")},
                       tmp_path, timeout=300)

@@ -36,6 +36,7 @@ def test_even_node_tokens_counts_the_nodes_each_token_needs() -> None:
     assert even_node_tokens(10, 3, 8, 2) == by_hand
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("no_process_group")
 def test_measure_counts_what_plan_says_across_and_inside_nodes(tmp_path: Path) -> None:
     """One 4-rank job: hierarchical and alltoall, each also padded to capacity (with drops). Each real rank 0

@@ -235,6 +235,7 @@ def check_real(result: dict, recipes: dict, world: int) -> None:
                 assert real["comm_bytes"][key] == planned[key], (case_id, key)
 
 
+@pytest.mark.slow
 def test_real_two_rank_layouts_measure_what_fake_and_plan_say(tmp_path):
     result, recipes = _run_real(2, tmp_path)
     check_real(result, recipes, 2)
@@ -244,6 +245,7 @@ def test_real_two_rank_layouts_measure_what_fake_and_plan_say(tmp_path):
     assert routed != even
 
 
+@pytest.mark.slow
 def test_real_four_rank_layouts_measure_what_fake_and_plan_say(tmp_path):
     result, recipes = _run_real(4, tmp_path)
     check_real(result, recipes, 4)
