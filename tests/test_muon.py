@@ -83,8 +83,13 @@ def test_muon_takes_hidden_matrices_and_adamw_the_rest() -> None:
     assert "layers.1.mlp.experts.gate_proj" in muon and "layers.1.mlp.shared_experts.down_proj.weight" in muon
     assert "layers.0.self_attn.q_b_proj.weight" in muon and "layers.0.mlp.up_proj.weight" in muon
     assert "mtp.0.block.self_attn.o_proj.weight" in muon
-    assert sorted(decay) == ["embed_tokens.weight", "layers.1.mlp.router.weight", "lm_head.weight",
-                             "mtp.0.block.mlp.router.weight", "mtp.0.eh_proj.weight"]
+    assert sorted(decay) == [
+        "embed_tokens.weight",
+        "layers.1.mlp.router.weight",
+        "lm_head.weight",
+        "mtp.0.block.mlp.router.weight",
+        "mtp.0.eh_proj.weight",
+    ]
     assert all(model.get_parameter(n).ndim == 1 for n in no_decay) and "norm.weight" in no_decay
     assert len(muon) + len(decay) + len(no_decay) == len(names)
     # exclude names modules: the shared experts leave Muon, the router joins it
@@ -96,8 +101,15 @@ def test_muon_takes_hidden_matrices_and_adamw_the_rest() -> None:
 def test_one_update_written_out_by_hand() -> None:
     """Two steps on one [2, 3] matrix with ns_steps 1, nesterov, Moonlight's scale and decoupled decay, each
     term computed here from the definitions (not from train/muon.py)."""
-    recipe = _tiny(["train.optimizer=muon", "train.muon.ns_steps=1", "train.muon.momentum=0.9",
-                    "train.muon.weight_decay=0.5", "train.lr=0.1"])
+    recipe = _tiny(
+        [
+            "train.optimizer=muon",
+            "train.muon.ns_steps=1",
+            "train.muon.momentum=0.9",
+            "train.muon.weight_decay=0.5",
+            "train.lr=0.1",
+        ]
+    )
     weight = torch.nn.Parameter(torch.tensor([[1.0, -2.0, 0.5], [0.0, 3.0, 1.0]]))
     opt = Muon([{"params": [weight], "muon": True, "weight_decay": 0.5}], train=recipe.train)
     grads = [torch.tensor([[0.3, -0.1, 0.2], [0.4, 0.0, -0.5]]), torch.tensor([[-0.2, 0.1, 0.0], [0.1, 0.2, 0.3]])]

@@ -34,8 +34,7 @@ def test_muon_layouts_equal_single_process_and_resume(tmp_path: Path) -> None:
     cases.append(_case("dp2-resumed", "qwen3-moe-tiny", [], stop_at=2))
     # two steps at DP2 (matrices sharded over dp), two more at TP2+SP (sharded over tp): DCP reshards the momentum
     cases.append(_case("dp2-to-tp2", "qwen3-moe-tiny", [], stop_at=2, resume_overrides=SP2))
-    saved = run_ranks("train_layouts", 2, {"cases": cases, "run_root": str(tmp_path / "muon2")}, tmp_path,
-                      timeout=1100)
+    saved = run_ranks("train_layouts", 2, {"cases": cases, "run_root": str(tmp_path / "muon2")}, tmp_path, timeout=1100)
     records = {key: torch.load(path, weights_only=True) for key, path in saved.items()}
     want = {"qwen3-moe-tiny": record_run("qwen3-moe-tiny", MUON, world=1, run_dir=tmp_path / "ref", steps=STEPS)}
     for name, (recipe, _) in LAYOUTS.items():
@@ -51,5 +50,6 @@ def test_muon_layouts_equal_single_process_and_resume(tmp_path: Path) -> None:
     resharded = records["dp2-to-tp2"]
     assert resharded["started"] == 2
     for key, value in want["qwen3-moe-tiny"]["state"].items():
-        torch.testing.assert_close(resharded["state"][key], value, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, k=key: f"{k}: {m}")
+        torch.testing.assert_close(
+            resharded["state"][key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}"
+        )

@@ -73,8 +73,8 @@ def test_qk_clip_caps_the_heads_over_the_threshold_and_leaves_the_rest(tmp_path:
             for after, was in pairs:
                 assert torch.equal(_rows(after.weight, heads)[keep], _rows(was.weight, heads)[keep]), key
             # values (kv_b_proj's v rows) and the shared rope key untouched, clipped heads or not
-            v_rows = _rows(module.kv_b_proj.weight, heads)[:, module.nope_dim:]
-            assert torch.equal(v_rows, _rows(before.kv_b_proj.weight, heads)[:, module.nope_dim:]), key
+            v_rows = _rows(module.kv_b_proj.weight, heads)[:, module.nope_dim :]
+            assert torch.equal(v_rows, _rows(before.kv_b_proj.weight, heads)[:, module.nope_dim :]), key
             assert torch.equal(module.kv_a_proj_with_mqa.weight, before.kv_a_proj_with_mqa.weight), key
         else:  # GQA: a group is untouched when none of its query heads is over
             groups = module.k_proj.weight.shape[0] // module.head_dim
@@ -89,8 +89,9 @@ def test_qk_clip_caps_the_heads_over_the_threshold_and_leaves_the_rest(tmp_path:
     for key, value in after.items():
         first = key == "layers.0.self_attn"
         if first and isinstance(clipped_modules[key], MLA):
-            torch.testing.assert_close(value[over[key]], torch.full_like(value[over[key]], threshold), rtol=1e-4,
-                                       atol=0)
+            torch.testing.assert_close(
+                value[over[key]], torch.full_like(value[over[key]], threshold), rtol=1e-4, atol=0
+            )
         assert (value <= threshold * (1 + (1e-4 if first else 1e-2))).all(), (key, value, threshold)
 
 

@@ -109,8 +109,10 @@ def muon_param_groups(model: nn.Module, *, train: TrainConfig) -> list[dict]:
 
 def _gathered_placements(tensor: DTensor) -> list:
     """Replicate over every mesh dimension but ep: whole matrices, with ep's whole experts left where they are."""
-    return [placement if name == "ep" else Replicate()
-            for name, placement in zip(tensor.device_mesh.mesh_dim_names, tensor.placements, strict=True)]
+    return [
+        placement if name == "ep" else Replicate()
+        for name, placement in zip(tensor.device_mesh.mesh_dim_names, tensor.placements, strict=True)
+    ]
 
 
 def orthogonalised(update: torch.Tensor, *, steps: int) -> torch.Tensor:
@@ -129,9 +131,18 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, groups: list[dict], *, train: TrainConfig) -> None:
         cfg = train.muon
-        super().__init__(groups, dict(lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
-                                      momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
-                                      adjust_lr=cfg.adjust_lr))
+        super().__init__(
+            groups,
+            dict(
+                lr=train.lr,
+                betas=(train.adam_beta1, train.adam_beta2),
+                eps=train.adam_eps,
+                momentum=cfg.momentum,
+                nesterov=cfg.nesterov,
+                ns_steps=cfg.ns_steps,
+                adjust_lr=cfg.adjust_lr,
+            ),
+        )
         self.moment_dtype = torch.bfloat16 if train.adam_moment_dtype == "bf16" else torch.float32
 
     def _moment(self, state: dict, key: str, like: torch.Tensor) -> torch.Tensor:
@@ -178,13 +189,28 @@ class Muon(torch.optim.Optimizer):
         for param, state in zip(params, states, strict=True):
             if "step" not in state:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-        stored = [(self._moment(s, "exp_avg", p), self._moment(s, "exp_avg_sq", p))
-                  for p, s in zip(params, states, strict=True)]
+        stored = [
+            (self._moment(s, "exp_avg", p), self._moment(s, "exp_avg_sq", p))
+            for p, s in zip(params, states, strict=True)
+        ]
         exp_avgs = [m.float() for m, _ in stored]
         exp_avg_sqs = [v.float() for _, v in stored]
-        adamw(params, [p.grad for p in params], exp_avgs, exp_avg_sqs, [], [s["step"] for s in states], fused=True,
-              amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-              eps=group["eps"], maximize=False)
+        adamw(
+            params,
+            [p.grad for p in params],
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            [s["step"] for s in states],
+            fused=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
         if self.moment_dtype != torch.float32:
             for (m, v), m32, v32 in zip(stored, exp_avgs, exp_avg_sqs, strict=True):
                 m.copy_(m32)

@@ -37,8 +37,7 @@ def _scale_rows(weight: torch.Tensor, row_scale: torch.Tensor) -> None:
     replicated DTensor and each rank multiplies its own rows."""
     scale = row_scale.to(weight.dtype)[:, None]
     if isinstance(weight, DTensor):
-        scale = DTensor.from_local(scale, weight.device_mesh, [Replicate()] * weight.device_mesh.ndim,
-                                   run_check=False)
+        scale = DTensor.from_local(scale, weight.device_mesh, [Replicate()] * weight.device_mesh.ndim, run_check=False)
     weight.mul_(scale)
 
 
