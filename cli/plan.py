@@ -58,6 +58,8 @@ def _layout_text(plan: Plan) -> str:
         text += f" | ep {lay.ep} etp {lay.etp} edp {lay.edp}, {plan.recipe.model.moe.dispatcher} dispatch"
     if lay.sequence_parallel:
         text += ", SP"
+    if plan.recipe.train.precision == "fp8":
+        text += f"; fp8 {plan.recipe.train.fp8.recipe}" + (" (auto)" if plan.fp8_auto else "")
     rc = lay.recompute
     text += f"; recompute {rc.granularity}" + (f" ({', '.join(rc.modules)})" if rc.granularity == "selective" else "")
     return text + f"; micro-batch {lay.micro_batch} x {lay.micro_batches}"
@@ -78,11 +80,18 @@ def _table(plan: Plan) -> Table:
     table.add_row("", f"margin {plan.assumptions.memory_margin:.0%}: comfortable up to {budget / GB:.1f} GB; "
                       f"total {mem['total'] / GB:.1f} GB")
     t = data["time_s"]
-    table.add_row("step time", f"{t['step']:.2f} s = compute {t['compute']:.2f} + memory-bound {t['elementwise']:.2f} "
-                               f"+ exposed comm {t['comm_exposed']:.2f} + MoE syncs {t['moe_sync']:.2f} + bubble "
+    slowest = f" (the slowest: pipeline rank {plan.time_rank})" if plan.layout.pp > 1 else ""
+    table.add_row("step time", f"{t['step']:.2f} s{slowest} = compute {t['compute']:.2f} + memory-bound "
+                               f"{t['elementwise']:.2f} + exposed comm {t['comm_exposed']:.2f} + MoE syncs "
+                               f"{t['moe_sync']:.2f} + bubble "
                                f"{t['bubble']:.2f} + optimizer {t['optimizer']:.2f}")
-    table.add_row("throughput", f"{data['tokens_per_s']:,.0f} tokens/s, {data['tflops_per_gpu']:.0f} TFLOP/s per GPU, "
-                                f"MFU {data['mfu']:.1%}")
+    table.add_row("throughput", f"{data['tokens_per_s']:,.0f} tokens/s, {data['tflops_per_gpu']:.0f} TFLOP/s per GPU "
+                                f"({data['tflops_per_gpu_megatron']:.0f} in Megatron-Core's convention, causal "
+                                f"attention over half of s x s), MFU {data['mfu']:.1%}")
+    routing = data["routing"]
+    if routing and routing["nodes"] > 1:
+        table.add_row("routing", f"a token needs {routing['expected_nodes']:.2f} of {routing['nodes']} nodes "
+                                 f"({routing['expected_ranks']:.2f} ranks) under its router, in expectation")
     share = data["flops"]["recompute"] / data["flops"]["total"]
     table.add_row("FLOPs", f"model {data['model_flops_per_step']:.3e} per step; executed "
                            f"{data['executed_flops_per_step']:.3e} (recompute {share:.1%})")

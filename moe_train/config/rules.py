@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .data_files import DataError, read_index_header
+from .fp8_auto import with_fp8_resolved
 from .hardware import HardwareError, hardware_table
 from .loss_chunks import recipe_loss_chunk_tokens
 from .mesh_shape import expert_data_parallel_size, ranks_beside_dp, ranks_beside_edp, stage_ranks
@@ -38,6 +39,7 @@ def _p(dotted: str, message: str) -> Problem:
 
 
 def check_recipe(recipe: Recipe, *, check_files: bool = True) -> list[Problem]:
+    recipe = with_fp8_resolved(recipe)  # train.fp8.recipe auto: the rules judge what the launch target runs
     problems: list[Problem] = []
     for rule in (_name, _model, _moe, _layout, _pipeline, _recompute, _batch, _train, _fp8, _launch):
         problems.extend(rule(recipe))

@@ -218,9 +218,10 @@ FP8_MODULES = ("attention", "mlp", "shared_experts", "experts", "head")
 class Fp8Config(Section):
     """train.precision fp8: the scaling recipe, the library and the GEMMs it covers (docs/fp8.md)."""
 
-    recipe: Literal["tensorwise", "rowwise", "blockwise", "mxfp8"] = Field(
+    recipe: Literal["tensorwise", "rowwise", "blockwise", "mxfp8", "auto"] = Field(
         "tensorwise", description="Scales per tensor, per row, per 1x128/128x128 block (DeepSeek-V3) or per "
-        "32-element MX block (E8M0, sm100).")
+        "32-element MX block (E8M0, sm100); auto: blockwise on sm90, mxfp8 on sm100, tensorwise on the CPU "
+        "(config/fp8_auto.py).")
     backend: Literal["torchao", "te"] = Field("torchao", description="torchao's scaling at the engine's GEMM site; "
                                               "te: transformer-engine (not built yet).")
     modules: tuple[Literal["attention", "mlp", "shared_experts", "experts", "head"], ...] = Field(

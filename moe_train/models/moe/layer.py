@@ -43,7 +43,7 @@ from moe_train.models.moe.aux_loss import (
 from moe_train.models.moe.capacity import capacity_keep_mask
 from moe_train.models.moe.dispatcher import LocalDispatcher
 from moe_train.models.moe.experts import GroupedExperts
-from moe_train.models.moe.router import Router, count_per_expert, even_counts
+from moe_train.models.moe.router import Router, count_per_expert
 
 SWITCH_LOSSES = ("aux_loss", "global_aux_loss", "all_layers_aux_loss")
 
@@ -139,9 +139,9 @@ class MoELayer(nn.Module):
                 capacity=capacity,
                 policy=self.moe.drop_policy,
             )
-        # Forced even routing (measure): every rank's counts follow from the shapes, no device read needed.
+        # Forced routing (measure): every rank's counts follow from the shapes, no device read needed.
         even = self.router.even_routing and keep is None
-        known = even_counts(tokens, top_k, self.moe.num_experts) if even else None
+        known = self.router.forced.counts(tokens) if even else None
         shared = self._start_shared_experts(x)  # before the dispatch: on CUDA it overlaps the all-to-all
         rows, row_probs, rows_per_expert, plan = self.dispatcher.dispatch(
             x, routing.topk_indices, routing.topk_weights, keep=keep,

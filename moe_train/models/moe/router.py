@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moe_train.config.routing_shapes import ForcedRouting
 from moe_train.config.schema import MoEConfig
 from moe_train.models.linear import linear, linear_input_grad, linear_weight_grad
 
@@ -33,9 +34,11 @@ class Router(nn.Module):
     `expert_bias` only changes which experts are chosen, never the weights, and never receives a gradient: the
     trainer moves it with `update_expert_bias` after each optimizer step.
 
-    `even_routing` (per router, off in training) replaces the top-k choice by an even round-robin spread:
-    token t goes to experts (t*K + j) mod E, j < K. `moe-train measure` sets it on the model it measures
-    (`Transformer.set_even_routing`): fake tensors carry no values to route on, and an even spread makes the
+    `even_routing` (per router, off in training) replaces the top-k choice by `forced` (config/routing_shapes.py
+    `ForcedRouting`): every expert its even share, and over `even_domains` blocks of experts (the hierarchical
+    dispatcher's nodes) each token spread over as many as the model's router spreads it in expectation; one
+    domain, token t to experts (t*K + j) mod E. `moe-train measure` sets it on the model it measures
+    (`Transformer.set_even_routing`): fake tensors carry no values to route on, and a forced spread makes the
     expert loads and dispatch volumes defined. The weights are still the scores of the chosen experts, so the
     forward and backward run the same operations.
     """
@@ -54,6 +57,7 @@ class Router(nn.Module):
         self.group_top_k = group_top_k
         self.scaling_factor = cfg.topk_scaling_factor
         self.even_routing = False
+        self.forced = ForcedRouting.of(moe)
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
         if cfg.expert_bias:
             # fp32 whatever the model dtype: updates of 1e-3 would vanish in bf16 next to scores near 1.
@@ -67,7 +71,7 @@ class Router(nn.Module):
         scores = logits.softmax(dim=-1) if self.score_function == "softmax" else logits.sigmoid()
         with torch.no_grad():
             if self.even_routing:
-                topk_indices = even_topk_indices(x.shape[0], self.top_k, self.num_experts, device=x.device)
+                topk_indices = forced_topk_indices(x.shape[0], self.forced, device=x.device)
             else:
                 choice = scores if self.expert_bias is None else scores + self.expert_bias
                 if self.num_groups is not None:
@@ -119,6 +123,14 @@ def even_topk_indices(tokens: int, top_k: int, num_experts: int, *, device: torc
     (+-1) without reading any tensor value."""
     slots = torch.arange(tokens, device=device).unsqueeze(1) * top_k + torch.arange(top_k, device=device)
     return slots % num_experts
+
+
+def forced_topk_indices(tokens: int, forced: ForcedRouting, *, device: torch.device) -> torch.Tensor:
+    """[T, K] int64 `forced.indices(tokens)`: a host-built constant copied to the device (no value is read
+    back); one domain, the arange form."""
+    if forced.domains == 1:
+        return even_topk_indices(tokens, forced.top_k, forced.num_experts, device=device)
+    return torch.tensor(forced.indices(tokens), dtype=torch.int64, device=device).view(tokens, forced.top_k)
 
 
 def even_counts(tokens: int, top_k: int, num_experts: int) -> list[int]:
