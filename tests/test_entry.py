@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 from processes import run_bounded
 
 from moe_train.config import load_recipe
@@ -24,16 +25,8 @@ ROW = re.compile(r"^\s+(\d+)\s+(\S+)\s+(\d+)\s+(pp \d+ dp \d+ cp \d+ tp \d+ \| e
 RANK_LINE = re.compile(r"rank (\d+)/(\d+) on \S+: local rank (\d+): (pp .*? etp \d+); (\d+) all-reduces ok")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(recipe, run_dir: Path, *, nproc: int | None = None, preflight: bool = True, timeout: float = 120):
-    argv = torchrun_argv(recipe, run_dir, port=_free_port(), preflight=preflight)
+    argv = torchrun_argv(recipe, run_dir, port=free_port(), preflight=preflight)
     argv[0:1] = [sys.executable, "-m", "torch.distributed.run"]
     if nproc is not None:
         argv[argv.index("--nproc-per-node") + 1] = str(nproc)

@@ -23,12 +23,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import shrink
 from multirank import run_ranks
 from workers.record import record_run
 
-SHRINK = ["model.num_layers=2", "train.seq_length=32", "train.global_batch_size=8", "train.micro_batch_size=2",
-          "train.warmup_steps=1", "train.lr=1e-3", "train.min_lr=1e-4", "train.eval_interval=null",
-          "checkpoint.interval=null", "logging.interval=1", "train.precision=fp8", "train.fp8.recipe=tensorwise"]
+# The layout tests' recipe in fp8 (tensorwise), 2 sequences a micro-batch, AdamW's own eps.
+SHRINK = shrink("train.global_batch_size=8", "train.lr=1e-3", "train.min_lr=1e-4", "train.precision=fp8",
+                "train.fp8.recipe=tensorwise")
 STEPS = 3
 GATHER = "train.fp8.fp8_all_gather=true"
 HEAD = ["train.fp8.modules=[attention,mlp,shared_experts,experts,head]", "train.loss_chunk_tokens=16",

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import assert_bad_input, run_cli
+from helpers import BF16, FP32, GPU, assert_same_run, case, plan_against_measure
 from multirank import run_ranks
-from test_data_parallel import BF16, FP32, assert_same_run, case
-from test_plan_measure import GPU, plan_against_measure
 
 from moe_train.config import load_recipe
 from moe_train.measure.driver import Target, measure

@@ -11,9 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import assert_same_step, full_size_recipe, plan_against_measure
 from multirank import run_ranks
-from test_measure import assert_same_step
-from test_plan_measure import full_size_recipe, plan_against_measure
 
 from moe_train.config import load_recipe
 from moe_train.config.hardware import HARDWARE

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -20,19 +19,15 @@ import time
 from pathlib import Path
 
 from cli_helpers import run_cli
+from helpers import SHRINK, read_metrics
+from helpers import sets as set_args
 from processes import descendants, finish, start
 
 from moe_train.checkpoint.layout import latest_checkpoint
 
-SHRINK = ["model.num_layers=2", "train.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=2",
-          "train.warmup_steps=1", "train.precision=fp32", "logging.interval=1", "train.eval_interval=null",
-          "train.steps=1000", "checkpoint.interval=null"]
-
 
 def train_steps(run_dir: Path) -> list[int]:
-    path = run_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [r["step"] for r in map(json.loads, lines) if r["kind"] == "train"]
+    return [r["step"] for r in read_metrics(run_dir, "train", missing_ok=True)]
 
 
 def rank_process(launcher: int, rank: int) -> int | None:
@@ -49,7 +44,7 @@ def signal_rank_1_after_two_steps(run_dir: Path, sig: signal.Signals, *overrides
                                   ) -> tuple[subprocess.CompletedProcess, float]:
     """Train qwen3-tiny on 2 ranks, send `sig` to rank 1 once two steps are logged; (the result, seconds from the
     signal to the end of `moe-train run`)."""
-    sets = [arg for value in [*SHRINK, *overrides, f"run_dir={run_dir}"] for arg in ("--set", value)]
+    sets = set_args(*SHRINK, "train.steps=1000", *overrides, f"run_dir={run_dir}")
     process = start([sys.executable, "-m", "moe_train.cli.main", "run", "qwen3-tiny", "--nproc", "2", *sets])
     sent = time.monotonic()
     try:
