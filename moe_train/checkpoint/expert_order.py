@@ -15,6 +15,7 @@ import dataclasses
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -100,16 +101,14 @@ class ExpertOrderLoadPlanner(DefaultLoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         placed = {key: ids for key, value in self.state_dict.items()
                   if (ids := self.placed.expert_ids(key, value)) is not None}
-        everything = self.state_dict
-        self.state_dict = {key: value for key, value in everything.items() if key not in placed}
-        try:
-            plan = super().create_local_plan()
-        finally:
-            self.state_dict = everything
+        # The default plan of the other keys (not super's create_local_plan: keys missing from the state dict
+        # make it fall back to the whole unflattened one, as for a checkpoint older than torch 2.4).
+        others = {key: value for key, value in self.state_dict.items() if key not in placed}
+        plan = create_default_local_load_plan(others, self.metadata, not self.allow_partial_load)
         items = list(plan.items)
         for key, ids in placed.items():
             items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key],
-                                                      _row_chunks(everything[key], ids))
+                                                      _row_chunks(self.state_dict[key], ids))
         return dataclasses.replace(plan, items=items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
