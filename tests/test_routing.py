@@ -30,7 +30,7 @@ TINY = ["model.num_layers=2", "train.seq_length=32", "train.global_batch_size=8"
 # Favours experts 0-3, which the contiguous placement puts on one rank of EP2 (and two of EP4).
 SKEW = "model.moe.router.logit_bias=[1.2,1.0,0.8,0.6,0,0,0,0]"
 EXPERTS = 8
-STEPS = 3
+STEPS = 2
 
 
 def write_trace(run_dir: Path, steps: list[dict[str, list[int]]], *, ep: int = 1) -> None:
@@ -156,11 +156,11 @@ def _check_world(tmp_path: Path, skewed_trace: Path, ep: int) -> None:
     hierarchical = ["launch.nodes=2", "model.moe.dispatcher=hierarchical"]
     common = [f"parallel.ep={ep}"]
     cases = [
-        _case("alltoall", common),
+        _case("alltoall", [*common, "logging.routing_trace=true"]),
         _case("alltoall-placed", [*common, placed]),
         _case("hierarchical", [*common, *hierarchical]),
         _case("hierarchical-placed", [*common, *hierarchical, placed]),
-        _case("resume-placed", common, stop_at=2, resume_overrides=[placed]),
+        _case("resume-placed", common, stop_at=1, resume_overrides=[placed]),
     ]
     saved = run_ranks("train_layouts", ep, {"cases": cases, "run_root": str(tmp_path / "runs")}, tmp_path,
                       timeout=600)
@@ -183,10 +183,24 @@ def _check_world(tmp_path: Path, skewed_trace: Path, ep: int) -> None:
             before = plain["moe_ranks"][0][layer]["rank_load_max_over_mean"]
             after = moved["moe_ranks"][0][layer]["rank_load_max_over_mean"]
             assert after < before and before > 1.2, (dispatcher, layer, before, after)
-    # Two steps contiguous, the third under the placement (its checkpoint read back by expert, optimizer state
-    # included): the straight contiguous run's third step.
+    # plan --routing from the contiguous run's trace, on the placed layout: the slowest rank's expert rows of
+    # each layer are what the placed run measured (its rank loads summed over the steps, the same routing).
+    sets = [f"--set={o}" for o in [*TINY, SKEW, *common, placed, "launch.device=cuda", "launch.gpu=h100",
+                                   f"launch.gpus_per_node={ep}", f"train.steps={STEPS}"]]
+    result = run_cli("plan", "qwen3-moe-tiny", *sets, "--json", "--routing", str(tmp_path / "runs" / "alltoall"))
+    assert result.code == 0, result.stderr
+    routing = json.loads(result.stdout)["routing"]
+    measured_rows = {layer: [sum(step[layer]["rank_tokens"][r] for step in records["alltoall-placed"]["moe_ranks"])
+                             / STEPS for r in range(ep)] for layer in ("0", "1")}
+    for layer, rows in measured_rows.items():
+        assert routing["layers"][layer]["rows_max"] == pytest.approx(max(rows), rel=1e-9), layer
+        assert routing["layers"][layer]["straggler_rank"] == rows.index(max(rows)), layer
+    assert routing["moe_imbalance"] == pytest.approx(
+        sum(max(rows) / (sum(rows) / ep) for rows in measured_rows.values()) / 2, rel=1e-9)
+    # One step contiguous, the second under the placement (its checkpoint read back by expert, optimizer state
+    # included): the straight contiguous run's second step.
     resumed = records["resume-placed"]
-    assert resumed["started"] == 2
+    assert resumed["started"] == 1
     got = _by_expert(resumed["state"], slot_of)
     for key, value in records["alltoall"]["state"].items():
         torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")

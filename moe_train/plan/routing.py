@@ -124,3 +124,80 @@ def place(loads: ExpertLoads, *, ep: int) -> tuple[Placement, list[PackedLayer]]
         report.append(PackedLayer(layer, max_over_mean(rank_loads(tokens, default.ranks[layer])),
                                   max_over_mean(rank_loads(tokens, ranks[layer]))))
     return Placement(num_experts=experts, ep=ep, ranks=ranks), report
+
+
+# ------------------------------------------------------------------------------------------ plan --routing
+
+
+@dataclass(frozen=True)
+class LayerRouting:
+    """One MoE layer of the planned layout under the trace's loads, per expert-parallel rank and step."""
+
+    layer: int
+    straggler_rank: int
+    rows_max: float  # expert GEMM rows of the most loaded rank
+    rows_mean: float  # the even share (what forced even routing gives every rank)
+    all_to_all_bytes_max: float  # token bytes the most loaded rank sends to other ranks
+    all_to_all_bytes_mean: float
+
+    @property
+    def imbalance(self) -> float:
+        return self.rows_max / self.rows_mean if self.rows_mean else 1.0
+
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    ep: int
+    placement: str  # "contiguous" or the recipe's placement file
+    steps: int  # of the trace
+    layers: list[LayerRouting]
+
+    @property
+    def imbalance(self) -> float:
+        """The measured `moe_imbalance`: every layer's all-to-all waits for its own most loaded rank, so the
+        step pays each layer's maximum; their mean is the factor on the even share of expert rows."""
+        return sum(layer.imbalance for layer in self.layers) / len(self.layers)
+
+    def to_json(self) -> dict:
+        return {"ep": self.ep, "placement": self.placement, "trace_steps": self.steps,
+                "moe_imbalance": self.imbalance,
+                "layers": {str(x.layer): {"straggler_rank": x.straggler_rank, "rows_max": x.rows_max,
+                                          "rows_mean": x.rows_mean, "all_to_all_bytes_max": x.all_to_all_bytes_max,
+                                          "all_to_all_bytes_mean": x.all_to_all_bytes_mean} for x in self.layers}}
+
+
+def routing_plan(recipe, loads: ExpertLoads) -> RoutingPlan:
+    """The trace's loads on the recipe's layout: its ep and its placement (the file, or contiguous), whatever
+    ep recorded the trace. A rank's rows are its experts' share of the trace's tokens times what the layout
+    sends its ep group per step (each rank routes its micro-batches' tokens, top_k slots each; etp ranks
+    receive every row of their ep rank). The all-to-all bytes count the rows as the dispatcher moves them, the
+    hidden state in the activation dtype, forward and backward: a rank sends its own tokens' slots (the even
+    share: every rank routes as many tokens) and returns its experts' rows, and of either (ep - 1) / ep cross
+    to another rank (tokens come from every rank alike: the trace holds no sources)."""
+    from moe_train.config.placement import recipe_placement
+
+    from .rank_layout import PlanLayout
+
+    m, layout = recipe.model, PlanLayout.from_recipe(recipe)
+    if loads.num_experts != m.moe.num_experts:
+        raise ValueError(f"the trace routes {loads.num_experts} experts, the recipe has {m.moe.num_experts}")
+    missing = [i for i in range(m.num_layers + m.mtp_layers) if m.is_moe_layer(i) and i not in loads.tokens]
+    if missing:
+        raise ValueError(f"the trace has no MoE layers {missing} of the recipe")
+    placement = recipe_placement(recipe)
+    if placement is None:
+        placement = contiguous(num_experts=m.moe.num_experts, ep=layout.ep, layers=sorted(loads.tokens))
+    tokens_per_rank = layout.micro_batches * layout.micro_batch * layout.seq_length / layout.cp / layout.tp
+    mean = tokens_per_rank * m.moe.top_k * layout.etp
+    row_bytes = m.hidden_size * (4 if recipe.train.precision == "fp32" else 2)
+    crossing = (layout.ep - 1) / layout.ep
+    layers = []
+    for layer in sorted(i for i in loads.tokens if m.is_moe_layer(i)):
+        tokens = loads.tokens[layer]
+        total = sum(tokens) or 1
+        shares = rank_loads([t / total for t in tokens], placement.ranks[layer])
+        straggler = max(range(layout.ep), key=lambda r: (shares[r], -r))
+        rows_max = shares[straggler] * layout.ep * mean
+        layers.append(LayerRouting(layer, straggler, rows_max, mean,
+                                   2 * (mean + rows_max) * crossing * row_bytes, 4 * mean * crossing * row_bytes))
+    return RoutingPlan(ep=layout.ep, placement=recipe.model.moe.placement, steps=loads.steps, layers=layers)
