@@ -12,17 +12,18 @@ from moe_train.plan.routing import TraceError, place, read_trace
 
 from .common import fail
 
-experts_app = typer.Typer(help="Place experts on expert-parallel ranks from a run's routing trace.",
-                          no_args_is_help=True)
+experts_app = typer.Typer(
+    help="Place experts on expert-parallel ranks from a run's routing trace.", no_args_is_help=True
+)
 
 
 @experts_app.command("place")
 def place_command(
-    run_dir: Annotated[Path, typer.Argument(help="A run folder trained with logging.routing_trace: true.",
-                                            show_default=False)],
+    run_dir: Annotated[
+        Path, typer.Argument(help="A run folder trained with logging.routing_trace: true.", show_default=False)
+    ],
     ep: Annotated[int, typer.Option("--ep", min=1, help="Expert-parallel ranks to place the experts on.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="The placement file to write (JSON).",
-                                      show_default=False)],
+    out: Annotated[Path, typer.Option("--out", "-o", help="The placement file to write (JSON).", show_default=False)],
 ) -> None:
     """Pack experts onto EP ranks from the trace's tokens per expert (most loaded first onto the least loaded
     rank with room, then swaps off the most loaded rank), and print each MoE layer's max/mean rank load under
@@ -49,4 +50,4 @@ def place_command(
 def _placement_text(data: dict) -> str:
     """The placement's JSON with one MoE layer a line (its ranks' expert lists), for a reader to scan."""
     layers = ",\n".join(f"  {json.dumps(layer)}: {json.dumps(ranks)}" for layer, ranks in data["layers"].items())
-    return (f'{{"num_experts": {data["num_experts"]}, "ep": {data["ep"]}, "layers": {{\n{layers}\n}}}}\n')
+    return f'{{"num_experts": {data["num_experts"]}, "ep": {data["ep"]}, "layers": {{\n{layers}\n}}}}\n'

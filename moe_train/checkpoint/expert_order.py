@@ -35,9 +35,9 @@ class _PlacedKeys:
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
             return None
         if key.startswith("model."):
-            return self.stacks.get(key[len("model."):])
+            return self.stacks.get(key[len("model.") :])
         if key.startswith("optim.state."):
-            stack, _, _ = key[len("optim.state."):].rpartition(".")
+            stack, _, _ = key[len("optim.state.") :].rpartition(".")
             ids = self.stacks.get(stack)
             return ids if ids is not None and value.shape[0] == len(ids) else None
         return None
@@ -53,8 +53,10 @@ def _shard(value: torch.Tensor) -> tuple[torch.Tensor, int, list[int]]:
 def _row_chunks(value: torch.Tensor, ids: tuple[int, ...]) -> list[ChunkStorageMetadata]:
     """One chunk per row of this rank's shard, at its expert's index."""
     local, first, rest = _shard(value)
-    return [ChunkStorageMetadata(offsets=torch.Size([ids[first + j], *rest]), sizes=torch.Size([1, *local.shape[1:]]))
-            for j in range(local.shape[0])]
+    return [
+        ChunkStorageMetadata(offsets=torch.Size([ids[first + j], *rest]), sizes=torch.Size([1, *local.shape[1:]]))
+        for j in range(local.shape[0])
+    ]
 
 
 def _row(value: torch.Tensor, ids: tuple[int, ...], expert: int) -> torch.Tensor:
@@ -78,10 +80,15 @@ class ExpertOrderSavePlanner(DefaultSavePlanner):
                 items.append(item)
                 continue
             for chunk in _row_chunks(value, ids):
-                items.append(WriteItem(index=MetadataIndex(item.index.fqn, chunk.offsets), type=WriteItemType.SHARD,
-                                       tensor_data=TensorWriteData(chunk=chunk,
-                                                                   properties=item.tensor_data.properties,
-                                                                   size=item.tensor_data.size)))
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(item.index.fqn, chunk.offsets),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=chunk, properties=item.tensor_data.properties, size=item.tensor_data.size
+                        ),
+                    )
+                )
         self.plan = dataclasses.replace(plan, items=items)
         return self.plan
 
@@ -99,16 +106,20 @@ class ExpertOrderLoadPlanner(DefaultLoadPlanner):
         self.placed = _PlacedKeys(stacks)
 
     def create_local_plan(self) -> LoadPlan:
-        placed = {key: ids for key, value in self.state_dict.items()
-                  if (ids := self.placed.expert_ids(key, value)) is not None}
+        placed = {
+            key: ids
+            for key, value in self.state_dict.items()
+            if (ids := self.placed.expert_ids(key, value)) is not None
+        }
         # The default plan of the other keys (not super's create_local_plan: keys missing from the state dict
         # make it fall back to the whole unflattened one, as for a checkpoint older than torch 2.4).
         others = {key: value for key, value in self.state_dict.items() if key not in placed}
         plan = create_default_local_load_plan(others, self.metadata, not self.allow_partial_load)
         items = list(plan.items)
         for key, ids in placed.items():
-            items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key],
-                                                      _row_chunks(self.state_dict[key], ids))
+            items += create_read_items_for_chunk_list(
+                key, self.metadata.state_dict_metadata[key], _row_chunks(self.state_dict[key], ids)
+            )
         return dataclasses.replace(plan, items=items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:

@@ -38,8 +38,11 @@ class Placement:
         return slots
 
     def to_json(self) -> dict:
-        return {"num_experts": self.num_experts, "ep": self.ep,
-                "layers": {str(layer): [list(rank) for rank in ranks] for layer, ranks in sorted(self.ranks.items())}}
+        return {
+            "num_experts": self.num_experts,
+            "ep": self.ep,
+            "layers": {str(layer): [list(rank) for rank in ranks] for layer, ranks in sorted(self.ranks.items())},
+        }
 
 
 def contiguous(*, num_experts: int, ep: int, layers: list[int]) -> Placement:
@@ -75,8 +78,11 @@ def read_placement(path: str | Path, *, num_experts: int, ep: int, moe_layers: l
 
 def _check_layer(path: Path, key: str, value, *, num_experts: int, ep: int) -> tuple[tuple[int, ...], ...]:
     local = num_experts // ep
-    if (not isinstance(value, list) or len(value) != ep
-            or any(not isinstance(rank, list) or len(rank) != local for rank in value)):
+    if (
+        not isinstance(value, list)
+        or len(value) != ep
+        or any(not isinstance(rank, list) or len(rank) != local for rank in value)
+    ):
         raise PlacementError(f"{path}: layer {key} must list {ep} ranks of {local} experts each")
     flat = [expert for rank in value for expert in rank]
     if sorted(flat) != list(range(num_experts)) or any(not isinstance(e, int) for e in flat):

@@ -121,8 +121,13 @@ def place(loads: ExpertLoads, *, ep: int) -> tuple[Placement, list[PackedLayer]]
     for layer in layers:
         tokens = loads.per_step(layer)
         ranks[layer] = pack(tokens, ep=ep)
-        report.append(PackedLayer(layer, max_over_mean(rank_loads(tokens, default.ranks[layer])),
-                                  max_over_mean(rank_loads(tokens, ranks[layer]))))
+        report.append(
+            PackedLayer(
+                layer,
+                max_over_mean(rank_loads(tokens, default.ranks[layer])),
+                max_over_mean(rank_loads(tokens, ranks[layer])),
+            )
+        )
     return Placement(num_experts=experts, ep=ep, ranks=ranks), report
 
 
@@ -159,11 +164,22 @@ class RoutingPlan:
         return sum(layer.imbalance for layer in self.layers) / len(self.layers)
 
     def to_json(self) -> dict:
-        return {"ep": self.ep, "placement": self.placement, "trace_steps": self.steps,
-                "moe_imbalance": self.imbalance,
-                "layers": {str(x.layer): {"straggler_rank": x.straggler_rank, "rows_max": x.rows_max,
-                                          "rows_mean": x.rows_mean, "all_to_all_bytes_max": x.all_to_all_bytes_max,
-                                          "all_to_all_bytes_mean": x.all_to_all_bytes_mean} for x in self.layers}}
+        return {
+            "ep": self.ep,
+            "placement": self.placement,
+            "trace_steps": self.steps,
+            "moe_imbalance": self.imbalance,
+            "layers": {
+                str(x.layer): {
+                    "straggler_rank": x.straggler_rank,
+                    "rows_max": x.rows_max,
+                    "rows_mean": x.rows_mean,
+                    "all_to_all_bytes_max": x.all_to_all_bytes_max,
+                    "all_to_all_bytes_mean": x.all_to_all_bytes_mean,
+                }
+                for x in self.layers
+            },
+        }
 
 
 def routing_plan(recipe, loads: ExpertLoads) -> RoutingPlan:
@@ -198,6 +214,14 @@ def routing_plan(recipe, loads: ExpertLoads) -> RoutingPlan:
         shares = rank_loads([t / total for t in tokens], placement.ranks[layer])
         straggler = max(range(layout.ep), key=lambda r: (shares[r], -r))
         rows_max = shares[straggler] * layout.ep * mean
-        layers.append(LayerRouting(layer, straggler, rows_max, mean,
-                                   2 * (mean + rows_max) * crossing * row_bytes, 4 * mean * crossing * row_bytes))
+        layers.append(
+            LayerRouting(
+                layer,
+                straggler,
+                rows_max,
+                mean,
+                2 * (mean + rows_max) * crossing * row_bytes,
+                4 * mean * crossing * row_bytes,
+            )
+        )
     return RoutingPlan(ep=layout.ep, placement=recipe.model.moe.placement, steps=loads.steps, layers=layers)

@@ -21,11 +21,14 @@ from moe_train.train.metrics import _drop_records_after
 def rank_figures(rows_per_slot: list[float], *, ep: int) -> dict:
     """{"rank_tokens": rows per ep rank, "rank_load_max_over_mean", "straggler_rank": the most loaded rank}."""
     local = len(rows_per_slot) // ep
-    ranks = [round(sum(rows_per_slot[r * local:(r + 1) * local])) for r in range(ep)]
+    ranks = [round(sum(rows_per_slot[r * local : (r + 1) * local])) for r in range(ep)]
     mean = sum(ranks) / ep
     straggler = max(range(ep), key=lambda r: ranks[r])
-    return {"rank_tokens": ranks, "rank_load_max_over_mean": ranks[straggler] / mean if mean else 0.0,
-            "straggler_rank": straggler}
+    return {
+        "rank_tokens": ranks,
+        "rank_load_max_over_mean": ranks[straggler] / mean if mean else 0.0,
+        "straggler_rank": straggler,
+    }
 
 
 class RoutingTrace:
@@ -41,12 +44,14 @@ class RoutingTrace:
         self._file = self.path.open("a", encoding="utf-8")
 
     def write(self, step: int, moe: dict[str, dict], moe_ranks: dict[str, dict]) -> None:
-        record = {"step": step, "ep": self.ep,
-                  "experts": {layer: figures["tokens"] for layer, figures in moe.items()},
-                  "ranks": {layer: figures["rank_tokens"] for layer, figures in moe_ranks.items()}}
+        record = {
+            "step": step,
+            "ep": self.ep,
+            "experts": {layer: figures["tokens"] for layer, figures in moe.items()},
+            "ranks": {layer: figures["rank_tokens"] for layer, figures in moe_ranks.items()},
+        }
         self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
         self._file.flush()
 
     def close(self) -> None:
         self._file.close()
-
