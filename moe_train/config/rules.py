@@ -17,6 +17,7 @@ from .fp8_auto import with_fp8_resolved
 from .hardware import HardwareError, hardware_table
 from .loss_chunks import recipe_loss_chunk_tokens
 from .mesh_shape import expert_data_parallel_size, ranks_beside_dp, ranks_beside_edp, stage_ranks
+from .placement import PlacementError, recipe_placement
 from .pp_layout import LayoutError, parse_layout
 from .schema import DEEPSEEK_ONLY_FIELDS, MLA_FIELDS, Recipe
 
@@ -46,6 +47,7 @@ def check_recipe(recipe: Recipe, *, check_files: bool = True) -> list[Problem]:
     if check_files:
         problems.extend(_data_files(recipe))
         problems.extend(_checkpoint_files(recipe))
+        problems.extend(_placement_file(recipe))
     else:
         problems.extend(_data_shape(recipe))
     return problems
@@ -124,6 +126,9 @@ def _moe(r: Recipe) -> list[Problem]:
                       "backward, which pipeline stages (pp > 1) cannot share; use aux_loss or global_aux_loss"))
     if moe.pad_to_capacity and moe.capacity_factor is None:
         out.append(_p("model.moe.pad_to_capacity", "needs capacity_factor (dropless has no capacity)"))
+    if router.logit_bias is not None and len(router.logit_bias) != moe.num_experts:
+        out.append(_p("model.moe.router.logit_bias", f"{len(router.logit_bias)} values for {moe.num_experts} experts "
+                      "(one per expert)"))
     return out
 
 
@@ -445,6 +450,16 @@ def _data_files(r: Recipe) -> list[Problem]:
             except DataError as error:
                 out.append(_p(f"data.paths.{index}", str(error)))
     return out
+
+
+def _placement_file(r: Recipe) -> list[Problem]:
+    if r.model.moe is None or r.model.moe.num_experts % r.parallel.ep:
+        return []  # no experts to place, or parallel.ep's own problem
+    try:
+        recipe_placement(r)
+    except PlacementError as error:
+        return [_p("model.moe.placement", str(error))]
+    return []
 
 
 def _checkpoint_files(r: Recipe) -> list[Problem]:

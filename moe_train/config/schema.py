@@ -60,6 +60,9 @@ class RouterConfig(Section):
     )
     aux_loss_coeff: float = Field(1e-3, ge=0)
     z_loss_coeff: float = Field(0.0, ge=0)
+    logit_bias: tuple[float, ...] | None = Field(
+        None, description="A test and benchmark knob, not a training setting: one value per expert added to the "
+        "router's logits, which skews real routing (bench/bench_routing.py, the placement tests); null: none.")
 
 
 class MoEConfig(Section):
@@ -74,6 +77,10 @@ class MoEConfig(Section):
     capacity_factor: float | None = Field(None, gt=0, description="null: dropless.")
     drop_policy: Literal["probs", "position"] = "probs"
     pad_to_capacity: bool = False
+    placement: str = Field(
+        "contiguous", description="Which expert-parallel slot holds each expert: contiguous (rank r holds experts "
+        "[r E/ep, (r+1) E/ep)) or a placement file (`moe-train experts place`, docs/interfaces.md). A layout "
+        "setting: checkpoints keep experts by their global id.")
 
 
 class ModelConfig(Section):
@@ -341,6 +348,8 @@ class LoggingConfig(Section):
     interval: int = Field(1, ge=1)
     tensorboard: bool = False
     wandb: WandbConfig | None = Field(None, description="Weights & Biases logging beside metrics.jsonl.")
+    routing_trace: bool = Field(False, description="Write tokens per expert per MoE layer per step to the run "
+                                "folder's routing.jsonl (what `experts place` and `plan --routing` read).")
 
 
 # -------------------------------------------------------------------------------------------------- launch
