@@ -22,15 +22,21 @@ LAYOUTS_2 = {
     "ep2-alltoall": ("qwen3-moe-tiny", [*FP32, "parallel.ep=2"]),
     "ep2-deepseek": ("deepseek-v3-tiny", [*FP32, "parallel.ep=2"]),  # shared expert, expert bias, MTP's MoE block
     "ep2-allgather": ("qwen3-moe-tiny", [*FP32, "parallel.ep=2", "model.moe.dispatcher=allgather"]),
-    "ep2-recompute": ("qwen3-moe-tiny", [*FP32, "parallel.ep=2", "parallel.recompute.granularity=selective",
-                                         "parallel.recompute.modules=[moe]"]),
-    "ep2-fp8-rowwise": ("qwen3-moe-tiny", ["train.micro_batch_size=1", "train.precision=fp8",
-                                           "train.fp8.recipe=rowwise", "parallel.ep=2"]),
+    "ep2-recompute": (
+        "qwen3-moe-tiny",
+        [*FP32, "parallel.ep=2", "parallel.recompute.granularity=selective", "parallel.recompute.modules=[moe]"],
+    ),
+    "ep2-fp8-rowwise": (
+        "qwen3-moe-tiny",
+        ["train.micro_batch_size=1", "train.precision=fp8", "train.fp8.recipe=rowwise", "parallel.ep=2"],
+    ),
 }
 LAYOUTS_4 = {
     "ep2-tp2-sp": ("qwen3-moe-tiny", [*FP32, "parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
-    "ep4-hierarchical": ("qwen3-moe-tiny", [*FP32, "parallel.ep=4", "launch.nodes=2",
-                                            "model.moe.dispatcher=hierarchical"]),
+    "ep4-hierarchical": (
+        "qwen3-moe-tiny",
+        [*FP32, "parallel.ep=4", "launch.nodes=2", "model.moe.dispatcher=hierarchical"],
+    ),
     "ep2-edp2": ("qwen3-moe-tiny", [*FP32, "parallel.ep=2"]),  # FSDP2 over the experts' edp too
 }
 
@@ -40,8 +46,9 @@ def _run_layouts(tmp_path: Path, world: int, layouts: dict) -> None:
     for name, (recipe, overrides) in layouts.items():
         cases.append(case(f"{name}-plain", recipe, overrides))
         cases.append(case(f"{name}-overlap", recipe, [*overrides, OVERLAP]))
-    saved = run_ranks("train_layouts", world, {"cases": cases, "run_root": str(tmp_path / f"w{world}")}, tmp_path,
-                      timeout=400)
+    saved = run_ranks(
+        "train_layouts", world, {"cases": cases, "run_root": str(tmp_path / f"w{world}")}, tmp_path, timeout=400
+    )
     for name in layouts:
         plain = torch.load(saved[f"{name}-plain"], weights_only=True)
         overlapped = torch.load(saved[f"{name}-overlap"], weights_only=True)

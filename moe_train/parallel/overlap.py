@@ -172,9 +172,15 @@ def comm_wait_times() -> dict[str, dict[str, float]]:
     """Per collective kind since the last reset: seconds the compute thread waited (`waited_s`), the
     collectives' own seconds, issue to completion (`comm_s`), their count, and exposed = waited / comm."""
     with _lock:
-        return {kind: {"waited_s": waited, "comm_s": comm, "count": int(count),
-                       "exposed": waited / comm if comm > 0 else 1.0}
-                for kind, (waited, comm, count) in sorted(_ledger.items())}
+        return {
+            kind: {
+                "waited_s": waited,
+                "comm_s": comm,
+                "count": int(count),
+                "exposed": waited / comm if comm > 0 else 1.0,
+            }
+            for kind, (waited, comm, count) in sorted(_ledger.items())
+        }
 
 
 def reset_comm_wait_times() -> None:
@@ -182,8 +188,9 @@ def reset_comm_wait_times() -> None:
         _ledger.clear()
 
 
-def run_pair(backward: Callable[[], None], forward: Callable[[], object], *, backward_micro_batch: int,
-             forward_micro_batch: int) -> object:
+def run_pair(
+    backward: Callable[[], None], forward: Callable[[], object], *, backward_micro_batch: int, forward_micro_batch: int
+) -> object:
     """Run `backward` (this thread, first) and `forward` (a helper thread) as one overlapped pair; returns what
     `forward` returns. An exception in either half is raised here once both have ended."""
     baton = _Baton()
@@ -211,8 +218,11 @@ def run_pair(backward: Callable[[], None], forward: Callable[[], object], *, bac
     return results[1]
 
 
-def overlapped_micro_batches(count: int, forward: Callable[[int], object], backward: Callable[[int, object], None],
-                             ) -> None:
+def overlapped_micro_batches(
+    count: int,
+    forward: Callable[[int], object],
+    backward: Callable[[int, object], None],
+) -> None:
     """The step's schedule: F0; (B_i, F_i+1) for i < count - 1; B_count-1. `forward(i)` returns what
     `backward(i, that)` differentiates."""
     _local.micro_batch = 0
@@ -222,9 +232,12 @@ def overlapped_micro_batches(count: int, forward: Callable[[int], object], backw
         _local.micro_batch = None
     for index in range(count - 1):
         done = pending
-        pending = run_pair(lambda index=index, done=done: backward(index, done),
-                           lambda index=index: forward(index + 1),
-                           backward_micro_batch=index, forward_micro_batch=index + 1)
+        pending = run_pair(
+            lambda index=index, done=done: backward(index, done),
+            lambda index=index: forward(index + 1),
+            backward_micro_batch=index,
+            forward_micro_batch=index + 1,
+        )
     _local.micro_batch = count - 1
     try:
         backward(count - 1, pending)
