@@ -42,7 +42,7 @@ def _p(dotted: str, message: str) -> Problem:
 def check_recipe(recipe: Recipe, *, check_files: bool = True) -> list[Problem]:
     recipe = with_fp8_resolved(recipe)  # train.fp8.recipe auto: the rules judge what the launch target runs
     problems: list[Problem] = []
-    for rule in (_name, _model, _moe, _layout, _pipeline, _recompute, _batch, _train, _fp8, _launch):
+    for rule in (_name, _model, _moe, _layout, _pipeline, _overlap, _recompute, _batch, _train, _fp8, _launch):
         problems.extend(rule(recipe))
     if check_files:
         problems.extend(_data_files(recipe))
@@ -246,6 +246,28 @@ def _pipeline(r: Recipe) -> list[Problem]:
     if any(stage.mtp for stage in layout[:-1]):
         out.append(_p("parallel.pp_layout", "MTP modules 'm' belong to the last stage (they read its final hidden "
                       "states and share its head)"))
+    return out
+
+
+def _overlap(r: Recipe) -> list[Problem]:
+    """parallel.ep_overlap's combinations not built (docs/parallel.md, "Overlapped micro-batches")."""
+    p, out = r.parallel, []
+    if p.split_wgrad:
+        out.append(_p("parallel.split_wgrad", "delayed expert weight gradients are not built yet: ep_overlap "
+                      "overlaps the dispatch and combine without them (set it false)"))
+    if not p.ep_overlap:
+        return out
+    if r.model.moe is None or p.ep * p.etp == 1:
+        out.append(_p("parallel.ep_overlap", "needs expert-parallel communication to hide: a MoE model with "
+                      "ep or etp > 1"))
+    if p.param_gather == "per_microbatch" or p.reshard_after_forward:
+        out.append(_p("parallel.param_gather", "ep_overlap runs two micro-batches through a block at once, so FSDP2 "
+                      "keeps its parameters gathered over the step: set param_gather per_step (or null) and "
+                      "reshard_after_forward false (or null)"))
+    if p.pp > 1:
+        out.append(_p("parallel.ep_overlap", "with pipeline parallelism (pp > 1) is not built yet: the overlapped "
+                      "pairs are micro-batches of one rank's step (pp = 1); torch's pipeline schedules run each "
+                      "stage's forward and backward one after the other"))
     return out
 
 

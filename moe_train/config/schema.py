@@ -167,6 +167,15 @@ class ParallelConfig(Section):
         "reduce-scattered within dps and all-reduced across dpr. Experts replicate over the same dpr. 1: FSDP."
     )
     sequence_parallel: bool = False
+    ep_overlap: bool = Field(
+        False, description="Overlapped micro-batches (pp = 1): the forward of micro-batch i+1 and the backward of "
+        "micro-batch i run as a pair, taking turns at every expert-parallel collective, so each dispatch and "
+        "combine of one runs while the other computes (parallel/overlap.py). The same numbers bit for bit."
+    )
+    split_wgrad: bool = Field(
+        False, description="With ep_overlap: the experts' weight gradients delayed to fill the combine's "
+        "backward (Megatron-Core's --delay-wgrad-compute). Not built yet: validate refuses true."
+    )
     recompute: RecomputeConfig = RecomputeConfig()
     reshard_after_forward: bool | None = Field(
         None, description="FSDP2: free gathered parameters after each forward (less memory, one more all-gather "
@@ -188,8 +197,9 @@ class ParallelConfig(Section):
 
     @property
     def gathers_per_step(self) -> bool:
-        """Whether FSDP2 gathers each unit's parameters once per step (`param_gather`, resolved)."""
-        return self.param_gather == "per_step" if self.param_gather is not None else self.pp > 1
+        """Whether FSDP2 gathers each unit's parameters once per step (`param_gather`, resolved; ep_overlap's
+        pairs run two micro-batches through a unit at once, so they keep it gathered, as pipelines do)."""
+        return self.param_gather == "per_step" if self.param_gather is not None else self.pp > 1 or self.ep_overlap
 
     def cp_exchange(self, family: str) -> str:
         """`cp_comm`, or the family's default when null. GQA (qwen3, qwen3_moe): the ring, whose p2p sends of a
