@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moe_train.models.moe.collective_turns import issued_together
 from moe_train.models.moe.dispatch_collectives import all_to_all_rows
 from moe_train.models.moe.expert_group import ExpertShard
 from moe_train.models.moe.permute import Permutation, permute, slot_sum, unpermute
 from moe_train.models.moe.router import count_per_expert
-from moe_train.parallel.overlap import issued_together
 
 
 @dataclass

@@ -8,7 +8,7 @@ Bytes are added to a `collections.Counter` under the op's name, in forward and i
 activation checkpointing recomputes a forward), with DECISIONS.md's payload convention: all-to-all counts the
 rows sent to other ranks, all-gather the local shard, reduce-scatter the input tensor.
 
-Each collective is issued asynchronously and waited on through `run_collective` (parallel/overlap.py): in a
+Each collective is issued asynchronously and waited on through `run_collective` (models/moe/collective_turns.py): in a
 plain step that is issue-then-wait, the blocking call; inside an overlapped pair of micro-batches
 (`parallel.ep_overlap`) the paired micro-batch computes between the issue and the wait. Either way the wait's
 and the collective's own time are booked per kind (`comm_wait_times`).
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from moe_train.parallel.overlap import run_collective
+from moe_train.models.moe.collective_turns import run_collective
 
 
 def all_to_all_rows(

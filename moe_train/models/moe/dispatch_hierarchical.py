@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 
 from moe_train.config.routing_shapes import ForcedRouting
+from moe_train.models.moe.collective_turns import issued_together
 from moe_train.models.moe.dispatch_alltoall import AllToAllDispatcher, AllToAllPlan
 from moe_train.models.moe.dispatch_collectives import all_to_all_rows
 from moe_train.models.moe.permute import scatter_sum
-from moe_train.parallel.overlap import issued_together
 
 
 @dataclass
