@@ -9,6 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from moe_train.config import Recipe, unsupported
+from moe_train.config.fp8_auto import with_fp8_resolved
 from moe_train.config.hardware import hardware_table
 from moe_train.plan.fit import check_fit
 from moe_train.plan.params import count_parameters
@@ -59,7 +60,9 @@ def summary_table(recipe: Recipe) -> Table:
         f"{tokens:,} tokens per step = {t.global_batch_size} x {t.seq_length}; "
         f"{micro_batches} micro-batch(es) of {t.micro_batch_size} per rank",
     )
-    precision = (f"fp8 {t.fp8.recipe} ({t.fp8.backend}: {', '.join(t.fp8.modules)})" if t.precision == "fp8"
+    scaling = with_fp8_resolved(recipe).train.fp8.recipe
+    scaling += f" (auto on {launch.gpu})" if t.fp8.recipe == "auto" else ""
+    precision = (f"fp8 {scaling} ({t.fp8.backend}: {', '.join(t.fp8.modules)})" if t.precision == "fp8"
                  else t.precision)
     table.add_row("training", f"{t.steps:,} steps, {precision}, lr {t.lr:g} ({t.lr_schedule})")
     table.add_row("run dir", escape(recipe.resolved_run_dir()))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .data_files import DataError, read_index_header
+from .fp8_auto import with_fp8_resolved
 from .hardware import HardwareError, hardware_table
 from .loss_chunks import recipe_loss_chunk_tokens
 from .mesh_shape import (
@@ -24,6 +25,7 @@ from .mesh_shape import (
     ranks_beside_edp,
     stage_ranks,
 )
+from .placement import PlacementError, recipe_placement
 from .pp_layout import LayoutError, parse_layout
 from .schema import DEEPSEEK_ONLY_FIELDS, FP8_MODULES, MLA_FIELDS, Recipe
 
@@ -57,6 +59,7 @@ class Rule:
 
 
 def check_recipe(recipe: Recipe, *, check_files: bool = True) -> list[Problem]:
+    recipe = with_fp8_resolved(recipe)  # train.fp8.recipe auto: the rules judge what the launch target runs
     incomplete = {section: found for section, required in REQUIRED.items() if (found := required(recipe))}
     problems = [problem for found in incomplete.values() for problem in found]
     for rule in RULES:
@@ -145,6 +148,9 @@ def _moe(r: Recipe) -> list[Problem]:
                       "backward, which pipeline stages (pp > 1) cannot share; use aux_loss or global_aux_loss"))
     if moe.pad_to_capacity and moe.capacity_factor is None:
         out.append(_p("model.moe.pad_to_capacity", "needs capacity_factor (dropless has no capacity)"))
+    if router.logit_bias is not None and len(router.logit_bias) != moe.num_experts:
+        out.append(_p("model.moe.router.logit_bias", f"{len(router.logit_bias)} values for {moe.num_experts} experts "
+                      "(one per expert)"))
     return out
 
 
@@ -278,6 +284,28 @@ def _pipeline(r: Recipe) -> list[Problem]:
     return out
 
 
+def _overlap(r: Recipe) -> list[Problem]:
+    """parallel.ep_overlap's combinations not built (docs/parallel.md, "Overlapped micro-batches")."""
+    p, out = r.parallel, []
+    if p.split_wgrad:
+        out.append(_p("parallel.split_wgrad", "delayed expert weight gradients are not built yet: ep_overlap "
+                      "overlaps the dispatch and combine without them (set it false)"))
+    if not p.ep_overlap:
+        return out
+    if r.model.moe is None or p.ep * p.etp == 1:
+        out.append(_p("parallel.ep_overlap", "needs expert-parallel communication to hide: a MoE model with "
+                      "ep or etp > 1"))
+    if p.param_gather == "per_microbatch" or p.reshard_after_forward:
+        out.append(_p("parallel.param_gather", "ep_overlap runs two micro-batches through a block at once, so FSDP2 "
+                      "keeps its parameters gathered over the step: set param_gather per_step (or null) and "
+                      "reshard_after_forward false (or null)"))
+    if p.pp > 1:
+        out.append(_p("parallel.ep_overlap", "with pipeline parallelism (pp > 1) is not built yet: the overlapped "
+                      "pairs are micro-batches of one rank's step (pp = 1); torch's pipeline schedules run each "
+                      "stage's forward and backward one after the other"))
+    return out
+
+
 def _recompute(r: Recipe) -> list[Problem]:
     rc, m, out = r.parallel.recompute, r.model, []
     if rc.granularity != "selective":
@@ -324,6 +352,13 @@ def _train(r: Recipe) -> list[Problem]:
         out.append(_p("train.min_lr", f"{t.min_lr} exceeds lr {t.lr}"))
     if t.eval_interval is not None and r.data.valid_fraction == 0:
         out.append(_p("train.eval_interval", "evaluation needs held-out data: set data.valid_fraction > 0"))
+    if t.optimizer == "muon" and t.muon.qk_clip is not None:
+        if r.model.qk_norm and r.model.kv_lora_rank is None:
+            out.append(_p("train.muon.qk_clip", "QK-norm after the projections would undo the clip: set "
+                          "model.qk_norm false (or use MLA)"))
+        if r.parallel.cp > 1:
+            out.append(_p("train.muon.qk_clip", "the max-logit measurement sees one context shard: needs "
+                          "parallel.cp 1"))
     return out
 
 
@@ -482,6 +517,16 @@ def _data_files(r: Recipe) -> list[Problem]:
     return out
 
 
+def _placement_file(r: Recipe) -> list[Problem]:
+    if r.model.moe is None or r.model.moe.num_experts % r.parallel.ep:
+        return []  # no experts to place, or parallel.ep's own problem
+    try:
+        recipe_placement(r)
+    except PlacementError as error:
+        return [_p("model.moe.placement", str(error))]
+    return []
+
+
 def _checkpoint_files(r: Recipe) -> list[Problem]:
     c, out = r.checkpoint, []
     if c.resume not in ("auto", "required", "never") and not Path(c.resume).exists():
@@ -511,6 +556,7 @@ RULES: tuple[Rule, ...] = (
     Rule(_moe, reads=("model", "parallel")),
     Rule(_layout, reads=("model", "parallel", "train", "launch")),
     Rule(_pipeline, reads=("model", "parallel")),
+    Rule(_overlap, reads=("model", "parallel")),
     Rule(_recompute, reads=("model", "parallel")),
     Rule(_batch, reads=("train", "parallel", "launch")),
     Rule(_train, reads=("train", "data")),
@@ -520,4 +566,5 @@ RULES: tuple[Rule, ...] = (
     Rule(_data_shape, reads=("data",)),
     Rule(_data_files, reads=("data",), files=True),
     Rule(_checkpoint_files, reads=("checkpoint",), files=True),
+    Rule(_placement_file, reads=("model", "parallel"), files=True),
 )

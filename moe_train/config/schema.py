@@ -82,6 +82,9 @@ class RouterConfig(Section):
     )
     aux_loss_coeff: Number = Field(1e-3, ge=0)
     z_loss_coeff: Number = Field(0.0, ge=0)
+    logit_bias: tuple[Number, ...] | None = Field(
+        None, description="A test and benchmark knob, not a training setting: one value per expert added to the "
+        "router's logits, which skews real routing (bench/bench_routing.py, the placement tests); null: none.")
 
 
 class MoEConfig(Section):
@@ -96,6 +99,10 @@ class MoEConfig(Section):
     capacity_factor: Number | None = Field(None, gt=0, description="null: dropless.")
     drop_policy: Literal["probs", "position"] = "probs"
     pad_to_capacity: bool = False
+    placement: str = Field(
+        "contiguous", description="Which expert-parallel slot holds each expert: contiguous (rank r holds experts "
+        "[r E/ep, (r+1) E/ep)) or a placement file (`moe-train experts place`, docs/interfaces.md). A layout "
+        "setting: checkpoints keep experts by their global id.")
 
 
 class ModelConfig(Section):
@@ -186,6 +193,15 @@ class ParallelConfig(Section):
         "reduce-scattered within dps and all-reduced across dpr. Experts replicate over the same dpr. 1: FSDP."
     )
     sequence_parallel: bool = False
+    ep_overlap: bool = Field(
+        False, description="Overlapped micro-batches (pp = 1): the forward of micro-batch i+1 and the backward of "
+        "micro-batch i run as a pair, taking turns at every expert-parallel collective, so each dispatch and "
+        "combine of one runs while the other computes (parallel/overlap.py). The same numbers bit for bit."
+    )
+    split_wgrad: bool = Field(
+        False, description="With ep_overlap: the experts' weight gradients delayed to fill the combine's "
+        "backward (Megatron-Core's --delay-wgrad-compute). Not built yet: validate refuses true."
+    )
     recompute: RecomputeConfig = RecomputeConfig()
     reshard_after_forward: bool | None = Field(
         None, description="FSDP2: free gathered parameters after each forward (less memory, one more all-gather "
@@ -207,8 +223,9 @@ class ParallelConfig(Section):
 
     @property
     def gathers_per_step(self) -> bool:
-        """Whether FSDP2 gathers each unit's parameters once per step (`param_gather`, resolved)."""
-        return self.param_gather == "per_step" if self.param_gather is not None else self.pp > 1
+        """Whether FSDP2 gathers each unit's parameters once per step (`param_gather`, resolved; ep_overlap's
+        pairs run two micro-batches through a unit at once, so they keep it gathered, as pipelines do)."""
+        return self.param_gather == "per_step" if self.param_gather is not None else self.pp > 1 or self.ep_overlap
 
     def cp_exchange(self, family: str) -> str:
         """`cp_comm`, or the family's default when null. GQA (qwen3, qwen3_moe): the ring, whose p2p sends of a
@@ -244,9 +261,10 @@ FP8_MODULES = ("attention", "mlp", "shared_experts", "experts", "head")
 class Fp8Config(Section):
     """train.precision fp8: the scaling recipe, the library and the GEMMs it covers (docs/fp8.md)."""
 
-    recipe: Literal["tensorwise", "rowwise", "blockwise", "mxfp8"] = Field(
+    recipe: Literal["tensorwise", "rowwise", "blockwise", "mxfp8", "auto"] = Field(
         "tensorwise", description="Scales per tensor, per row, per 1x128/128x128 block (DeepSeek-V3) or per "
-        "32-element MX block (E8M0, sm100).")
+        "32-element MX block (E8M0, sm100); auto: blockwise on sm90, mxfp8 on sm100, tensorwise on the CPU "
+        "(config/fp8_auto.py).")
     backend: Literal["torchao", "te"] = Field("torchao", description="torchao's scaling at the engine's GEMM site; "
                                               "te: transformer-engine (not built yet).")
     modules: tuple[Literal["attention", "mlp", "shared_experts", "experts", "head"], ...] = Field(
@@ -257,6 +275,24 @@ class Fp8Config(Section):
         "bf16", description="What each fp8 GEMM keeps of its input for backward: bf16 (re-quantised there), or fp8 "
         "data and scales quantised as the weight gradient reads them (Megatron-Core/transformer-engine's and "
         "DeepSeek-V3's). The same numbers bit for bit; fp8 holds about half the bytes.")
+
+
+class MuonConfig(Section):
+    """train.optimizer muon: Newton-Schulz orthogonalised momentum for the hidden matrices (docs/optimizer.md);
+    the parameters it leaves out train with AdamW on train's lr, betas, eps and weight_decay."""
+
+    momentum: Number = Field(0.95, ge=0, lt=1, description="The momentum buffer's decay.")
+    nesterov: bool = Field(True, description="Orthogonalise grad + momentum * buffer (Nesterov), not the buffer.")
+    ns_steps: StrictInt = Field(5, ge=1, le=20, description="Newton-Schulz iterations per matrix.")
+    adjust_lr: bool = Field(True, description="Scale each update by 0.2 * sqrt(max(rows, cols)) (Moonlight), so "
+                            "its RMS matches AdamW's and AdamW's lr carries over; false: sqrt(max(1, rows/cols)) "
+                            "(Keller Jordan's).")
+    weight_decay: Number | None = Field(None, ge=0, description="Decoupled decay of the Muon matrices; null: "
+                                       "train.weight_decay.")
+    exclude: tuple[str, ...] = Field(("embed_tokens", "lm_head", "router", "eh_proj"), description="Module names "
+                                     "(any component of a parameter's dotted path) whose matrices train with AdamW.")
+    qk_clip: Number | None = Field(None, gt=0, description="MuonClip: after a step, scale down the query and key "
+                                  "weights of each head whose largest pre-softmax logit exceeded this; null: off.")
 
 
 class TrainConfig(Section):
@@ -280,7 +316,10 @@ class TrainConfig(Section):
     fp8: Fp8Config = Field(default_factory=Fp8Config, description="Read with precision fp8 only.")
     adam_moment_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="AdamW's two moments stored in bf16 (half their memory; each step computes in fp32, "
-        "Megatron-Core's precision-aware optimizer); master weights stay fp32.")
+        "Megatron-Core's precision-aware optimizer); master weights stay fp32. Muon's momentum follows it.")
+    optimizer: Literal["adamw", "muon"] = Field("adamw", description="muon: train.muon's orthogonalised momentum "
+                                                "for hidden matrices, AdamW for the rest (docs/optimizer.md).")
+    muon: MuonConfig = Field(default_factory=MuonConfig, description="Read with optimizer muon only.")
     seed: StrictInt = 1234
     deterministic: bool = Field(
         False, description="Deterministic kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG): "
@@ -346,6 +385,8 @@ class LoggingConfig(Section):
     interval: StrictInt = Field(1, ge=1)
     tensorboard: bool = False
     wandb: WandbConfig | None = Field(None, description="Weights & Biases logging beside metrics.jsonl.")
+    routing_trace: bool = Field(False, description="Write tokens per expert per MoE layer per step to the run "
+                                "folder's routing.jsonl (what `experts place` and `plan --routing` read).")
 
 
 # -------------------------------------------------------------------------------------------------- launch
