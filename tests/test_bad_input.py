@@ -34,9 +34,21 @@ from moe_train.plan.params import _layer, count_parameters
 # YAML text as --set reads it; the string is one rich would read as markup in the summary table.
 HOSTILE = ("null", "[]", "{}", "0", "-1", "1000000000000", "'[/x]'", "0.5", "true", ".nan", ".inf")
 # Fields whose values the planner's arithmetic walks or multiplies (and the summary counts): fit runs for all.
-ARITHMETIC = ("model", "parallel", "train.seq_length", "train.micro_batch_size", "train.global_batch_size",
-              "train.loss_chunk_tokens", "train.precision", "train.fp8", "launch.nodes", "launch.gpus_per_node",
-              "launch.gpu", "launch.device", "data.reset_at_eod")
+ARITHMETIC = (
+    "model",
+    "parallel",
+    "train.seq_length",
+    "train.micro_batch_size",
+    "train.global_batch_size",
+    "train.loss_chunk_tokens",
+    "train.precision",
+    "train.fp8",
+    "launch.nodes",
+    "launch.gpus_per_node",
+    "launch.gpu",
+    "launch.device",
+    "data.reset_at_eod",
+)
 SAMPLE_EVERY = 7
 CASE_SECONDS = 1.0  # generous: a case takes ~3 ms here (~40 ms with the planner on a GPU target)
 
@@ -162,8 +174,9 @@ def test_every_rule_meets_each_nullable_field_null():
 def test_mla_field_null_is_required_not_a_crash(field):
     with pytest.raises(RecipeError) as caught:
         load_recipe("deepseek-v3", [f"model.{field}=null"])
-    assert caught.value.problems == [f"--set model.{field}=null: model.{field}: required for family deepseek_v3 "
-                                     "(multi-head latent attention)"]
+    assert caught.value.problems == [
+        f"--set model.{field}=null: model.{field}: required for family deepseek_v3 (multi-head latent attention)"
+    ]
 
 
 # --------------------------------------------------------------------------- accepted, then broken
@@ -179,8 +192,13 @@ def _refused(name: str, overrides: list[str], field: str, fragment: str = "") ->
     return caught.value.problems
 
 
-HIERARCHICAL = ["model.moe.dispatcher=hierarchical", "launch.nodes=2", "launch.gpus_per_node=3", "parallel.ep=2",
-                "train.global_batch_size=48"]
+HIERARCHICAL = [
+    "model.moe.dispatcher=hierarchical",
+    "launch.nodes=2",
+    "launch.gpus_per_node=3",
+    "parallel.ep=2",
+    "train.global_batch_size=48",
+]
 
 REFUSED = [
     # hangs: sizes no hardware holds
@@ -206,20 +224,31 @@ REFUSED = [
     ("qwen3-tiny", ["logging.wandb={project: ''}"], "logging.wandb.project", "empty"),
     ("qwen3-tiny", ["logging.wandb={project: '  '}"], "logging.wandb.project", "empty"),
     # mxfp8 on sm90: the error says how to plan it there
-    ("deepseek-v3", ["launch.gpu=h100", "launch.gpus_per_node=8", "train.fp8.recipe=mxfp8"], "train.fp8.recipe",
-     "--set train.fp8.recipe=blockwise"),
+    (
+        "deepseek-v3",
+        ["launch.gpu=h100", "launch.gpus_per_node=8", "train.fp8.recipe=mxfp8"],
+        "train.fp8.recipe",
+        "--set train.fp8.recipe=blockwise",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("name", "overrides", "field", "fragment"), REFUSED,
-                         ids=[f"{c[0]}:{c[2]}" for c in REFUSED])
+@pytest.mark.parametrize(("name", "overrides", "field", "fragment"), REFUSED, ids=[f"{c[0]}:{c[2]}" for c in REFUSED])
 def test_refused_with_the_field_named(name, overrides, field, fragment):
     _refused(name, overrides, field, fragment)
 
 
 def test_hierarchical_nodes_that_hold_whole_ep_groups_load():
-    recipe = load_recipe("qwen3-moe-tiny", ["model.moe.dispatcher=hierarchical", "launch.nodes=2",
-                                            "launch.gpus_per_node=4", "parallel.ep=8", "train.global_batch_size=64"])
+    recipe = load_recipe(
+        "qwen3-moe-tiny",
+        [
+            "model.moe.dispatcher=hierarchical",
+            "launch.nodes=2",
+            "launch.gpus_per_node=4",
+            "parallel.ep=8",
+            "train.global_batch_size=64",
+        ],
+    )
     assert ep_split(MeshShape.from_recipe(recipe), 4) == (2, 4)
 
 
@@ -248,7 +277,12 @@ def test_ep_node_split_problem_matches_the_rank_by_rank_check():
                     world = ep * etp * groups
                     found = ep_node_split_problem(world_size=world, ep=ep, etp=etp, node_ranks=node_ranks)
                     assert (found is not None) == _brute_force_split_problem(world, ep, etp, node_ranks), (
-                        ep, etp, node_ranks, world, found)
+                        ep,
+                        etp,
+                        node_ranks,
+                        world,
+                        found,
+                    )
                     checked += found is not None
     assert checked > 50, checked  # the walk meets both answers
 
@@ -277,14 +311,18 @@ def test_prepare_refuses_an_empty_parquet_and_validate_a_0_document_dataset(tmp_
 # ----------------------------------------------------------------------------------- CLI level
 
 
-@pytest.mark.parametrize("args", [
-    ("validate", "deepseek-v3", "--set", "model.kv_lora_rank=null"),
-    ("validate", "qwen3-8b", "--set", "model.num_layers=1000000000000"),
-    ("validate", "deepseek-v3", "--set", "model.moe.num_experts=1000000000000"),
-    ("validate", "qwen3-tiny", "--set", "launch.startup_timeout_minutes=.inf"),
-    ("validate", "qwen3-moe-tiny", "--set", "parallel.cp=true"),
-    ("plan", "deepseek-v3", "--gpu", "h100", "--set", "train.fp8.recipe=mxfp8"),
-], ids=lambda args: " ".join(args[1:]))
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("validate", "deepseek-v3", "--set", "model.kv_lora_rank=null"),
+        ("validate", "qwen3-8b", "--set", "model.num_layers=1000000000000"),
+        ("validate", "deepseek-v3", "--set", "model.moe.num_experts=1000000000000"),
+        ("validate", "qwen3-tiny", "--set", "launch.startup_timeout_minutes=.inf"),
+        ("validate", "qwen3-moe-tiny", "--set", "parallel.cp=true"),
+        ("plan", "deepseek-v3", "--gpu", "h100", "--set", "train.fp8.recipe=mxfp8"),
+    ],
+    ids=lambda args: " ".join(args[1:]),
+)
 def test_cli_one_line_exit_2(args):
     started = time.perf_counter()
     result = run_cli(*args)
@@ -302,8 +340,10 @@ def test_cli_one_line_exit_2(args):
 def test_count_parameters_counts_layers_without_walking_them(name):
     m = load_recipe(name).model
     embedding = m.vocab_size * m.hidden_size * (1 if m.tie_embeddings else 2) + m.hidden_size
-    walked = [tuple(_layer(m, moe_layer=m.is_moe_layer(i), active=active) for active in (False, True))
-              for i in range(m.num_layers)]
+    walked = [
+        tuple(_layer(m, moe_layer=m.is_moe_layer(i), active=active) for active in (False, True))
+        for i in range(m.num_layers)
+    ]
     count = count_parameters(m)
     assert (count.total, count.active) == (embedding + sum(t for t, _ in walked), embedding + sum(a for _, a in walked))
     started = time.perf_counter()  # the layers past the recipe's are like its last
