@@ -94,6 +94,7 @@ def test_stage_timeouts_fit_inside_the_deadline_and_the_deadline_inside_check_sh
     assert outer and int(outer.group(1)) > check.DEADLINE
 
 
+@pytest.mark.slow
 def test_dry_run_builds_every_stage_and_validates_its_recipes_for_cuda(tmp_path: Path) -> None:
     """Nothing runs; every recipe a stage trains is loaded for cuda (validate's mxfp8 refusal on an H200 and te
     without transformer-engine are the stages' own findings), eager everywhere but the compile stage."""
