@@ -8,7 +8,7 @@ its collectives and the trainer's step are those of training, but the only gradi
 layers attach (aux_loss for qwen3-moe-tiny, seq_aux_loss + z-loss for deepseek-v3-tiny), after every reduction
 of the layout. Every parameter's gradient is compared with the single-process run of the same micro-batch size
 (the router weights and everything upstream of them: attention, norms, earlier experts, the embedding).
-global_aux_loss depends on dp by definition (DECISIONS), so its gradient is compared with a direct computation
+global_aux_loss depends on dp by definition (docs/decisions.md), so its gradient is compared with a direct computation
 of Megatron-Core's definition over the data-parallel ranks' micro-batches instead.
 
 fp32: the router computes in fp32 whatever the model's dtype, so fp64 cannot reach the losses. Without the

@@ -23,7 +23,7 @@ from moe_train.plan.flop_count import forward_flops_per_token
 from moe_train.plan.params import attention_matrices, count_parameters, ffn_matrices
 
 REPO = Path(__file__).resolve().parents[1]
-# INTERFACES.md's keys, then the documented extras (docs/measure.md).
+# The contract's keys (docs/interfaces.md), then the documented extras (docs/measure.md).
 CONTRACT_KEYS = {
     "world_size", "rank", "layers", "activation_bytes_per_layer", "activation_bytes_total", "param_bytes",
     "grad_bytes", "optimizer_bytes", "flops", "comm_bytes", "peak_memory_bytes",

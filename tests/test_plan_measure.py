@@ -1,4 +1,4 @@
-"""`plan` held to `measure` (DECISIONS.md: forced even routing, the same rank): parameter bytes exactly, and
+"""`plan` held to `measure` (docs/decisions.md: forced even routing, the same rank): parameter bytes exactly, and
 activation bytes per layer, FLOPs per step by phase and bytes per `<group>/<op>`: exactly on the tiny recipes
 (every tensor-parallel layout at t = 1, 2, 4 with SP on and off, against every recompute policy), within 3% on
 a pairwise sample of full-size single layers through `--fake`, and the same on real gloo layouts

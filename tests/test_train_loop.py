@@ -1,4 +1,4 @@
-"""The training loop: metrics.jsonl as INTERFACES.md defines it, non-finite steps, the expert-bias update."""
+"""The training loop: metrics.jsonl as docs/interfaces.md defines it, non-finite steps, the expert-bias update."""
 
 from __future__ import annotations
 

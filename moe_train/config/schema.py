@@ -1,4 +1,4 @@
-"""The recipe schema: every field a YAML recipe may hold (../shared/INTERFACES.md is the contract).
+"""The recipe schema: every field a YAML recipe may hold (docs/interfaces.md records each).
 
 Every model forbids unknown keys, so a typo is an error rather than a silently ignored setting. Rules that
 relate several fields live in `rules.py`, where all problems can be reported at once instead of stopping at
@@ -142,7 +142,7 @@ class ModelConfig(Section):
 
     def padded_vocab_size(self) -> int:
         """The vocabulary padded to a multiple of make_vocab_size_divisible_by. Never by tp (Megatron-LM pads by
-        divisible_by x tp): every layout must have the same parameter shapes to reshard (DECISIONS.md), so
+        divisible_by x tp): every layout must have the same parameter shapes to reshard (docs/decisions.md), so
         validate checks that tp divides this size instead."""
         multiple = self.make_vocab_size_divisible_by
         return -(-self.vocab_size // multiple) * multiple

@@ -27,7 +27,7 @@ from .shell import LaunchError
 # Fields that may differ between two launches of the same run: where the recipe came from, how it was
 # written down, whether to resume, where this launch stops early, and the layout: how the same math is spread
 # over devices (`parallel.*`, `launch.*`, `train.micro_batch_size`), since checkpoints reshard on load
-# (INTERFACES.md, run directory; SCENARIOS.md journey 7). recipe.yaml then records the latest launch's layout.
+# (docs/interfaces.md, run directory). recipe.yaml then records the latest launch's layout.
 # Everything else must match.
 IGNORED_FIELDS: tuple[tuple[str, ...], ...] = (
     ("provenance",),
