@@ -5,7 +5,7 @@ all-to-all with the splits swapped, all-gather's is reduce-scatter (sum) and red
 So gradients reach the hidden states and the routing weights on the ranks that own the tokens.
 
 Bytes are added to a `collections.Counter` under the op's name, in forward and in backward (and again when
-activation checkpointing recomputes a forward), with measure's payload convention (docs/measure.md): all-to-all counts the
+activation checkpointing recomputes a forward), in measure's convention (docs/measure.md): all-to-all counts the
 rows sent to other ranks, all-gather the local shard, reduce-scatter the input tensor.
 
 Each collective is issued asynchronously and waited on through `run_collective` (models/moe/collective_turns.py): in a
