@@ -46,6 +46,7 @@ MODELS_MAY_USE_DISTRIBUTED = frozenset({
     "models/moe/dispatch_hierarchical.py",
     "models/moe/dispatch_allgather.py",
     "models/moe/dispatch_collectives.py",  # the dispatchers' autograd collectives
+    "models/moe/collective_turns.py",  # ep_overlap's turn-taking: the dispatch collectives issued async, waited in turn
     "models/moe/expert_group.py",  # the dispatchers' process group and its rank
     "models/moe/aux_loss.py",  # balancing-loss collectives: token counts over the sequence's ranks
     "models/moe/layer.py",  # global_aux_loss's token counts over tp and dp

@@ -43,6 +43,8 @@ IGNORED_FIELDS: tuple[tuple[str, ...], ...] = (
     ("logging", "wandb"),
     ("train", "compile"),  # compiled blocks compute what eager ones do (moe_train/parallel/compile.py)
     ("model", "moe", "dispatcher"),  # how tokens travel to their experts, not what the experts compute
+    ("model", "moe", "placement"),  # which rank holds which expert: a layout (checkpoints keep global ids)
+    ("logging", "routing_trace"),  # a record of the routing, not a change to it
     ("train", "fp8", "saved_inputs"),  # what fp8 GEMMs keep for backward: memory, the same numbers bit for bit
 )
 

@@ -66,9 +66,12 @@ def count_parameters(m: ModelConfig, *, padded: bool = False) -> ParameterCount:
     vocab = m.padded_vocab_size() if padded else m.vocab_size
     embedding = vocab * m.hidden_size * (1 if m.tie_embeddings else 2)
     total = active = embedding + m.hidden_size  # + final norm
-    for index in range(m.num_layers):
-        total += _layer(m, moe_layer=m.is_moe_layer(index), active=False)
-        active += _layer(m, moe_layer=m.is_moe_layer(index), active=True)
+    moe_layers = m.moe_layers_in(0, m.num_layers)  # counted, not walked: validate answers at any num_layers
+    for moe_layer, count in ((True, moe_layers), (False, m.num_layers - moe_layers)):
+        if not count:
+            continue
+        total += count * _layer(m, moe_layer=moe_layer, active=False)
+        active += count * _layer(m, moe_layer=moe_layer, active=True)
     mtp_block = _layer(m, moe_layer=m.moe is not None, active=False)
     mtp = m.mtp_layers * (mtp_block + 2 * m.hidden_size * m.hidden_size + 3 * m.hidden_size)
     return ParameterCount(total=total, active=active, embedding=embedding, mtp=mtp)

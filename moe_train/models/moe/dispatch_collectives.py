@@ -4,6 +4,11 @@ Each is a small autograd function whose backward is the transposed collective: a
 all-to-all with the splits swapped, all-gather's is reduce-scatter (sum) and reduce-scatter's is all-gather.
 So gradients reach the hidden states and the routing weights on the ranks that own the tokens. The bytes they
 move are counted by `moe-train measure` (measure/traffic.py), which sees every collective a step runs.
+
+Each collective is issued asynchronously and waited on through `run_collective` (models/moe/collective_turns.py): in a
+plain step that is issue-then-wait, the blocking call; inside an overlapped pair of micro-batches
+(`parallel.ep_overlap`) the paired micro-batch computes between the issue and the wait. Either way the wait's
+and the collective's own time are booked per kind (`comm_wait_times`).
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from moe_train.models.moe.collective_turns import run_collective
 
 
 def all_to_all_rows(
@@ -38,21 +45,23 @@ def _all_to_all(rows: torch.Tensor, send_splits: list[int], recv_splits: list[in
                 ) -> torch.Tensor:
     rows = rows.contiguous()
     out = rows.new_empty(sum(recv_splits), *rows.shape[1:])
-    dist.all_to_all_single(out, rows, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group)
+    run_collective("all_to_all", lambda: dist.all_to_all_single(
+        out, rows, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group, async_op=True))
     return out
 
 
 def _all_gather(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty(dist.get_world_size(group) * x.shape[0], *x.shape[1:])
-    dist.all_gather_single(out, x, group=group)
+    run_collective("all_gather", lambda: dist.all_gather_single(out, x, group=group, async_op=True))
     return out
 
 
 def _reduce_scatter(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty(x.shape[0] // dist.get_world_size(group), *x.shape[1:])
-    dist.reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group)
+    run_collective("reduce_scatter", lambda: dist.reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group,
+                                                                        async_op=True))
     return out
 
 
