@@ -82,8 +82,8 @@ def test_forced_pattern_realises_the_expectation_with_even_loads(tokens):
 @pytest.mark.usefixtures("no_process_group")
 def test_spread_bytes_plan_exactly_what_measure_fake_counts():
     """deepseek-v3-tiny (16 experts in 4 groups, 2 kept, top-4) at EP8 over 4 emulated nodes, hierarchical:
-    the network rows follow the group-limited spread (2.7 nodes a token in expectation, not the one node the
-    round-robin pattern needed), and measure --fake counts exactly the bytes plan says."""
+    one group a node, so the group limit is a node limit and every token needs exactly 2 nodes (the round-robin
+    pattern's 4 consecutive experts needed one); measure --fake counts exactly the bytes plan says."""
     from moe_train.measure.driver import Target, measure
 
     recipe = load_recipe("deepseek-v3-tiny", [
@@ -96,5 +96,6 @@ def test_spread_bytes_plan_exactly_what_measure_fake_counts():
     assert keys == ["eplocal/all_to_all", "epnode/all_to_all"]
     assert {key: plan["comm_bytes"][key] for key in keys} == {key: report["comm_bytes"][key] for key in keys}
     forced = ForcedRouting.of(recipe.model.moe, 4)
-    assert forced.mean_spread(64) > 2.5  # tokens span several nodes
-    assert plan["routing"]["expected_nodes"] == pytest.approx(forced.mean_spread(64), abs=0.1)
+    assert forced.mean_spread(64) == plan["routing"]["expected_nodes"] == plan["routing"]["forced_nodes"] == 2.0
+    # each of a rank's 64 tokens once to each of its 2 nodes, half of them to node 0 (this rank's own)
+    assert sum(forced.domain_tokens(64)) == 128 and forced.domain_tokens(64)[0] == 32
