@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from moe_train.config import Recipe, unsupported
@@ -49,8 +50,8 @@ def summary_table(recipe: Recipe) -> Table:
         extras.append(f"{p.recompute.granularity} recompute ({', '.join(p.recompute.modules)})")
     table.add_row("layout", layout + (f"; {', '.join(extras)}" if extras else ""))
     hardware = hardware_table()[launch.gpu]
-    table.add_row(
-        "world size", f"{recipe.world_size} = {launch.nodes} node(s) x {launch.gpus_per_node} ({hardware.name})"
+    table.add_row(  # a hardware file's name and the run dir are the user's text, not rich markup
+        "world size", f"{recipe.world_size} = {launch.nodes} node(s) x {launch.gpus_per_node} ({escape(hardware.name)})"
     )
     tokens = t.global_batch_size * t.seq_length
     micro_batches = t.global_batch_size // (t.micro_batch_size * recipe.dp)
@@ -64,7 +65,7 @@ def summary_table(recipe: Recipe) -> Table:
     precision = (f"fp8 {scaling} ({t.fp8.backend}: {', '.join(t.fp8.modules)})" if t.precision == "fp8"
                  else t.precision)
     table.add_row("training", f"{t.steps:,} steps, {precision}, lr {t.lr:g} ({t.lr_schedule})")
-    table.add_row("run dir", recipe.resolved_run_dir())
+    table.add_row("run dir", escape(recipe.resolved_run_dir()))
     missing = unsupported(recipe)
     table.add_row(
         "engine",

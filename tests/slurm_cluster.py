@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 BINARIES = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sinfo", "scancel")
 # Set by .ci/run where a cluster can run (root, apt-get): there a skip would hide the tests, so it fails instead.
@@ -38,12 +39,6 @@ INSTALL_HINT = (
     "apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "
     "slurmctld slurmd slurm-client munge"
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -159,8 +154,8 @@ def start_cluster(root: Path) -> SlurmCluster:
     socket_path = run / "munge.socket.2"
     subprocess.run([_binary("mungekey"), "--create", f"--keyfile={key}", "--force"], check=True,
                    capture_output=True)
-    ctld_port = _free_port()
-    node_lines = [f"NodeName={name} NodeAddr=127.0.0.1 NodeHostname={name} Port={_free_port()} "
+    ctld_port = free_port()
+    node_lines = [f"NodeName={name} NodeAddr=127.0.0.1 NodeHostname={name} Port={free_port()} "
                   f"CPUs={os.cpu_count()} State=UNKNOWN"
                   for name in nodes]
     conf = root / "slurm.conf"

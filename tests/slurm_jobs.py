@@ -7,7 +7,6 @@ layout's own checks."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -15,6 +14,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from helpers import read_metrics
 
 
 def cli(cluster, cwd: Path, *args: str, sets: list[str]) -> subprocess.CompletedProcess:
@@ -32,9 +33,7 @@ def job_id_of(result: subprocess.CompletedProcess) -> str:
 
 def train_losses(run_dir: Path) -> list[tuple[int, float]]:
     """(step, loss) of every train line the run logged so far."""
-    path = run_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if r["kind"] == "train"]
+    return [(r["step"], r["loss"]) for r in read_metrics(run_dir, "train", missing_ok=True)]
 
 
 def job_log(run_dir: Path, job_id: str) -> Path:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import run_cli
+from helpers import SHRINK_CLI, read_metrics, sets
 from processes import run_bounded
-from test_run_cli import SHRINK, sets, train_lines
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from moe_train.checkpoint.layout import latest_checkpoint
@@ -39,14 +39,14 @@ def saved_tensors(checkpoint: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
 def numbers(run_dir: Path) -> list[dict]:
     """The train lines without the timings and the process's memory, which differ from run to run."""
     timed = ("tokens_per_s", "tflops_per_device", "mfu", "memory_bytes")
-    return [{k: v for k, v in r.items() if k not in timed} for r in train_lines(run_dir)]
+    return [{k: v for k, v in r.items() if k not in timed} for r in read_metrics(run_dir, "train")]
 
 
 @pytest.fixture(scope="module")
 def sync_run(tmp_path_factory) -> Path:
     """The single process with synchronous saves: what both tests compare with (one run for the two)."""
     run_dir = tmp_path_factory.mktemp("sync")
-    result = run_cli("run", "qwen3-moe-tiny", *sets(*SHRINK, *STEPS, "checkpoint.async_save=false",
+    result = run_cli("run", "qwen3-moe-tiny", *sets(*SHRINK_CLI, *STEPS, "checkpoint.async_save=false",
                                                      f"run_dir={run_dir}"))
     assert result.code == 0, result.stderr
     return run_dir
@@ -54,7 +54,7 @@ def sync_run(tmp_path_factory) -> Path:
 
 def test_async_saves_equal_sync_saves_and_resume_the_same(tmp_path: Path, sync_run: Path) -> None:
     runs = {"sync": sync_run, "async": tmp_path / "async"}
-    result = run_cli("run", "qwen3-moe-tiny", *sets(*SHRINK, *STEPS, "checkpoint.async_save=true",
+    result = run_cli("run", "qwen3-moe-tiny", *sets(*SHRINK_CLI, *STEPS, "checkpoint.async_save=true",
                                                      f"run_dir={runs['async']}"))
     assert result.code == 0, result.stderr
     assert "checkpoint staged, writing in the background" in result.stdout
@@ -69,17 +69,19 @@ def test_async_saves_equal_sync_saves_and_resume_the_same(tmp_path: Path, sync_r
     assert numbers(runs["async"]) == numbers(runs["sync"])
     # A new run resumed from the background save of step 2 trains steps 3 and 4 as the uninterrupted run did.
     resumed, step_2 = tmp_path / "resumed", runs["async"] / "checkpoints" / "step-0000002"
-    result = run_cli("run", "qwen3-moe-tiny", *sets(*SHRINK, *STEPS, f"run_dir={resumed}",
+    result = run_cli("run", "qwen3-moe-tiny", *sets(*SHRINK_CLI, *STEPS, f"run_dir={resumed}",
                                                      f"checkpoint.resume={step_2}"))
     assert result.code == 0, result.stderr
-    assert [r["loss"] for r in train_lines(resumed)] == [r["loss"] for r in train_lines(runs["sync"])[2:]]
+    sync_losses = [r["loss"] for r in read_metrics(runs["sync"], "train")]
+    assert [r["loss"] for r in read_metrics(resumed, "train")] == sync_losses[2:]
 
 
+@pytest.mark.slow
 def test_async_save_on_two_gloo_ranks_equals_one_rank(tmp_path: Path, sync_run: Path) -> None:
     """Two ranks through torchrun: the background write runs DCP and the manifest on its own gloo group."""
     one, two = sync_run, tmp_path / "two"
     done = run_bounded([sys.executable, "-m", "moe_train.cli.main", "run", "qwen3-moe-tiny", "--nproc", "2",
-                        *sets(*SHRINK, *STEPS, "checkpoint.async_save=true", f"run_dir={two}")], timeout=180)
+                        *sets(*SHRINK_CLI, *STEPS, "checkpoint.async_save=true", f"run_dir={two}")], timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "checkpoint staged, writing in the background" in done.stdout
     for step in (1, 2, 3):

@@ -4,10 +4,10 @@ and one rank's NaN on 4 ranks: tests/test_resilience.py."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
+from helpers import SHRINK, read_metrics, train_losses, trainer
 
 from moe_train.checkpoint.layout import latest_checkpoint
 from moe_train.config import RecipeError, load_recipe
@@ -15,19 +15,7 @@ from moe_train.train.bad_steps import BadSteps
 from moe_train.train.errors import TrainingError
 from moe_train.train.loop import Trainer
 
-SHRINK = ["model.num_layers=2", "train.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=2",
-          "train.warmup_steps=1", "train.precision=fp32", "logging.interval=1", "checkpoint.interval=null",
-          "train.eval_interval=null"]
 SPIKE = ["train.loss_spike_threshold=3", "train.loss_spike_window=2"]
-
-
-def trainer(run_dir: Path, *extra: str) -> Trainer:
-    return Trainer(load_recipe("qwen3-tiny", [*SHRINK, f"run_dir={run_dir}", *extra]))
-
-
-def train_records(run_dir: Path) -> dict[int, dict]:
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in lines if r["kind"] == "train"}
 
 
 def spike(t: Trainer, step: int, factor: float = 10.0) -> None:
@@ -59,7 +47,7 @@ def test_the_window_judges_against_applied_steps_only() -> None:
 
 
 def test_a_spike_is_skipped_and_counted_and_applies_nothing(tmp_path: Path) -> None:
-    t = trainer(tmp_path, "train.steps=5", *SPIKE)
+    t = trainer("qwen3-tiny", tmp_path, "train.steps=5", *SPIKE)
     spike(t, 4)
     states = {}
 
@@ -68,7 +56,7 @@ def test_a_spike_is_skipped_and_counted_and_applies_nothing(tmp_path: Path) -> N
 
     t.optimizers[0].register_step_post_hook(keep)
     summary = t.train()
-    lines = train_records(tmp_path)
+    lines = {r["step"]: r for r in read_metrics(tmp_path, "train")}
     assert summary.status == "complete" and [lines[s]["skipped"] for s in range(1, 6)] == [0, 0, 0, 1, 1]
     assert lines[4]["loss"] > 3 * (lines[2]["loss"] + lines[3]["loss"]) / 2  # logged as it was: finite
     assert sorted(states) == [0, 1, 2, 4]  # the optimizer stepped at steps 1, 2, 3 and 5, never at step 4
@@ -76,7 +64,7 @@ def test_a_spike_is_skipped_and_counted_and_applies_nothing(tmp_path: Path) -> N
 
 
 def test_on_loss_spike_stop_raises_without_checkpointing_the_spike(tmp_path: Path) -> None:
-    t = trainer(tmp_path, "train.steps=5", *SPIKE, "train.on_loss_spike=stop", "checkpoint.interval=1")
+    t = trainer("qwen3-tiny", tmp_path, "train.steps=5", *SPIKE, "train.on_loss_spike=stop", "checkpoint.interval=1")
     spike(t, 4)
     with pytest.raises(TrainingError, match=r"rank 0: loss spike: .* at step 4 \(train.on_loss_spike: stop\)"):
         t.train()
@@ -84,12 +72,12 @@ def test_on_loss_spike_stop_raises_without_checkpointing_the_spike(tmp_path: Pat
 
 
 def test_the_window_is_checkpointed_so_a_resumed_run_judges_the_same(tmp_path: Path) -> None:
-    straight = trainer(tmp_path / "straight", "train.steps=4", *SPIKE)
+    straight = trainer("qwen3-tiny", tmp_path / "straight", "train.steps=4", *SPIKE)
     straight.train()
-    trainer(tmp_path / "split", "train.steps=4", *SPIKE, "train.exit_at_step=3").train()
-    resumed = trainer(tmp_path / "split", "train.steps=4", *SPIKE, "checkpoint.resume=required")
+    trainer("qwen3-tiny", tmp_path / "split", "train.steps=4", *SPIKE, "train.exit_at_step=3").train()
+    resumed = trainer("qwen3-tiny", tmp_path / "split", "train.steps=4", *SPIKE, "checkpoint.resume=required")
     assert len(resumed.progress.recent_losses) == 2
-    assert resumed.bad_steps.recent_losses == tuple(train_records(tmp_path / "straight")[s]["loss"] for s in (2, 3))
+    assert resumed.bad_steps.recent_losses == tuple(train_losses(tmp_path / "straight")[s] for s in (2, 3))
     resumed.train()
     assert resumed.progress == straight.progress
 

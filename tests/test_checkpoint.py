@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import SHRINK_ONE_LAYER
 
 from moe_train.checkpoint.layout import CheckpointError, is_complete, latest_checkpoint, tmp_dir
 from moe_train.checkpoint.resume import start_point
@@ -22,9 +23,6 @@ from moe_train.config import load_recipe
 from moe_train.models import build_model
 from moe_train.train.loop import Trainer
 from moe_train.train.optimizer import build_optimizer
-
-SHRINK = ["model.num_layers=1", "train.seq_length=16", "train.global_batch_size=2", "train.micro_batch_size=2",
-          "train.warmup_steps=0", "train.eval_interval=null", "train.precision=fp32"]
 
 
 def small_model_and_optimizer(seed: int = 0):
@@ -132,13 +130,14 @@ def test_model_only_checkpoint_loads_strictly(tmp_path: Path) -> None:
 
 
 def test_trainer_resume_required_without_checkpoint_is_an_input_error(tmp_path: Path) -> None:
-    recipe = load_recipe("qwen3-tiny", [*SHRINK, "train.steps=2", f"run_dir={tmp_path}", "checkpoint.resume=required"])
+    recipe = load_recipe("qwen3-tiny", [*SHRINK_ONE_LAYER, "train.steps=2", f"run_dir={tmp_path}",
+                                        "checkpoint.resume=required"])
     with pytest.raises(CheckpointError, match="required"):
         Trainer(recipe)
 
 
 def test_init_from_loads_weights_with_a_fresh_optimizer_at_step_zero(tmp_path: Path) -> None:
-    source = load_recipe("qwen3-tiny", [*SHRINK, "train.steps=2", f"run_dir={tmp_path / 'a'}"])
+    source = load_recipe("qwen3-tiny", [*SHRINK_ONE_LAYER, "train.steps=2", f"run_dir={tmp_path / 'a'}"])
     trained = Trainer(source)
     trained.train()
     ckpt = latest_checkpoint(tmp_path / "a" / "checkpoints")
@@ -146,7 +145,7 @@ def test_init_from_loads_weights_with_a_fresh_optimizer_at_step_zero(tmp_path: P
     save_model_weights(model_only, trained.chunks[0].state_dict())
     for init_from in (ckpt, model_only):  # a full checkpoint works as init_from too
         run_dir = tmp_path / f"b-{init_from.name}"
-        target = Trainer(load_recipe("qwen3-tiny", [*SHRINK, "train.steps=2", f"run_dir={run_dir}",
+        target = Trainer(load_recipe("qwen3-tiny", [*SHRINK_ONE_LAYER, "train.steps=2", f"run_dir={run_dir}",
                                                     f"checkpoint.init_from={init_from}"]))
         assert target.progress == Progress() and target.started_from == init_from
         assert not target.optimizers[0].state

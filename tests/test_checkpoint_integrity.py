@@ -4,7 +4,6 @@ fallback to the newest intact checkpoint, and checkpoints from elsewhere read th
 from __future__ import annotations
 
 import hashlib
-import json
 import pickle
 import shutil
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import assert_bad_input, run_cli
+from helpers import SHRINK_ONE_LAYER, train_losses
 
 from moe_train.checkpoint import manifest
 from moe_train.checkpoint.layout import LATEST, CheckpointError
@@ -20,9 +20,6 @@ from moe_train.checkpoint.save import save_checkpoint
 from moe_train.checkpoint.state import Progress, load_model_weights
 from moe_train.config import load_recipe
 from moe_train.train.loop import Trainer
-
-SHRINK = ["model.num_layers=1", "train.seq_length=16", "train.global_batch_size=2", "train.micro_batch_size=2",
-          "train.warmup_steps=0", "train.eval_interval=null", "train.precision=fp32", "logging.interval=1"]
 
 
 def small() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -40,9 +37,7 @@ def saved(ckpt_dir: Path, *steps: int) -> list[Path]:
                             model_config={"step": s}, keep=None) for s in steps]
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
 
 
 def flip_byte(path: Path, offset: int | None = None) -> None:
@@ -108,11 +103,11 @@ def test_latest_missing_or_naming_a_lost_folder_falls_back_to_older_complete_che
 
 
 def test_the_trainer_resumes_from_the_newest_intact_checkpoint_and_says_so(tmp_path: Path, capsys) -> None:
-    recipe = load_recipe("qwen3-tiny", [*SHRINK, "train.steps=3", "checkpoint.interval=1", "checkpoint.keep=null",
-                                        f"run_dir={tmp_path}"])
+    recipe = load_recipe("qwen3-tiny", [*SHRINK_ONE_LAYER, "train.steps=3", "checkpoint.interval=1",
+                                        "checkpoint.keep=null", f"run_dir={tmp_path}"])
     Trainer(recipe).train()
     ckpts = tmp_path / "checkpoints"
-    history = losses(tmp_path)
+    history = train_losses(tmp_path)
     flip_byte(ckpts / "step-0000003" / ".metadata", offset=40)  # the pickle: never unpickled once damaged
     capsys.readouterr()
     trainer = Trainer(recipe)
@@ -122,12 +117,12 @@ def test_the_trainer_resumes_from_the_newest_intact_checkpoint_and_says_so(tmp_p
     assert f"checkpoint {ckpts / 'step-0000003'} is not intact, not resumed from: " in out
     assert "resuming from step-0000002, the newest intact checkpoint" in out
     # Step 3 trained again from step 2 is the same step 3 (fp32, bit for bit), and its new save is intact.
-    assert summary.step == 3 and losses(tmp_path) == history
+    assert summary.step == 3 and train_losses(tmp_path) == history
     assert manifest.verify(ckpts / "step-0000003") == []
 
 
 def test_convert_refuses_a_damaged_checkpoint(tmp_path: Path) -> None:
-    recipe = load_recipe("qwen3-tiny", [*SHRINK, "train.steps=1", f"run_dir={tmp_path}"])
+    recipe = load_recipe("qwen3-tiny", [*SHRINK_ONE_LAYER, "train.steps=1", f"run_dir={tmp_path}"])
     Trainer(recipe).train()
     ckpt = tmp_path / "checkpoints" / "step-0000001"
     shard = next(ckpt.glob("*.distcp"))
@@ -151,11 +146,11 @@ class _Payload:
 def test_a_checkpoint_from_elsewhere_cannot_run_code_through_its_metadata(tmp_path: Path) -> None:
     """A crafted .metadata with a valid manifest (a manifest proves integrity, not origin) given as init_from or
     to convert: refused naming the global, and nothing ran. An honest foreign checkpoint loads the same way."""
-    recipe = load_recipe("qwen3-tiny", [*SHRINK, "train.steps=1", f"run_dir={tmp_path / 'a'}"])
+    recipe = load_recipe("qwen3-tiny", [*SHRINK_ONE_LAYER, "train.steps=1", f"run_dir={tmp_path / 'a'}"])
     trainer = Trainer(recipe)
     trainer.train()
     honest = tmp_path / "a" / "checkpoints" / "step-0000001"
-    model = Trainer(load_recipe("qwen3-tiny", [*SHRINK, "train.steps=1", f"run_dir={tmp_path / 'b'}",
+    model = Trainer(load_recipe("qwen3-tiny", [*SHRINK_ONE_LAYER, "train.steps=1", f"run_dir={tmp_path / 'b'}",
                                               f"checkpoint.init_from={honest}"])).chunks[0]
     for (name, a), b in zip(trainer.chunks[0].state_dict().items(), model.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
@@ -169,6 +164,6 @@ def test_a_checkpoint_from_elsewhere_cannot_run_code_through_its_metadata(tmp_pa
         load_model_weights(crafted, model)
     assert_bad_input(run_cli("convert", "to-hf", str(crafted), "-o", str(tmp_path / "hf")), "posix.system")
     with pytest.raises(CheckpointError, match="posix.system"):
-        Trainer(load_recipe("qwen3-tiny", [*SHRINK, "train.steps=1", f"run_dir={tmp_path / 'c'}",
+        Trainer(load_recipe("qwen3-tiny", [*SHRINK_ONE_LAYER, "train.steps=1", f"run_dir={tmp_path / 'c'}",
                                            f"checkpoint.init_from={crafted}"]))
     assert not marker.exists()

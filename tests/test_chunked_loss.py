@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_plan_measure import GPU, plan_against_measure
+from helpers import BF16_TOLERANCE, GPU, SHRINK_LAYOUT, assert_same_run, plan_against_measure
 
 from moe_train.config import load_recipe
 from moe_train.config.loss_chunks import AUTO_CHUNK_TOKENS, loss_chunk_tokens
@@ -116,10 +116,9 @@ def test_chunked_loss_trains_as_the_unchunked_under_fsdp2_bf16(tmp_path):
     """The trainer's build in bf16 (FSDP2's mixed precision: the head's weight gathered for forward, resharded,
     gathered again for the chunks' backward): two steps as the unchunked loss, within the bf16 tolerance of
     the layout tests (the chunks' logits are the same bf16 GEMM rows; their gradients are summed in fp32)."""
-    from test_data_parallel import BF16_TOLERANCE, SHRINK, assert_same_run
     from workers.record import record_run
 
-    overrides = [*SHRINK, "model.num_layers=1", "train.precision=bf16", "train.micro_batch_size=4",
+    overrides = [*SHRINK_LAYOUT, "model.num_layers=1", "train.precision=bf16", "train.micro_batch_size=4",
                  "train.adam_eps=1e-4"]
     want = record_run("qwen3-tiny", overrides, world=1, run_dir=tmp_path / "whole", steps=2)
     got = record_run("qwen3-tiny", [*overrides, "train.loss_chunk_tokens=48"], world=1, run_dir=tmp_path / "chunked",

@@ -1,7 +1,7 @@
 """train.compile: every decoder block compiled on its own (moe_train/parallel/compile.py) trains as the eager
 model does, on each family, under the recompute policies, and under TP2+SP and EP2 (real gloo ranks, one job).
 
-Compared as the layout tests compare (test_data_parallel.assert_same_run: losses relative 1e-5, gradients and
+Compared as the layout tests compare (helpers.assert_same_run: losses relative 1e-5, gradients and
 parameters after three steps rtol 1e-4 / atol 1e-6, the experts' balance figures relative 1e-6: routing and
 telemetry counted once, recompute or not); in practice compiled and eager agree to the last bit or within
 ~1e-8 on the CPU. Graphs are counted (torch._dynamo's counters): one per block kind and graph-break segment,
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import SHRINK_LAYOUT, assert_same_run
 from multirank import run_ranks
-from test_data_parallel import SHRINK, assert_same_run
 from workers.compile_layouts import counting_graphs
 from workers.record import record_run
 
@@ -53,7 +53,7 @@ def aot_eager(monkeypatch):
 def _compiled_run(name: str, overrides: list[str], run_dir: Path) -> dict:
     torch._dynamo.reset()  # nothing compiled before: every graph this run needs is made by it
     graphs: list[int] = []
-    record = record_run(name, [*SHRINK, *overrides, *COMPILED], world=1, run_dir=run_dir, steps=STEPS,
+    record = record_run(name, [*SHRINK_LAYOUT, *overrides, *COMPILED], world=1, run_dir=run_dir, steps=STEPS,
                         prepare=counting_graphs(graphs))
     return {**record, "graphs": graphs}
 
@@ -71,7 +71,7 @@ def _assert_compiled_once(graphs: list[int], expected: int | None) -> int:
 def test_compiled_blocks_train_as_eager_on_each_family(tmp_path, aot_eager):
     for name, recompute, graphs in FAMILIES:
         overrides = [*FP32, *recompute]
-        eager = record_run(name, [*SHRINK, *overrides], world=1, run_dir=tmp_path / f"eager-{name}", steps=STEPS)
+        eager = record_run(name, [*SHRINK_LAYOUT, *overrides], world=1, run_dir=tmp_path / f"eager-{name}", steps=STEPS)
         compiled = _compiled_run(name, overrides, tmp_path / f"compiled-{name}")
         assert_same_run(compiled, eager)
         _assert_compiled_once(compiled["graphs"], graphs)
@@ -90,7 +90,7 @@ def _saved_for_backward(name: str, overrides: list[str]) -> tuple[int, int]:
     from moe_train.parallel.bootstrap import bootstrap, shutdown
     from moe_train.train.build import build_training
 
-    recipe = load_recipe(name, [*SHRINK, *FP32, *overrides], check_files=False)
+    recipe = load_recipe(name, [*SHRINK_LAYOUT, *FP32, *overrides], check_files=False)
     ctx = bootstrap(recipe)
     try:
         torch._dynamo.reset()
@@ -132,7 +132,7 @@ def test_inductor_compiles_a_block_as_eager_trains_it(tmp_path):
     eager within the layout tolerance (fused kernels round differently)."""
     assert os.environ.get(BACKEND_ENV) is None
     overrides = [*FP32, "model.num_layers=1"]
-    eager = record_run("qwen3-tiny", [*SHRINK, *overrides], world=1, run_dir=tmp_path / "eager", steps=STEPS)
+    eager = record_run("qwen3-tiny", [*SHRINK_LAYOUT, *overrides], world=1, run_dir=tmp_path / "eager", steps=STEPS)
     compiled = _compiled_run("qwen3-tiny", overrides, tmp_path / "inductor")
     assert_same_run(compiled, eager)
     _assert_compiled_once(compiled["graphs"], 1)
@@ -150,7 +150,7 @@ def test_train_compile_defaults_by_device_and_continues_a_run():
 # ------------------------------------------------------------------------------- layouts (one 2-rank job)
 
 TP_FP32 = ["train.precision=fp32", "train.adam_eps=1e-5", "train.global_batch_size=4"]  # test_tensor_parallel's
-EP_MOE = ["train.micro_batch_size=1", "train.precision=fp32"]  # test_data_parallel's EP cases
+EP_MOE = ["train.micro_batch_size=1", "train.precision=fp32"]  # as the EP cases of test_data_parallel
 SP2 = ["parallel.tp=2", "parallel.sequence_parallel=true"]
 CHUNKED = ["train.loss_chunk_tokens=24"]  # 64 tokens a micro-batch: two whole chunks and a part
 # (id, model, overrides, the single process's overrides it must equal)
@@ -166,16 +166,17 @@ WORLD2 = [
 ]
 
 
+@pytest.mark.slow
 def test_compiled_and_chunked_layouts_equal_the_single_process(tmp_path, aot_eager):
     """TP2+SP (full recompute) and EP2 (all-to-all) compiled, and the chunked loss under vocabulary parallelism
     (TP2 with DeepSeek-V3's MTP head, TP2+SP), against the eager, unchunked single process."""
-    cases = [{"id": case_id, "recipe": name, "overrides": [*SHRINK, *overrides], "steps": STEPS}
+    cases = [{"id": case_id, "recipe": name, "overrides": [*SHRINK_LAYOUT, *overrides], "steps": STEPS}
              for case_id, name, overrides, _ in WORLD2]
     saved = run_ranks("compile_layouts", 2, {"cases": cases, "run_root": str(tmp_path / "w2")}, tmp_path,
                       timeout=600)
     for case_id, name, _, reference in WORLD2:
         got = torch.load(saved[case_id], weights_only=True)
-        want = record_run(name, [*SHRINK, *reference], world=1, run_dir=tmp_path / f"ref-{case_id}", steps=STEPS)
+        want = record_run(name, [*SHRINK_LAYOUT, *reference], world=1, run_dir=tmp_path / f"ref-{case_id}", steps=STEPS)
         assert_same_run(got, want)
         if case_id.startswith("compile-"):
             _assert_compiled_once(got["graphs"], None)

@@ -7,8 +7,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import test_data_parallel as dp
 import torch
+from helpers import (
+    FP32,
+    LAYOUT_STEPS,
+    MEASURE_SHAPE,
+    NO_PIPELINE,
+    SHRINK_LAYOUT,
+    assert_same_run,
+    case,
+    plan_against_measure,
+)
 from multirank import run_ranks
 from workers.record import record_run
 
@@ -42,6 +51,7 @@ def _attention_cases(world: int) -> list[dict]:
     return cases
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_attention_across_shards_equals_full_attention(tmp_path: Path, world: int) -> None:
     results = run_ranks("cp_attention", world, {"cases": _attention_cases(world)}, tmp_path, timeout=120)
@@ -58,12 +68,13 @@ _REFERENCES: dict[tuple, dict] = {}
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The single-process run of a recipe (test_data_parallel's), each computed once for this module's tests."""
-    def run(recipe: str, overrides: list[str], steps: int = dp.STEPS, evaluate: bool = False) -> dict:
+    """The single-process run of a recipe (SHRINK_LAYOUT, as every layout test's), each computed once for this
+    module's tests."""
+    def run(recipe: str, overrides: list[str], steps: int = LAYOUT_STEPS, evaluate: bool = False) -> dict:
         key = (recipe, tuple(overrides), steps, evaluate)
         if key not in _REFERENCES:
             folder = tmp_path_factory.mktemp(f"ref-{recipe}")
-            _REFERENCES[key] = record_run(recipe, [*dp.SHRINK, *overrides], world=1, run_dir=folder, steps=steps,
+            _REFERENCES[key] = record_run(recipe, [*SHRINK_LAYOUT, *overrides], world=1, run_dir=folder, steps=steps,
                                           evaluate=evaluate)
         return _REFERENCES[key]
 
@@ -74,36 +85,37 @@ DOCS = "data.reset_at_eod=true"
 MTP_RECIPE = ["train.micro_batch_size=2", "train.precision=fp32"]
 
 
+@pytest.mark.slow
 def test_cp2_equals_single_process(tmp_path: Path, reference) -> None:
     """CP2 on 2 ranks (dp 1): qwen3-tiny with both K/V exchanges (and evaluation) and with packed documents,
     DeepSeek-V3-tiny (MLA, MTP, expert bias, seq_aux_loss over each sequence's shards) and qwen3-moe-tiny: the
     single process's losses, step-1 gradients, parameters and buffers after three steps, and expert balance
     figures; and a CP2 run resumed at CP1 (DP2) from its step-2 checkpoint, and a CP1 (DP2) run resumed at CP2,
     each against four straight steps."""
-    dense, moe = dp.FP32["qwen3-tiny"], dp.FP32["qwen3-moe-tiny"]
+    dense, moe = FP32["qwen3-tiny"], FP32["qwen3-moe-tiny"]
     cases = [
-        dp.case("cp2-p2p-qwen3-tiny", "qwen3-tiny", [*dense, "parallel.cp=2", "parallel.cp_comm=p2p"], evaluate=True),
-        dp.case("cp2-allgather-qwen3-tiny", "qwen3-tiny", [*dense, "parallel.cp=2", "parallel.cp_comm=allgather"]),
-        dp.case("cp2-docs-qwen3-tiny", "qwen3-tiny", [*dense, DOCS, "parallel.cp=2"]),
-        dp.case("cp2-deepseek-v3-tiny", "deepseek-v3-tiny", [*MTP_RECIPE, "parallel.cp=2"]),
-        dp.case("cp2-qwen3-moe-tiny", "qwen3-moe-tiny", [*moe, "parallel.cp=2"]),
+        case("cp2-p2p-qwen3-tiny", "qwen3-tiny", [*dense, "parallel.cp=2", "parallel.cp_comm=p2p"], evaluate=True),
+        case("cp2-allgather-qwen3-tiny", "qwen3-tiny", [*dense, "parallel.cp=2", "parallel.cp_comm=allgather"]),
+        case("cp2-docs-qwen3-tiny", "qwen3-tiny", [*dense, DOCS, "parallel.cp=2"]),
+        case("cp2-deepseek-v3-tiny", "deepseek-v3-tiny", [*MTP_RECIPE, "parallel.cp=2"]),
+        case("cp2-qwen3-moe-tiny", "qwen3-moe-tiny", [*moe, "parallel.cp=2"]),
         # two steps at cp 2, two more from its checkpoint at cp 1 (dp 2): DCP reshards, the run goes on
-        dp.case("cp2-to-cp1-qwen3-tiny", "qwen3-tiny", [*dense, "parallel.cp=2"], steps=4, stop_at=2,
+        case("cp2-to-cp1-qwen3-tiny", "qwen3-tiny", [*dense, "parallel.cp=2"], steps=4, stop_at=2,
                 resume_overrides=["parallel.cp=1"]),
         # and back: two steps at cp 1 (dp 2), two more at cp 2 (dp 1)
-        dp.case("cp1-to-cp2-qwen3-tiny", "qwen3-tiny", dense, steps=4, stop_at=2,
+        case("cp1-to-cp2-qwen3-tiny", "qwen3-tiny", dense, steps=4, stop_at=2,
                 resume_overrides=["parallel.cp=2"]),
     ]
     saved = run_ranks("train_layouts", 2, {"cases": cases, "run_root": str(tmp_path / "cp2")}, tmp_path,
                       timeout=400)
     records = {key: torch.load(path, weights_only=True) for key, path in saved.items()}
     want = reference("qwen3-tiny", dense, evaluate=True)
-    dp.assert_same_run(records["cp2-p2p-qwen3-tiny"], want)
+    assert_same_run(records["cp2-p2p-qwen3-tiny"], want)
     assert records["cp2-p2p-qwen3-tiny"]["eval"] == pytest.approx(want["eval"], rel=1e-5)  # over the shards too
-    dp.assert_same_run(records["cp2-allgather-qwen3-tiny"], want)
-    dp.assert_same_run(records["cp2-docs-qwen3-tiny"], reference("qwen3-tiny", [*dense, DOCS]))
-    dp.assert_same_run(records["cp2-deepseek-v3-tiny"], reference("deepseek-v3-tiny", MTP_RECIPE))
-    dp.assert_same_run(records["cp2-qwen3-moe-tiny"], reference("qwen3-moe-tiny", moe))
+    assert_same_run(records["cp2-allgather-qwen3-tiny"], want)
+    assert_same_run(records["cp2-docs-qwen3-tiny"], reference("qwen3-tiny", [*dense, DOCS]))
+    assert_same_run(records["cp2-deepseek-v3-tiny"], reference("deepseek-v3-tiny", MTP_RECIPE))
+    assert_same_run(records["cp2-qwen3-moe-tiny"], reference("qwen3-moe-tiny", moe))
     straight = reference("qwen3-tiny", dense, steps=4)
     for name in ("cp2-to-cp1-qwen3-tiny", "cp1-to-cp2-qwen3-tiny"):
         resumed = records[name]
@@ -113,30 +125,31 @@ def test_cp2_equals_single_process(tmp_path: Path, reference) -> None:
                                        msg=lambda m, key=key, name=name: f"{name}: {key}: {m}")
 
 
+@pytest.mark.slow
 def test_cp_composes_on_four_ranks(tmp_path: Path, reference) -> None:
     """CP4 (8 chunks) on qwen3-tiny with selective recompute (core_attn: the exchange runs again in backward);
     CP2 x TP2 + SP on qwen3-moe-tiny (the sequence split by cp, then by tp; the MoE token set over cp x tp);
     CP2 x EP2 x DP2 with full recompute (the experts' ep ranks are cp ranks: parallel folding); CP2 x PP2
     (1f1b): each the single process's run."""
-    dense, moe = dp.FP32["qwen3-tiny"], dp.FP32["qwen3-moe-tiny"]
+    dense, moe = FP32["qwen3-tiny"], FP32["qwen3-moe-tiny"]
     cases = [
-        dp.case("cp4-qwen3-tiny", "qwen3-tiny", [*dense, "parallel.cp=4", "parallel.recompute.granularity=selective",
+        case("cp4-qwen3-tiny", "qwen3-tiny", [*dense, "parallel.cp=4", "parallel.recompute.granularity=selective",
                                                  "parallel.recompute.modules=[core_attn,layernorm]"]),
-        dp.case("cp2-tp2-sp-qwen3-moe-tiny", "qwen3-moe-tiny",
+        case("cp2-tp2-sp-qwen3-moe-tiny", "qwen3-moe-tiny",
                 [*moe, "parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
-        dp.case("cp2-ep2-qwen3-moe-tiny", "qwen3-moe-tiny", [*moe, "parallel.cp=2", "parallel.ep=2",
+        case("cp2-ep2-qwen3-moe-tiny", "qwen3-moe-tiny", [*moe, "parallel.cp=2", "parallel.ep=2",
                                                               "parallel.recompute.granularity=full"]),
-        dp.case("cp2-pp2-qwen3-tiny", "qwen3-tiny", [*dense, "parallel.cp=2", "parallel.pp=2"]),
+        case("cp2-pp2-qwen3-tiny", "qwen3-tiny", [*dense, "parallel.cp=2", "parallel.pp=2"]),
     ]
     saved = run_ranks("train_layouts", 4, {"cases": cases, "run_root": str(tmp_path / "cp4")}, tmp_path,
                       timeout=400)
     records = {key: torch.load(path, weights_only=True) for key, path in saved.items()}
     want = reference("qwen3-tiny", dense, evaluate=True)
-    dp.assert_same_run(records["cp4-qwen3-tiny"], want)
-    dp.assert_same_run(records["cp2-pp2-qwen3-tiny"], want)
+    assert_same_run(records["cp4-qwen3-tiny"], want)
+    assert_same_run(records["cp2-pp2-qwen3-tiny"], want)
     want = reference("qwen3-moe-tiny", moe)
-    dp.assert_same_run(records["cp2-tp2-sp-qwen3-moe-tiny"], want)
-    dp.assert_same_run(records["cp2-ep2-qwen3-moe-tiny"], want)
+    assert_same_run(records["cp2-tp2-sp-qwen3-moe-tiny"], want)
+    assert_same_run(records["cp2-ep2-qwen3-moe-tiny"], want)
 
 
 def test_validate_asks_the_sequence_to_split_into_2cp_chunks() -> None:
@@ -168,12 +181,11 @@ def test_default_exchange_per_family() -> None:
 
 
 def _tiny_cp(name: str, world: int, extra: list[str]):
-    from test_plan_measure import SHAPE
-
     from moe_train.config import load_recipe
 
-    return load_recipe(name, [*SHAPE, f"launch.gpus_per_node={world}", "parallel.cp=2", "train.micro_batch_size=2",
-                              f"train.global_batch_size={world}", *extra], check_files=False)
+    return load_recipe(name, [*MEASURE_SHAPE, f"launch.gpus_per_node={world}", "parallel.cp=2",
+                              "train.micro_batch_size=2", f"train.global_batch_size={world}", *extra],
+                       check_files=False)
 
 
 PLAN_CASES = [
@@ -194,8 +206,6 @@ PLAN_CASES = [
 def test_plan_equals_measure_under_cp(name: str, world: int, extra: list[str], no_process_group) -> None:
     """measure --fake of one CP rank (cp/send, cp/recv or cp/all_gather, cp/reduce_scatter, the token groups'
     counts over cp or cp_tp, MTP's count, FLOPs by phase, bytes saved per layer) and the plan agree exactly."""
-    from test_plan_measure import plan_against_measure
-
     from moe_train.measure.driver import Target, measure
 
     recipe = _tiny_cp(name, world, extra)
@@ -210,14 +220,12 @@ def test_qwen3_30b_layer_at_32k_keeps_half_the_bytes_at_cp2(no_process_group) ->
     """A full-size Qwen3-30B-A3B MoE layer at s = 32768 (bf16, EP8), measured with --fake on one rank: at cp = 2
     it saves 0.45-0.55x the activation bytes of cp = 1, with either exchange (the all-gather regathers K/V in
     backward instead of keeping them); the exchange's bytes are the formula's, and the plan equals measure."""
-    from test_plan_measure import TODAY, plan_against_measure
-
     from moe_train.config import load_recipe
     from moe_train.measure.driver import Target, measure
 
     def run(cp: int, comm: str) -> dict:
         recipe = load_recipe("qwen3-30b-a3b", [
-            *TODAY, "model.num_layers=1", "train.seq_length=32768", "launch.nodes=1", "launch.gpus_per_node=8",
+            *NO_PIPELINE, "model.num_layers=1", "train.seq_length=32768", "launch.nodes=1", "launch.gpus_per_node=8",
             f"parallel.cp={cp}", f"parallel.cp_comm={comm}", "parallel.ep=8", f"train.global_batch_size={8 // cp}",
             "train.micro_batch_size=1"], check_files=False)
         report = measure(recipe, Target(fake=True))

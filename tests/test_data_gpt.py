@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from helpers import write_tokenizer
 
 from moe_train.config.schema import Recipe
 from moe_train.data import DataError, build_datasets, eod_id, global_batch, position_ids
@@ -237,20 +238,6 @@ def test_builtin_needs_the_byte_tokenizer(tmp_path):
     path = write_tokenizer(tmp_path)
     with pytest.raises(DataError, match="the builtin corpus is byte-tokenized"):
         build_datasets(make_recipe({"source": "builtin", "tokenizer": path}), cache_dir=str(tmp_path))
-
-
-def write_tokenizer(tmp_path, special: str = "<|endoftext|>") -> str:
-    """A small BPE tokenizer.json trained here on stdlib text (nothing downloaded)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=["<pad>", special])
-    with open(corpus_files()[0]) as f:
-        tokenizer.train_from_iterator([f.read()], trainer)
-    path = str(tmp_path / "tokenizer.json")
-    tokenizer.save(path)
-    return path
 
 
 def test_tokenizers(tmp_path):

@@ -9,35 +9,16 @@ initialisation draws each rank's shard, and each expert, by name).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import BF16, BF16_TOLERANCE, FP32, SHRINK_LAYOUT, assert_same_run, case, read_metrics, reference
 from multirank import run_ranks
-from workers.record import record_run
 
 from moe_train.config import load_recipe
 from moe_train.models import build_model
 
-# Adam normalises each element's step: for a gradient element g near zero the step's sensitivity to g is about
-# lr / (4 * eps), so the rounding difference of another reduction order (a reduce-scatter of partial sums, not one
-# sum), ~1e-10 on a rare token's embedding row, became a 2e-6 step difference with eps 1e-8 (one element in 49k).
-# eps 1e-6 keeps that sensitivity 100x lower; every other element agrees to ~1e-8 either way.
-SHRINK = ["model.num_layers=2", "train.seq_length=32", "train.global_batch_size=8", "train.warmup_steps=1",
-          "train.lr=1e-3", "train.min_lr=1e-4", "train.adam_eps=1e-6", "train.eval_interval=null",
-          "checkpoint.interval=null", "logging.interval=1"]
-STEPS = 3
-
-FP32 = {
-    "qwen3-tiny": ["train.micro_batch_size=2", "train.precision=fp32"],
-    "qwen3-moe-tiny": ["train.micro_batch_size=1", "train.precision=fp32"],  # 4 (DP2) or 2 (DP4) micro-batches
-    "deepseek-v3-tiny": ["train.micro_batch_size=2", "train.precision=fp32"],  # MTP, expert bias, dense layer
-}
-BF16 = ["train.micro_batch_size=2", "train.precision=bf16"]
-# bf16 compute differs between layouts only through the order of fp32 reductions and per-rank batch shapes
-# (parameters stay fp32, gradients are reduced in fp32): losses within 1e-3, parameters within 1e-3 + 1e-2 rel.
-BF16_TOLERANCE = {"loss": 1e-3, "rtol": 1e-2, "atol": 1e-3}
 # The router's entropy is a float of bf16 logits, as the loss is, so it gets the loss's tolerance: on a CPU with
 # native bf16 kernels (avx512_bf16) DP2 and one process differ by 2.5e-6 relative. The load figures are ratios of
 # counts: one of a layer's 512 assignments sent elsewhere moves two experts' shares by 1/512, 1.6% of a mean share,
@@ -45,34 +26,7 @@ BF16_TOLERANCE = {"loss": 1e-3, "rtol": 1e-2, "atol": 1e-3}
 BF16_DP_TOLERANCE = {**BF16_TOLERANCE, "balance_rel": 1e-3}
 
 
-def case(case_id: str, recipe: str, overrides: list[str], **extra) -> dict:
-    return {"id": case_id, "recipe": recipe, "overrides": [*SHRINK, *overrides], "steps": STEPS, **extra}
-
-
-def reference(tmp_path: Path, recipe: str, overrides: list[str]) -> dict:
-    return record_run(recipe, [*SHRINK, *overrides], world=1, run_dir=tmp_path / f"ref-{recipe}", steps=STEPS)
-
-
-def assert_same_run(got: dict, want: dict, *, loss: float = 1e-5, rtol: float = 1e-4, atol: float = 1e-6,
-                    balance_rel: float = 1e-6, balance_abs: float = 0.0) -> None:
-    assert got["losses"] == pytest.approx(want["losses"], rel=loss)
-    assert set(got["grads"]) == set(want["grads"])
-    for name, grad in want["grads"].items():
-        torch.testing.assert_close(got["grads"][name], grad, rtol=rtol, atol=atol,
-                                   msg=lambda m, name=name: f"gradient of {name}: {m}")
-    assert set(got["state"]) == set(want["state"])
-    for name, value in want["state"].items():
-        torch.testing.assert_close(got["state"][name], value, rtol=rtol, atol=atol,
-                                   msg=lambda m, name=name: f"{name} after {STEPS} steps: {m}")
-    for got_step, want_step in zip(got["moe"], want["moe"], strict=True):
-        if want_step is not None:  # the same routing: the same load figures, layer by layer
-            assert got_step.keys() == want_step.keys()
-            for layer, figures in want_step.items():
-                assert got_step[layer].keys() == figures.keys(), layer
-                for key, value in figures.items():  # one by one: approx compares a list nested in a dict exactly
-                    assert got_step[layer][key] == pytest.approx(value, rel=balance_rel, abs=balance_abs), (layer, key)
-
-
+@pytest.mark.slow
 def test_fsdp2_dp2_equals_single_process(tmp_path: Path) -> None:
     cases = [case(f"fp32-{name}", name, overrides) for name, overrides in FP32.items()]
     cases.append(case("bf16-qwen3-moe-tiny", "qwen3-moe-tiny", BF16))
@@ -85,7 +39,7 @@ def test_fsdp2_dp2_equals_single_process(tmp_path: Path) -> None:
         want = reference(tmp_path, name, overrides)
         assert_same_run(records[f"fp32-{name}"], want)
         # Sharded initialisation equals the eager, unsharded build, bit for bit (one rank and two).
-        plain = build_model(load_recipe(name, [*SHRINK, *overrides]).model, seed=1234).state_dict()
+        plain = build_model(load_recipe(name, [*SHRINK_LAYOUT, *overrides]).model, seed=1234).state_dict()
         for label, source in (("one rank", want), ("two ranks", records[f"fp32-{name}"])):
             for key, value in plain.items():
                 assert torch.equal(source["initial"][key], value), f"{name} at {label}: {key}"
@@ -97,11 +51,11 @@ def test_fsdp2_dp2_equals_single_process(tmp_path: Path) -> None:
     assert resumed["started"] == 2
     for key, value in straight["state"].items():
         assert torch.equal(resumed["state"][key], value), key
-    logged = [json.loads(line) for line in (tmp_path / "dp2" / "resume-qwen3-moe-tiny" / "metrics.jsonl").open()]
-    resumed_losses = [r["loss"] for r in logged if r["kind"] == "train"]
+    resumed_losses = [r["loss"] for r in read_metrics(tmp_path / "dp2" / "resume-qwen3-moe-tiny", "train")]
     assert resumed_losses == straight["losses"]
 
 
+@pytest.mark.slow
 def test_fsdp2_dp4_equals_single_process(tmp_path: Path) -> None:
     names = ("qwen3-tiny", "qwen3-moe-tiny")
     cases = [case(f"fp32-{name}", name, FP32[name]) for name in names]
@@ -111,6 +65,7 @@ def test_fsdp2_dp4_equals_single_process(tmp_path: Path) -> None:
         assert_same_run(torch.load(saved[f"fp32-{name}"], weights_only=True), reference(tmp_path, name, FP32[name]))
 
 
+@pytest.mark.slow
 def test_global_aux_loss_counts_loads_over_the_data_parallel_group(tmp_path: Path) -> None:
     """global_aux_loss on 2 ranks x 2 micro-batches: each rank's loss at micro-batch m uses the loads of every
     rank's micro-batches 0..m (Megatron-Core's definition), recomputed here in fp64 from the gathered routing and
@@ -149,6 +104,7 @@ def test_global_aux_loss_counts_loads_over_the_data_parallel_group(tmp_path: Pat
 EP_MOE = ["train.micro_batch_size=1", "train.precision=fp32"]  # micro-batch accumulation on every rank
 
 
+@pytest.mark.slow
 def test_expert_parallel_layouts_equal_single_process(tmp_path: Path) -> None:
     """EP=2 on 2 ranks (edp 1), both dispatchers, qwen3-moe-tiny and deepseek-v3-tiny (expert bias, shared
     expert, MTP's MoE block): the single process's losses, gradients (expert stacks gathered whole), parameters
@@ -168,6 +124,7 @@ def test_expert_parallel_layouts_equal_single_process(tmp_path: Path) -> None:
     assert_same_run(torch.load(saved["ep2-alltoall-deepseek-v3-tiny"], weights_only=True), deepseek)
 
 
+@pytest.mark.slow
 def test_expert_parallel_on_four_ranks_equals_single_process(tmp_path: Path) -> None:
     """EP equal to the world size (edp 1: the reported FSDP2 divide-factor trap), dense DP4 with experts
     EP2 x EDP2 (FSDP2 over edp on top of the expert shards), and expert tensor parallelism: EP2 x ETP2 and
@@ -188,6 +145,7 @@ def test_expert_parallel_on_four_ranks_equals_single_process(tmp_path: Path) -> 
         assert_same_run(torch.load(saved[key], weights_only=True), qwen)
 
 
+@pytest.mark.slow
 def test_hierarchical_dispatch_on_two_emulated_nodes_equals_single_process(tmp_path: Path) -> None:
     """4 gloo ranks as 2 nodes x 2 (launch.nodes 2, node = rank // 2): the ep group spans both nodes, EP4 alone
     and EP4 under parallel folding with dense TP2 x DP2; the hierarchical dispatcher (each token once per node

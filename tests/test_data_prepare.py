@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cli_helpers import assert_bad_input, run_cli
-from test_data_gpt import write_tokenizer
+from helpers import write_tokenizer
 
 import moe_train.data.prepare
 from moe_train.data.indexed import IndexedDataset

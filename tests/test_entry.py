@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 from processes import run_bounded
 
 from moe_train.config import load_recipe
@@ -24,16 +25,8 @@ ROW = re.compile(r"^\s+(\d+)\s+(\S+)\s+(\d+)\s+(pp \d+ dp \d+ cp \d+ tp \d+ \| e
 RANK_LINE = re.compile(r"rank (\d+)/(\d+) on \S+: local rank (\d+): (pp .*? etp \d+); (\d+) all-reduces ok")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(recipe, run_dir: Path, *, nproc: int | None = None, preflight: bool = True, timeout: float = 120):
-    argv = torchrun_argv(recipe, run_dir, port=_free_port(), preflight=preflight)
+    argv = torchrun_argv(recipe, run_dir, port=free_port(), preflight=preflight)
     argv[0:1] = [sys.executable, "-m", "torch.distributed.run"]
     if nproc is not None:
         argv[argv.index("--nproc-per-node") + 1] = str(nproc)
@@ -49,6 +42,7 @@ def expected_coords(shape: tuple[int, ...], names: tuple[str, ...]) -> list[str]
             for coords in itertools.product(*(range(s) for s in shape))]
 
 
+@pytest.mark.slow
 def test_preflight_four_ranks_folds_experts_across_tp_and_dp(tmp_path):
     """tp 2 x dp 2 for attention, ep 2 x edp 2 for experts over the same 4 ranks."""
     recipe = load_recipe("qwen3-moe-tiny", [f"run_dir={tmp_path / 'r'}", "launch.gpus_per_node=4",
@@ -72,6 +66,7 @@ def test_preflight_four_ranks_folds_experts_across_tp_and_dp(tmp_path):
     assert "expert mesh (pp, edp, ep, etp) = (1, 2, 2, 1)" in result.stdout
 
 
+@pytest.mark.slow
 def test_world_size_mismatch_fails_fast_on_every_rank(tmp_path):
     recipe = load_recipe("qwen3-moe-tiny", [f"run_dir={tmp_path / 'r'}", "launch.gpus_per_node=4",
                                             "train.micro_batch_size=2"])

@@ -3,12 +3,12 @@ here from the recipes' definitions, the GEMM site's fp8 marks, and short trainin
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 
 import pytest
 import torch
+from helpers import read_metrics, shrink
 
 from moe_train.models.fp8.gemm import Fp8Gemm, count_fp8_gemms, product
 from moe_train.models.fp8.runtime import fp8_problems
@@ -160,9 +160,8 @@ def test_the_torchao_torch_pair_passes_the_start_up_check():
 
 # One layer (attention and routed experts), one micro-batch of 2 x 32 tokens per step, 30 steps: the loss falls
 # from ~5.6 (uniform over 257 bytes) to ~3.3.
-SHORT = ["model.num_layers=1", "train.seq_length=32", "train.global_batch_size=2", "train.micro_batch_size=2",
-         "train.warmup_steps=2", "train.steps=30", "logging.interval=1", "checkpoint.interval=null",
-         "train.eval_interval=null"]
+SHORT = shrink("model.num_layers=1", "train.global_batch_size=2", "train.warmup_steps=2", "train.steps=30",
+               without=("train.precision",))
 
 
 def _train(name: str, run_dir, *sets: str) -> tuple[list[float], Counter]:
@@ -172,8 +171,7 @@ def _train(name: str, run_dir, *sets: str) -> tuple[list[float], Counter]:
     trainer = Trainer(load_recipe(name, [*SHORT, f"run_dir={run_dir}", *sets]))
     with count_fp8_gemms() as tally:
         trainer.train()
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in records if r["kind"] == "train"], tally
+    return [r["loss"] for r in read_metrics(run_dir, "train")], tally
 
 
 def _assert_trains_like(fp8: list[float], bf16: list[float], tally: Counter, recipe: str) -> None:

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
-from test_plan_measure import GPU, TODAY, plan_against_measure, recompute, tiny_recipe
+from helpers import GPU, NO_PIPELINE, plan_against_measure, recompute, tiny_recipe
 from workers.record import record_run
 
 from moe_train.config import load_recipe
@@ -196,7 +196,7 @@ def test_a_full_size_deepseek_v3_moe_layer_in_mxfp8_keeps_what_plan_says(no_proc
     """DeepSeek-V3's dense and first MoE layer at EP8 (TP1, the published row's) under the published selective
     recompute, MXFP8: exactly as planned; the MoE layer keeps what its fp8 GEMM inputs save less than with bf16
     inputs (1.82 -> 1.46 GB when written)."""
-    overrides = [*TODAY, "model.num_layers=2", "model.first_k_dense=1", "model.mtp_layers=0", "launch.nodes=1",
+    overrides = [*NO_PIPELINE, "model.num_layers=2", "model.first_k_dense=1", "model.mtp_layers=0", "launch.nodes=1",
                  "launch.gpus_per_node=8", "parallel.ep=8", "train.global_batch_size=8", "train.micro_batch_size=1",
                  *recompute("mla_up_proj+moe_act+layernorm"), "train.precision=fp8", "train.fp8.recipe=mxfp8"]
     recipe = load_recipe("deepseek-v3", [*overrides, "train.fp8.saved_inputs=fp8"], check_files=False)

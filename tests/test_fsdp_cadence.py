@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import assert_bad_input, run_cli
+from helpers import BF16, FP32, GPU, assert_same_run, case, plan_against_measure
 from multirank import run_ranks
-from test_data_parallel import BF16, FP32, assert_same_run, case
-from test_plan_measure import GPU, plan_against_measure
 
 from moe_train.config import load_recipe
 from moe_train.measure.driver import Target, measure
@@ -26,6 +25,7 @@ REDUCE_EACH = "parallel.grad_reduce=per_microbatch"
 MOE = FP32["qwen3-moe-tiny"]  # 4 micro-batches per rank at DP2
 
 
+@pytest.mark.slow
 def test_per_step_gathers_equal_per_microbatch_bit_for_bit_on_two_ranks(tmp_path: Path) -> None:
     cases = [
         case("fp32", "qwen3-moe-tiny", MOE),

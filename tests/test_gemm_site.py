@@ -10,12 +10,11 @@ same run check holds per rank under tensor parallelism (tests/test_tensor_parall
 from __future__ import annotations
 
 import ast
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import block_gemms, gemm_origins
 
 import moe_train
 from moe_train.config import load_recipe
@@ -76,41 +75,6 @@ def test_only_the_site_calls_the_fp8_products():
     assert callers == []
 
 
-GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-         torch.ops.aten.baddbmm.default, torch.ops.aten._grouped_mm.default, torch.ops.aten._scaled_mm.default}
-ATTENTION = PACKAGE / "models" / "attention.py"
-
-
-class GemmOrigins(TorchDispatchMode):
-    """For every GEMM dispatched in forward: whether the site's file is on the Python stack, or only SDPA's."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.origins: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in GEMMS:
-            frame, files = sys._getframe(), set()
-            while frame is not None:
-                files.add(Path(frame.f_code.co_filename))
-                frame = frame.f_back
-            self.origins.append("site" if SITE in files else "attention" if ATTENTION in files else "elsewhere")
-        return func(*args, **(kwargs or {}))
-
-
-def block_gemms(cfg, index: int) -> int:
-    """Weight GEMMs of decoder block `index`'s forward, from the config alone (the same on every tp rank, each
-    on its shard): attention projections, then the MLP, or the router + 3 grouped expert products (+ shared)."""
-    if cfg.family == "deepseek_v3":
-        attention = (1 if cfg.q_lora_rank is None else 2) + 3  # q (or q_a, q_b), kv_a, kv_b, o
-    else:
-        attention = 4
-    if not cfg.is_moe_layer(index):
-        return attention + 3
-    shared = 3 if cfg.moe.shared_expert_ffn_hidden_size > 0 else 0
-    return attention + 1 + 3 + shared
-
-
 def expected_gemms(cfg) -> int:
     """The model forward's weight GEMMs: every block, the head, and per MTP depth its projection, block and the
     head again."""
@@ -131,7 +95,7 @@ def test_every_forward_gemm_runs_through_the_site(name: str):
             assert grouped_mm_supported(torch.float32, torch.device("cpu"), hidden_size=module.hidden_size,
                                         ffn_hidden_size=module.ffn_hidden_size)
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    with GemmOrigins() as gemms:
+    with gemm_origins() as gemms:
         terms = model(tokens, labels=tokens)
     assert "elsewhere" not in gemms.origins
     assert gemms.origins.count("site") == expected_gemms(cfg)
@@ -156,7 +120,7 @@ def test_fp8_gemms_run_through_the_site(name: str, recipe: str):
     assert marked["head"] == 1 and marked["experts"] == sum(
         cfg.is_moe_layer(i) for i in range(cfg.num_layers + cfg.mtp_layers))
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    with GemmOrigins() as gemms, count_fp8_gemms() as tally:
+    with gemm_origins() as gemms, count_fp8_gemms() as tally:
         model(tokens, labels=tokens)
     assert "elsewhere" not in gemms.origins
     assert gemms.origins.count("site") == expected_gemms(cfg)

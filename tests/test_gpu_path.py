@@ -4,7 +4,6 @@ training device, the two process-group timeouts. CUDA-only cases are skipped wit
 from __future__ import annotations
 
 import dataclasses
-import json
 from datetime import timedelta
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from cli_helpers import assert_bad_input, run_cli
+from helpers import read_metrics, shrink
 from host_reads import HostReads
 from multirank import run_ranks
 
@@ -35,8 +35,8 @@ from moe_train.train.device_stats import device_mismatch, enable_tf32, memory_fi
 from moe_train.train.loop import Trainer
 from moe_train.train.peak import peak_flops
 
-SHRINK = ["model.num_layers=2", "train.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=2",
-          "train.precision=fp32", "logging.interval=1", "checkpoint.interval=null"]
+# The recipe's own warm-up and evaluation interval (the runs are shorter than both).
+SHRINK = shrink(without=("train.warmup_steps", "train.eval_interval"))
 
 
 def test_torch_probe_names_the_version_and_the_missing_api(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,10 +73,6 @@ def test_gradient_norm_sum_lives_on_the_training_device_without_gradients(monkey
         grad_norm.clip_grad_norm([torch.nn.Parameter(torch.ones(2))], 1.0, stage_group=object(),
                                  device=torch.device("meta"))
     assert seen == [torch.device("meta")]
-
-
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _timeout() -> timedelta:
@@ -172,7 +168,7 @@ def test_deterministic_changes_no_cpu_number_and_continues_the_same_run(tmp_path
             assert torch.are_deterministic_algorithms_enabled() is flag
             t.train()
             state = {k: v.detach().clone() for k, v in t.chunks[0].state_dict().items()}
-            results[flag] = ([r for r in records(tmp_path / str(flag)) if r["kind"] == "train"], state)
+            results[flag] = ([r for r in read_metrics(tmp_path / str(flag)) if r["kind"] == "train"], state)
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -351,8 +347,6 @@ def test_cuda_sdpa_runs_a_fused_kernel_for_gqa_and_unpadded_mla() -> None:
 
 # One packed read of the step's figures: loss sums, MoE counts and the gradient norm together (Trainer._figures).
 STEP_READS = 1
-MOE_SHRINK = ["model.num_layers=2", "train.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=2",
-              "train.precision=fp32", "logging.interval=1", "checkpoint.interval=null"]
 
 
 def _under(reads: dict[str, int], prefix: str) -> int:
@@ -363,7 +357,7 @@ def _under(reads: dict[str, int], prefix: str) -> int:
 def test_host_reads_of_one_step_on_one_rank(tmp_path: Path, packed: bool) -> None:
     """World size 1: the MoE layers read nothing from the device (no all-to-all splits to read), nor does the
     document mask of packed documents; the step reads its figures packed."""
-    t = Trainer(load_recipe("qwen3-moe-tiny", [*MOE_SHRINK, "train.steps=2", f"run_dir={tmp_path}",
+    t = Trainer(load_recipe("qwen3-moe-tiny", [*SHRINK, "train.steps=2", f"run_dir={tmp_path}",
                                                f"data.reset_at_eod={packed}"]))
     try:
         t.train_step(1)
@@ -379,13 +373,14 @@ def test_host_reads_of_one_step_on_one_rank(tmp_path: Path, packed: bool) -> Non
             dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_host_reads_of_one_step_under_expert_parallelism(tmp_path: Path) -> None:
     """EP2 on two gloo ranks: at most one read per MoE dispatch (the all-to-all splits, with the kept count of a
     capacity's keep-mask, or the all-gathered token counts), with and without a capacity, padded or not; none
     for the all-to-all dispatcher padded to capacity (every split follows from the capacity)."""
     capacity = ["model.moe.capacity_factor=1.0"]
     variants = {"": [], "-capacity": capacity, "-padded": [*capacity, "model.moe.pad_to_capacity=true"]}
-    cases = [{"id": d + v, "recipe": "qwen3-moe-tiny", "overrides": [*MOE_SHRINK, "parallel.ep=2",
+    cases = [{"id": d + v, "recipe": "qwen3-moe-tiny", "overrides": [*SHRINK, "parallel.ep=2",
                                                                       f"model.moe.dispatcher={d}", *sets]}
              for d in ("alltoall", "allgather") for v, sets in variants.items()]
     result = run_ranks("host_reads_step", 2, {"cases": cases, "run_root": str(tmp_path / "runs")}, tmp_path,

@@ -11,9 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import assert_same_step, full_size_recipe, plan_against_measure
 from multirank import run_ranks
-from test_measure import assert_same_step
-from test_plan_measure import full_size_recipe, plan_against_measure
 
 from moe_train.config import load_recipe
 from moe_train.config.hardware import HARDWARE
@@ -26,6 +25,7 @@ SHAPE = ["model.num_layers=2", "train.seq_length=32", "train.global_batch_size=4
 PADDED = ["model.moe.capacity_factor=0.75", "model.moe.pad_to_capacity=true"]
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("no_process_group")
 def test_measure_counts_what_plan_says_across_and_inside_nodes(tmp_path: Path) -> None:
     """One 4-rank job: hierarchical and alltoall, each also padded to capacity (with drops). Each real rank 0

@@ -7,13 +7,12 @@ FSDP2 mesh has more than one rank, so these cases and every other layout test wi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import FP32, assert_same_run, case, read_metrics, reference
 from multirank import run_ranks
-from test_data_parallel import FP32, assert_same_run, case, reference
 
 from moe_train.config import load_recipe
 from moe_train.config.loader import RecipeError
@@ -21,6 +20,7 @@ from moe_train.config.loader import RecipeError
 HSDP = "parallel.dp_replicate=2"
 
 
+@pytest.mark.slow
 def test_hsdp_2x2_equals_single_process_and_resumes_as_dp4(tmp_path: Path) -> None:
     moe = FP32["qwen3-moe-tiny"]
     cases = [
@@ -52,8 +52,8 @@ def test_hsdp_2x2_equals_single_process_and_resumes_as_dp4(tmp_path: Path) -> No
     for key, value in straight["state"].items():
         torch.testing.assert_close(resumed["state"][key], value, rtol=1e-4, atol=1e-6,
                                    msg=lambda m, key=key: f"{key}: {m}")
-    logged = [json.loads(line) for line in (tmp_path / "hsdp" / "hsdp-to-dp4-qwen3-moe-tiny" / "metrics.jsonl").open()]
-    assert [r["loss"] for r in logged if r["kind"] == "train"] == pytest.approx(straight["losses"], rel=1e-6)
+    logged = read_metrics(tmp_path / "hsdp" / "hsdp-to-dp4-qwen3-moe-tiny", "train")
+    assert [r["loss"] for r in logged] == pytest.approx(straight["losses"], rel=1e-6)
 
 
 def test_dp_replicate_must_divide_dp_and_edp() -> None:
@@ -64,6 +64,7 @@ def test_dp_replicate_must_divide_dp_and_edp() -> None:
         load_recipe("qwen3-moe-tiny", ["launch.gpus_per_node=2", "parallel.dp_replicate=2", "parallel.ep=2"])
 
 
+@pytest.mark.slow
 def test_prefetch_each_block_gathers_the_next_one_before_its_forward(tmp_path: Path) -> None:
     """Explicit forward prefetch, observed: in a bf16 step on 2 ranks, each decoder block's all-gather after the
     first is issued while the block before it is the one being entered, not when its own forward starts

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import assert_bad_input, run_cli
+from helpers import assert_same_step
 from multirank import run_ranks
 from processes import run_bounded
 
@@ -22,7 +23,7 @@ from moe_train.plan.flop_count import forward_flops_per_token
 from moe_train.plan.params import attention_matrices, count_parameters, ffn_matrices
 
 REPO = Path(__file__).resolve().parents[1]
-# INTERFACES.md's keys, then the documented extras (docs/measure.md).
+# The contract's keys (docs/interfaces.md), then the documented extras (docs/measure.md).
 CONTRACT_KEYS = {
     "world_size", "rank", "layers", "activation_bytes_per_layer", "activation_bytes_total", "param_bytes",
     "grad_bytes", "optimizer_bytes", "flops", "comm_bytes", "peak_memory_bytes",
@@ -39,16 +40,6 @@ DEEPSEEK_TODAY = (
 
 
 pytestmark = pytest.mark.usefixtures("no_process_group")  # tests/conftest.py
-
-
-def assert_same_step(fake: dict, real: dict, *, peak_rel: float = 0.10) -> None:
-    """Every figure equal, except the live-bytes peak: when Python frees a real run's tensors can vary
-    (reference cycles wait for the garbage collector). Within 2% where the optimizer's temporaries set the
-    peak; since AdamW runs fused (no temporaries) the peak is inside backward, where a real TP=2 full-recompute
-    MoE step holds 9% more than its fake run (docs/measure.md): within 10% (`peak_rel`)."""
-    exact = set(real) - {"fake", "peak_memory_bytes"}
-    assert {k: fake[k] for k in exact} == {k: real[k] for k in exact}
-    assert fake["peak_memory_bytes"] == pytest.approx(real["peak_memory_bytes"], rel=peak_rel)
 
 
 def measure_json(*args: str) -> dict:
@@ -237,6 +228,7 @@ def test_a_step_derived_from_a_few_micro_batches_equals_walking_them_all(case, c
     assert derived == walked
 
 
+@pytest.mark.slow
 def test_measure_counts_what_the_trainer_runs_two_ranks(tmp_path):
     """On 2 gloo ranks: the comm counter on known collectives, exactly; then `measure_step` and the trainer's
     own `Trainer.train_step` under the same counters: the same FLOPs and FSDP2 traffic, the trainer adding
@@ -277,6 +269,7 @@ def test_measure_counts_what_the_trainer_runs_two_ranks(tmp_path):
     assert_same_step(fake, report)
 
 
+@pytest.mark.slow
 def test_nproc_runs_the_ranks_with_torchrun():
     """`--nproc 2` starts both ranks; rank 1 writes the report."""
     argv = [str(Path(sys.executable).parent / "moe-train"), "measure", "qwen3-tiny", "--nproc", "2", "--rank", "1",

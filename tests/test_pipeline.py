@@ -1,7 +1,8 @@
 """Pipeline parallelism against the single-process run of the same recipe, parameter by parameter.
 
 Each layout trains on real gloo ranks (tests/workers/train_layouts.py, several cases per job) with several
-micro-batches per step; the reference trains the same recipe at world size 1. Compared as in test_data_parallel:
+micro-batches per step; the reference trains the same recipe at world size 1. Compared as every layout test
+(helpers.assert_same_run):
 the loss of every step (relative 1e-5), every gradient of step 1 and every parameter and buffer (the expert
 bias included) after the last step, the expert balance figures of every step; where two stages hold the same
 tensor (the last stage's copy of the embedding, for MTP or a tied head) both copies are bit-equal
@@ -12,16 +13,15 @@ holds only a dense layer and whose last holds MTP, tied embeddings, recompute, e
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from cli_helpers import assert_bad_input, run_cli
+from helpers import LAYOUT_STEPS, SHRINK_LAYOUT, assert_same_run, read_metrics
 from multirank import run_ranks
 from processes import run_bounded
-from test_data_parallel import SHRINK, STEPS, assert_same_run
 from workers.record import record_run
 
 from moe_train.checkpoint.layout import latest_checkpoint
@@ -58,7 +58,8 @@ WORLD4 = [
 
 
 def _case(case_id: str, recipe: str, layout: list[str], model: list[str], **extra) -> dict:
-    return {"id": case_id, "recipe": recipe, "overrides": [*SHRINK, *FP32, *model, *layout], "steps": STEPS, **extra}
+    return {"id": case_id, "recipe": recipe, "overrides": [*SHRINK_LAYOUT, *FP32, *model, *layout],
+            "steps": LAYOUT_STEPS, **extra}
 
 
 def _assert_cases(tmp_path: Path, table: list[tuple], saved: dict[str, str]) -> None:
@@ -67,13 +68,14 @@ def _assert_cases(tmp_path: Path, table: list[tuple], saved: dict[str, str]) -> 
         evaluates = case_id == EVALUATED
         # An evaluation exactly where the case asked for one (a pipeline that skipped it must not pass).
         assert (got["eval"] is not None) == evaluates, case_id
-        want = record_run(recipe, [*SHRINK, *FP32, *model], world=1, run_dir=tmp_path / f"ref-{case_id}", steps=STEPS,
-                          evaluate=evaluates)
+        want = record_run(recipe, [*SHRINK_LAYOUT, *FP32, *model], world=1, run_dir=tmp_path / f"ref-{case_id}",
+                          steps=LAYOUT_STEPS, evaluate=evaluates)
         assert_same_run(got, want)
         if evaluates:
             assert got["eval"] == pytest.approx(want["eval"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_pipeline_two_ranks_equals_single_process(tmp_path: Path) -> None:
     cases = [_case(*row, evaluate=row[0] == EVALUATED) for row in WORLD2]
     resume = ["parallel.pp=2", UNEVEN]
@@ -88,11 +90,12 @@ def test_pipeline_two_ranks_equals_single_process(tmp_path: Path) -> None:
     for key, value in straight["state"].items():
         assert torch.equal(resumed["state"][key], value), key
     # The rank that holds the loss (the last stage's) wrote the metrics.
-    logged = [json.loads(line) for line in (tmp_path / "pp2" / "dsv3-resume" / "metrics.jsonl").open()]
-    assert [r["loss"] for r in logged if r["kind"] == "train"] == straight["losses"]
-    assert all(r["mtp_loss"] > 0 and set(r["moe"]) == {"1", "2", "3", "4"} for r in logged if r["kind"] == "train")
+    logged = read_metrics(tmp_path / "pp2" / "dsv3-resume", "train")
+    assert [r["loss"] for r in logged] == straight["losses"]
+    assert all(r["mtp_loss"] > 0 and set(r["moe"]) == {"1", "2", "3", "4"} for r in logged)
 
 
+@pytest.mark.slow
 def test_pipeline_four_ranks_equals_single_process(tmp_path: Path) -> None:
     cases = [_case(*row) for row in WORLD4]
     saved = run_ranks("train_layouts", 4, {"cases": cases, "run_root": str(tmp_path / "pp4")}, tmp_path, timeout=480)
@@ -145,21 +148,22 @@ def test_zero_bubble_is_refused_before_training(tmp_path: Path) -> None:
     assert_bad_input(result, "parallel.pp_schedule: the zero_bubble schedule with FSDP2", "not supported yet")
 
 
+@pytest.mark.slow
 def test_run_nproc_trains_a_pipeline_and_the_last_stage_reports(tmp_path: Path) -> None:
     """`moe-train run --nproc 2` with pp 2 (torchrun, the entry): the summary and metrics come from the last stage's
     rank, the run completes with a checkpoint that a single process loads and `convert to-hf` exports."""
     run_dir = tmp_path / "run"
-    sets = [*SHRINK, *FP32, "train.steps=2", "parallel.pp=2", f"run_dir={run_dir}"]
+    sets = [*SHRINK_LAYOUT, *FP32, "train.steps=2", "parallel.pp=2", f"run_dir={run_dir}"]
     argv = [sys.executable, "-m", "moe_train.cli.main", "run", "deepseek-v3-tiny", "--nproc", "2",
             *(arg for item in [*sets, UNEVEN] for arg in ("--set", item))]
     done = run_bounded(argv, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("complete at step 2/2") == 1
-    train = [json.loads(line) for line in (run_dir / "metrics.jsonl").open() if '"train"' in line]
+    train = read_metrics(run_dir, "train")
     assert [r["step"] for r in train] == [1, 2] and all(r["mtp_loss"] > 0 for r in train)
     assert (run_dir / "COMPLETE").exists() and latest_checkpoint(run_dir / "checkpoints").name == "step-0000002"
     # The two stages' shards make the whole model: it loads, strictly by name, into one process's model.
-    model = build_model(load_recipe("deepseek-v3-tiny", [*SHRINK, *FP32]).model)
+    model = build_model(load_recipe("deepseek-v3-tiny", [*SHRINK_LAYOUT, *FP32]).model)
     before = model.lm_head.weight.clone()
     load_model_weights(latest_checkpoint(run_dir / "checkpoints"), model)
     assert not torch.equal(model.lm_head.weight, before)  # the trained head (stage 1's), not the fresh one

@@ -1,4 +1,4 @@
-"""`plan` held to `measure` (DECISIONS.md: forced even routing, the same rank): parameter bytes exactly, and
+"""`plan` held to `measure` (docs/decisions.md: forced even routing, the same rank): parameter bytes exactly, and
 activation bytes per layer, FLOPs per step by phase and bytes per `<group>/<op>`: exactly on the tiny recipes
 (every tensor-parallel layout at t = 1, 2, 4 with SP on and off, against every recompute policy), within 3% on
 a pairwise sample of full-size single layers through `--fake`, and the same on real gloo layouts
@@ -13,53 +13,23 @@ import itertools
 import time
 
 import pytest
+from helpers import (
+    GPU,
+    assert_same_step,
+    full_size_recipe,
+    plan_against_measure,
+    recompute,
+    tiny_recipe,
+)
 from multirank import run_ranks
-from test_measure import assert_same_step
 
 from moe_train.config import load_recipe
-from moe_train.config.fp8_auto import with_fp8_resolved
-from moe_train.config.hardware import HARDWARE
 from moe_train.config.mesh_shape import MeshShape
 from moe_train.measure.driver import Target, measure
-from moe_train.measure.targets import as_fake_runs
-from moe_train.measure.versus_plan import Figure, against
 from moe_train.plan.estimate import estimate, plan_json
 from moe_train.plan.rank_layout import PlanLayout, in_flight
 
-# The planner's figures are hardware-independent; a GPU is needed only to plan at all.
-GPU = HARDWARE["h100"]
-
-
 pytestmark = pytest.mark.usefixtures("no_process_group")  # tests/conftest.py
-
-
-def recompute(policy: str) -> list[str]:
-    """`none`, `full-uniform-N`, `full-block-N`, or selective modules joined by `+`."""
-    if policy == "none":
-        return ["parallel.recompute.granularity=none"]
-    if policy.startswith("full-"):
-        _, method, layers = policy.split("-")
-        return ["parallel.recompute.granularity=full", f"parallel.recompute.method={method}",
-                f"parallel.recompute.num_layers={layers}"]
-    return ["parallel.recompute.granularity=selective", f"parallel.recompute.modules=[{policy.replace('+', ',')}]"]
-
-
-def disagreements(figures: list[Figure], *, tolerance: float) -> list[str]:
-    """One line per figure off by more than `tolerance` (parameter bytes: by anything at all)."""
-    out = []
-    for figure in figures:
-        allowed = 0.0 if figure.name == "param_bytes" else tolerance
-        if figure.relative_error > allowed:
-            out.append(f"{figure.name}: plan {figure.planned:,.0f}, measured {figure.measured:,.0f} "
-                       f"({(figure.planned - figure.measured) / figure.measured:+.2%})" if figure.measured else
-                       f"{figure.name}: plan {figure.planned:,.0f}, measured 0")
-    return out
-
-
-def plan_against_measure(recipe, report: dict, *, tolerance: float, plan: dict | None = None) -> list[str]:
-    """`plan`: the plan JSON to hold `report` to (default: the recipe's most loaded rank)."""
-    plan = plan or plan_json(estimate(as_fake_runs(recipe), GPU))
-    return disagreements(against(plan, report), tolerance=tolerance)
 
 
 # ---------------------------------------------------------------------------------------------- tiny, fake
@@ -72,8 +42,6 @@ APPLIES = {"mla_up_proj": ["deepseek-v3-tiny"], "shared_experts": ["deepseek-v3-
            "mlp": ["qwen3-tiny", "deepseek-v3-tiny"], "moe": ["qwen3-moe-tiny", "deepseek-v3-tiny"],
            "moe_act": ["qwen3-moe-tiny", "deepseek-v3-tiny"]}
 MODELS = ["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny"]
-# Two layers (DeepSeek-V3: dense, MoE, and its MTP module), one micro-batch of 64-token sequences.
-SHAPE = ["model.num_layers=2", "train.seq_length=64"]
 
 
 def tiny_cases() -> list[tuple[str, int, bool, str, str]]:
@@ -84,18 +52,6 @@ def tiny_cases() -> list[tuple[str, int, bool, str, str]]:
         models = APPLIES.get(policy, MODELS)
         cases.append((models[number % len(models)], tp, sp, policy, ("fp32", "bf16")[number % 2]))
     return cases
-
-
-def tiny_recipe(name: str, tp: int, sp: bool, policy: str, precision: str, *extra: str):
-    """fp32 cases: micro-batches of 2 sequences; bf16 cases: of 1 (where a sequence slice is a contiguous view of
-    the whole micro-batch), and DeepSeek-V3 without its MTP module (a third block and head: seconds each)."""
-    batch = 2 if precision == "fp32" else 1
-    if name == "deepseek-v3-tiny" and precision == "bf16":
-        extra = ("model.mtp_layers=0", *extra)
-    return load_recipe(name, [*SHAPE, f"train.precision={precision}", f"launch.gpus_per_node={tp}",
-                              f"parallel.tp={tp}", f"parallel.sequence_parallel={str(sp).lower()}",
-                              f"train.micro_batch_size={batch}", f"train.global_batch_size={batch}",
-                              *recompute(policy), *extra], check_files=False)
 
 
 @pytest.mark.parametrize(("name", "tp", "sp", "policy", "precision"), tiny_cases(),
@@ -279,6 +235,7 @@ def check_real(result: dict, recipes: dict, world: int) -> None:
                 assert real["comm_bytes"][key] == planned[key], (case_id, key)
 
 
+@pytest.mark.slow
 def test_real_two_rank_layouts_measure_what_fake_and_plan_say(tmp_path):
     result, recipes = _run_real(2, tmp_path)
     check_real(result, recipes, 2)
@@ -288,6 +245,7 @@ def test_real_two_rank_layouts_measure_what_fake_and_plan_say(tmp_path):
     assert routed != even
 
 
+@pytest.mark.slow
 def test_real_four_rank_layouts_measure_what_fake_and_plan_say(tmp_path):
     result, recipes = _run_real(4, tmp_path)
     check_real(result, recipes, 4)
@@ -331,24 +289,6 @@ FULL_SIZE = [
     ("deepseek-v3", 8, 1, False, "none"),
     ("deepseek-v3", 8, 1, False, "full-uniform-2"),
 ]
-TODAY = ["parallel.pp=1", "parallel.vpp=1", "parallel.pp_schedule=1f1b", "parallel.pp_layout=null"]
-
-
-def full_size_recipe(name: str, tp: int, ep: int, sp: bool, policy: str, *, world: int | None = None,
-                     extra: tuple[str, ...] = ()):
-    """One layer of the model (DeepSeek-V3: its first dense and first MoE layer, no MTP) at the recipe's
-    sequence length and precision, on `world` ranks (default: the layout's smallest with dp > 1), one
-    micro-batch per rank. train.fp8.recipe auto resolved for the recipe's own GPU (plan_against_measure plans
-    on an h100, where auto would mean another recipe than measure's launch target runs)."""
-    world = world or max(2 * tp, ep, 8)
-    cut = (["model.num_layers=2", "model.first_k_dense=1", "model.mtp_layers=0"] if name == "deepseek-v3"
-           else ["model.num_layers=1"])
-    nodes = -(-world // 8)  # the recipes' GPUs have 8 per node
-    return with_fp8_resolved(load_recipe(
-        name, [*TODAY, *cut, f"launch.nodes={nodes}", f"launch.gpus_per_node={world // nodes}", f"parallel.tp={tp}",
-               f"parallel.ep={ep}", f"parallel.sequence_parallel={str(sp).lower()}",
-               f"train.global_batch_size={world // tp}", "train.micro_batch_size=1", *recompute(policy), *extra],
-        check_files=False))
 
 
 FULL_LEVELS = (("deepseek-v3", "qwen3-235b-a22b", "qwen3-30b-a3b"), (1, 2, 4, 8), (1, 8, 64), (False, True),

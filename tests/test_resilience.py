@@ -14,12 +14,11 @@ compares them with the single-process run of the same recipe.
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import FP32, SHRINK_LAYOUT, train_losses
 from multirank import run_ranks
 from workers.record import full_state
 
@@ -31,10 +30,9 @@ from moe_train.train.loop import Trainer
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 RECIPE = "qwen3-moe-tiny"
-# As tests/test_data_parallel.py: adam_eps 1e-6 keeps Adam's sensitivity to reduction-order rounding low.
-SHRINK = ["model.num_layers=2", "train.seq_length=32", "train.global_batch_size=8", "train.micro_batch_size=1",
-          "train.warmup_steps=1", "train.lr=1e-3", "train.min_lr=1e-4", "train.adam_eps=1e-6",
-          "train.precision=fp32", "train.eval_interval=null", "checkpoint.interval=null", "logging.interval=1"]
+# The layout tests' recipe (helpers.SHRINK_LAYOUT: adam_eps 1e-6 keeps Adam's sensitivity to reduction-order
+# rounding low) at its fp32 MoE case.
+SHRINK = [*SHRINK_LAYOUT, *FP32[RECIPE]]
 STEPS, STOP_AT = 4, 2
 # Layouts a checkpoint is saved under (4 ranks); one more line here adds a case (e.g. pipeline parallelism).
 SAVE_LAYOUTS = {"tp2-ep2": ["parallel.tp=2", "parallel.ep=2"], "pp2-ep2": ["parallel.pp=2", "parallel.ep=2"]}
@@ -63,12 +61,7 @@ def reference(job) -> dict:
     trainer = Trainer(load_recipe(RECIPE, [*SHRINK, f"run_dir={run_dir}", f"train.steps={STEPS}",
                                            f"checkpoint.interval={STOP_AT}", "checkpoint.keep=null"]))
     trainer.train()
-    return {"losses": logged_losses(run_dir), "checkpoint": run_dir / "checkpoints" / f"step-{STOP_AT:07d}"}
-
-
-def logged_losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+    return {"losses": train_losses(run_dir), "checkpoint": run_dir / "checkpoints" / f"step-{STOP_AT:07d}"}
 
 
 def assert_equal_tensors(got: dict, want: dict, what: str) -> None:
@@ -83,6 +76,7 @@ def assert_same_losses(got: dict[int, float], want: dict[int, float], steps: ran
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("save_layout", SAVE_LAYOUTS)
 def test_a_checkpoint_resumes_under_other_layouts_exactly(job, reference, save_layout: str) -> None:
     record = job["records"][f"save-{save_layout}"]
@@ -101,9 +95,10 @@ def test_a_checkpoint_resumes_under_other_layouts_exactly(job, reference, save_l
     assert trainer.progress.step == STOP_AT and not trainer.start.own
     assert_equal_tensors(full_state(trainer), saved, f"{save_layout} -> world size 1")
     trainer.train()
-    assert_same_losses(logged_losses(run_dir), reference["losses"], range(STOP_AT + 1, STEPS + 1))
+    assert_same_losses(train_losses(run_dir), reference["losses"], range(STOP_AT + 1, STEPS + 1))
 
 
+@pytest.mark.slow
 def test_export_of_a_sharded_checkpoint_gathers_every_expert_and_shard(job, reference) -> None:
     import transformers  # the test extra installs it: a missing one is an error, never a silent skip
     from safetensors.torch import load_file
@@ -130,6 +125,7 @@ def test_export_of_a_sharded_checkpoint_gathers_every_expert_and_shard(job, refe
     torch.testing.assert_close(logits["hf-sharded"], logits["hf-ws1"], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_a_nan_in_one_ranks_gradient_shard_is_rejected_by_every_rank(job) -> None:
     record = job["records"]["poison"]
     assert record["verdicts"] == [[None, "nonfinite", None]] * 4
@@ -137,6 +133,7 @@ def test_a_nan_in_one_ranks_gradient_shard_is_rejected_by_every_rank(job) -> Non
     assert record["unchanged"] == [[False, True, False]] * 4
 
 
+@pytest.mark.slow
 def test_stop_requests_agree_and_only_the_logging_rank_reads_the_notice(job) -> None:
     reasons = job["records"]["stops"]
     assert reasons["none"] == [None] * 4

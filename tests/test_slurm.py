@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import SHRINK_SLURM, read_metrics, sets
 from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture)
 
 from moe_train.atomic import write_atomic
@@ -52,6 +53,7 @@ def check_rank_table(log: str, want: dict[int, str]) -> None:
     assert lines == want, log
 
 
+@pytest.mark.slow
 def test_submit_preflight_runs_two_ranks_on_slurm(slurm_cluster, tmp_path):  # noqa: F811
     run_dir = tmp_path / HOSTILE_DIR
     result = cli(slurm_cluster, tmp_path, "submit", "qwen3-moe-tiny", "--preflight", "--set", f"run_dir={run_dir}",
@@ -71,6 +73,7 @@ def test_submit_preflight_runs_two_ranks_on_slurm(slurm_cluster, tmp_path):  # n
     assert re.search(rf"preflight done\s+{job_id}", runs.stdout), runs.stdout
 
 
+@pytest.mark.slow
 def test_sweep_is_one_job_array_each_task_with_its_own_recipe(slurm_cluster, tmp_path):  # noqa: F811
     base = tmp_path / "sweep"
     result = cli(slurm_cluster, tmp_path, "sweep", "qwen3-moe-tiny", "--set", f"run_dir={base}",
@@ -95,6 +98,7 @@ def test_sweep_is_one_job_array_each_task_with_its_own_recipe(slurm_cluster, tmp
     assert not (base / "ep-3").exists()
 
 
+@pytest.mark.slow
 def test_allocation_smaller_than_the_recipe_fails_fast_on_every_rank(slurm_cluster, tmp_path):  # noqa: F811
     recipe = load_recipe("qwen3-moe-tiny", [f"run_dir={tmp_path / 'r'}", "launch.nodes=2", "launch.gpus_per_node=2",
                                             "train.micro_batch_size=2"])
@@ -136,6 +140,7 @@ echo "stand-in step: complete"
 """
 
 
+@pytest.mark.slow
 def test_preemption_notice_requeues_once_then_completes(slurm_cluster, tmp_path):  # noqa: F811
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -168,6 +173,7 @@ def test_preemption_notice_requeues_once_then_completes(slurm_cluster, tmp_path)
     assert re.search(rf"^r\s+complete\s+{job_id}", runs.stdout, re.M), runs.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ['back\\slash "q" $(x) `y`', "tab\there; z", "it's 'single'", "a#b c #d", "x=1 %j"])
 def test_sbatch_reads_rendered_job_names_verbatim(slurm_cluster, tmp_path, name):  # noqa: F811
     recipe = load_recipe("qwen3-tiny", [f"run_dir={tmp_path / 'r'}"])
@@ -183,22 +189,21 @@ def test_sbatch_reads_rendered_job_names_verbatim(slurm_cluster, tmp_path, name)
         slurm_cluster.run("scancel", job_id)
 
 
+@pytest.mark.slow
 def test_submitted_ep2_run_trains_on_slurm(slurm_cluster, tmp_path):  # noqa: F811
     """A qwen3-moe-tiny training job with expert parallelism over its 2 ranks, through sbatch: it completes,
     the logging rank writes every step with each MoE layer's balance, the run folder is COMPLETE, and
     `moe-train report` renders its plots."""
     run_dir = tmp_path / "ep2"
-    sets = ["launch.gpus_per_node=2", "parallel.ep=2", "model.num_layers=2", "train.seq_length=32",
-            "train.global_batch_size=8", "train.micro_batch_size=2", "train.steps=4", "train.warmup_steps=1",
-            "train.eval_interval=null", "checkpoint.interval=null", "logging.interval=1", f"run_dir={run_dir}"]
-    result = cli(slurm_cluster, tmp_path, "submit", "qwen3-moe-tiny", *(a for s in sets for a in ("--set", s)))
+    result = cli(slurm_cluster, tmp_path, "submit", "qwen3-moe-tiny",
+                 *sets(*SHRINK_SLURM, "launch.gpus_per_node=2", "parallel.ep=2", "train.steps=4", f"run_dir={run_dir}"))
     assert result.returncode == 0, result.stderr
     job_id = re.search(r"submitted job (\d+)", result.stdout).group(1)
     log = run_dir / "logs" / f"slurm-{job_id}.out"
     assert slurm_cluster.wait_done(job_id, timeout=130) == "COMPLETED", log.read_text() if log.exists() else ""
-    lines = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"kind": "train"' in line]
+    lines = read_metrics(run_dir, "train")
     assert len(lines) == 4  # one writer: the logging rank only
-    assert all('"moe": {"0": ' in line and '"1": ' in line for line in lines)
+    assert all({"0", "1"} <= set(line["moe"]) for line in lines)
     assert (run_dir / "COMPLETE").exists()
     report = cli(slurm_cluster, tmp_path, "report", str(run_dir))
     assert report.returncode == 0, report.stderr

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers import SHRINK_SLURM
 from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture)
 from slurm_jobs import (
     cli,
@@ -30,16 +31,15 @@ from moe_train.train.loop import Trainer
 pytestmark = pytest.mark.timeout(240)
 
 STEPS = 10
-SHRINK = ["model.num_layers=2", "train.seq_length=32", "train.global_batch_size=8", "train.micro_batch_size=2",
-          "train.warmup_steps=1", "train.precision=fp32", "train.eval_interval=null", "checkpoint.interval=null",
-          "logging.interval=1", f"train.steps={STEPS}"]
+JOB = [*SHRINK_SLURM, f"train.steps={STEPS}"]
 
 
 def submit_two_ranks(cluster, tmp_path: Path, recipe: str, run_dir: Path, *extra: str) -> str:
     return job_id_of(cli(cluster, tmp_path, "submit", recipe,
-                         sets=[*SHRINK, "launch.gpus_per_node=2", f"run_dir={run_dir}", *extra]))
+                         sets=[*JOB, "launch.gpus_per_node=2", f"run_dir={run_dir}", *extra]))
 
 
+@pytest.mark.slow
 def test_a_preempted_ep2_job_saves_requeues_resumes_and_matches_an_uninterrupted_run(slurm_cluster, tmp_path):  # noqa: F811
     run_dir = tmp_path / "ep2"
     job_id = submit_two_ranks(slurm_cluster, tmp_path, "qwen3-moe-tiny", run_dir, "parallel.ep=2",
@@ -55,7 +55,7 @@ def test_a_preempted_ep2_job_saves_requeues_resumes_and_matches_an_uninterrupted
     logged = train_losses(run_dir)
     assert [step for step, _ in logged] == list(range(1, STEPS + 1))
     reference_dir = tmp_path / "reference"
-    Trainer(load_recipe("qwen3-moe-tiny", [*SHRINK, f"run_dir={reference_dir}"])).train()
+    Trainer(load_recipe("qwen3-moe-tiny", [*JOB, f"run_dir={reference_dir}"])).train()
     assert [loss for _, loss in logged] == pytest.approx([loss for _, loss in train_losses(reference_dir)], rel=1e-5)
 
     # Finished: a resubmission of its script starts nothing and is not requeued.
@@ -67,6 +67,7 @@ def test_a_preempted_ep2_job_saves_requeues_resumes_and_matches_an_uninterrupted
     assert train_losses(run_dir) == logged
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_step_fails_the_job_within_60_s_naming_it_and_it_is_not_requeued(slurm_cluster,  # noqa: F811
                                                                                            tmp_path):
     run_dir = tmp_path / "crash"

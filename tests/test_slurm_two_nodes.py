@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers import SHRINK_SLURM
 from slurm_cluster import node_names, slurm_cluster  # noqa: F401  (the session fixture)
 from slurm_jobs import (
     cli,
@@ -33,9 +34,7 @@ STEPS = 6
 # The preempted job's steps: enough that the notice (sent once 2 steps are logged, through slurmctld) cannot arrive
 # after the last one; a 6-step job once finished first at load 10 (its steps take ~0.1 s).
 PREEMPTED_STEPS = 40
-SHRINK = ["model.num_layers=2", "train.seq_length=32", "train.global_batch_size=8", "train.micro_batch_size=2",
-          "train.warmup_steps=1", "train.precision=fp32", "train.eval_interval=null", "checkpoint.interval=null",
-          "logging.interval=1", f"train.steps={STEPS}", "launch.nodes=2", "launch.gpus_per_node=1"]
+JOB = [*SHRINK_SLURM, f"train.steps={STEPS}", "launch.nodes=2", "launch.gpus_per_node=1"]
 ROW = re.compile(r"^\s+(\d+)\s+(\S+)\s+(\d+)\s+(pp \d+ dp \d+ cp \d+ tp \d+ \| edp \d+ ep \d+ etp \d+)$", re.M)
 
 
@@ -45,7 +44,7 @@ def losses(run_dir: Path) -> list[float]:
 
 def single_process_losses(run_dir: Path, steps: int = STEPS) -> list[float]:
     """The single process's losses of the recipe the jobs here train, for `steps` steps."""
-    Trainer(load_recipe("qwen3-moe-tiny", [*SHRINK, f"train.steps={steps}", "launch.nodes=1",
+    Trainer(load_recipe("qwen3-moe-tiny", [*JOB, f"train.steps={steps}", "launch.nodes=1",
                                            f"run_dir={run_dir}"])).train()
     return losses(run_dir)
 
@@ -55,16 +54,17 @@ def reference(tmp_path_factory) -> list[float]:
     return single_process_losses(tmp_path_factory.mktemp("reference"))
 
 
+@pytest.mark.slow
 def test_two_node_preflight_and_sweep_of_dp2_and_ep2_match_one_process(slurm_cluster, tmp_path,  # noqa: F811
                                                                         reference):
     nodes = node_names()
     preflight_dir = tmp_path / "preflight"
     result = cli(slurm_cluster, tmp_path, "submit", "qwen3-moe-tiny", "--preflight",
-                 sets=[*SHRINK, "parallel.ep=2", f"run_dir={preflight_dir}"])
+                 sets=[*JOB, "parallel.ep=2", f"run_dir={preflight_dir}"])
     preflight_id = re.search(r"submitted job (\d+) \(preflight\)", result.stdout).group(1)
     base = tmp_path / "sweep"
     result = cli(slurm_cluster, tmp_path, "sweep", "qwen3-moe-tiny", "--grid", "parallel.ep=1,2", "--submit",
-                 sets=[*SHRINK, f"run_dir={base}"])
+                 sets=[*JOB, f"run_dir={base}"])
     array_id = re.search(r"submitted job array (\d+) \(2 task\(s\)\)", result.stdout).group(1)
 
     assert slurm_cluster.wait_done(preflight_id, timeout=120) == "COMPLETED"
@@ -85,10 +85,11 @@ def test_two_node_preflight_and_sweep_of_dp2_and_ep2_match_one_process(slurm_clu
         assert losses(base / point) == pytest.approx(reference, rel=1e-5), point
 
 
+@pytest.mark.slow
 def test_two_node_pp2_preempted_requeued_resumes_to_the_single_process_losses(slurm_cluster, tmp_path):  # noqa: F811
     run_dir = tmp_path / "pp2"
     job_id = job_id_of(cli(slurm_cluster, tmp_path, "submit", "qwen3-moe-tiny",
-                           sets=[*SHRINK, f"train.steps={PREEMPTED_STEPS}", "parallel.pp=2",
+                           sets=[*JOB, f"train.steps={PREEMPTED_STEPS}", "parallel.pp=2",
                                  "launch.slurm.signal_seconds=60", "launch.slurm.max_restarts=2",
                                  f"run_dir={run_dir}"]))
     _, text = preempt_and_finish(slurm_cluster, job_id, run_dir, PREEMPTED_STEPS)
@@ -97,10 +98,11 @@ def test_two_node_pp2_preempted_requeued_resumes_to_the_single_process_losses(sl
                                             rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_rank_killed_on_the_second_node_fails_the_two_node_job_fast(slurm_cluster, tmp_path):  # noqa: F811
     run_dir = tmp_path / "crash"
     job_id = job_id_of(cli(slurm_cluster, tmp_path, "submit", "qwen3-tiny",
-                           sets=[*SHRINK, "train.steps=1000", f"run_dir={run_dir}"]))
+                           sets=[*JOB, "train.steps=1000", f"run_dir={run_dir}"]))
     wait_for_steps(slurm_cluster, job_id, run_dir, 2)
     second = node_names()[1]  # not the rendezvous host (the allocation's first node)
     found = training_process(run_dir, SLURMD_NODENAME=second)

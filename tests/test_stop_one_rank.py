@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -19,20 +18,17 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from cli_helpers import run_cli
+from helpers import SHRINK, read_metrics
+from helpers import sets as set_args
 from processes import descendants, finish, start
 
 from moe_train.checkpoint.layout import latest_checkpoint
 
-SHRINK = ["model.num_layers=2", "train.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=2",
-          "train.warmup_steps=1", "train.precision=fp32", "logging.interval=1", "train.eval_interval=null",
-          "train.steps=1000", "checkpoint.interval=null"]
-
 
 def train_steps(run_dir: Path) -> list[int]:
-    path = run_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [r["step"] for r in map(json.loads, lines) if r["kind"] == "train"]
+    return [r["step"] for r in read_metrics(run_dir, "train", missing_ok=True)]
 
 
 def rank_process(launcher: int, rank: int) -> int | None:
@@ -49,7 +45,7 @@ def signal_rank_1_after_two_steps(run_dir: Path, sig: signal.Signals, *overrides
                                   ) -> tuple[subprocess.CompletedProcess, float]:
     """Train qwen3-tiny on 2 ranks, send `sig` to rank 1 once two steps are logged; (the result, seconds from the
     signal to the end of `moe-train run`)."""
-    sets = [arg for value in [*SHRINK, *overrides, f"run_dir={run_dir}"] for arg in ("--set", value)]
+    sets = set_args(*SHRINK, "train.steps=1000", *overrides, f"run_dir={run_dir}")
     process = start([sys.executable, "-m", "moe_train.cli.main", "run", "qwen3-tiny", "--nproc", "2", *sets])
     sent = time.monotonic()
     try:
@@ -65,6 +61,7 @@ def signal_rank_1_after_two_steps(run_dir: Path, sig: signal.Signals, *overrides
     return done, time.monotonic() - sent
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_rank_stops_both_ranks_at_the_same_step(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     done, _ = signal_rank_1_after_two_steps(run_dir, signal.SIGTERM)
@@ -80,6 +77,7 @@ def test_sigterm_to_one_rank_stops_both_ranks_at_the_same_step(tmp_path: Path) -
     assert not (run_dir / "COMPLETE").exists()
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_step_ends_the_job_non_zero_within_60_s_naming_it(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     done, seconds = signal_rank_1_after_two_steps(run_dir, signal.SIGKILL)
@@ -91,6 +89,7 @@ def test_a_rank_killed_mid_step_ends_the_job_non_zero_within_60_s_naming_it(tmp_
     assert not (run_dir / "COMPLETE").exists()
 
 
+@pytest.mark.slow
 def test_a_rank_stuck_alive_ends_the_job_once_the_collective_timeout_passes(tmp_path: Path) -> None:
     """No connection closes, so only the process group's timeout (6 s here) can free rank 0; torchrun then
     SIGTERMs the stopped rank (held pending) and SIGKILLs it after its 30 s grace."""

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import BF16_TOLERANCE, LAYOUT_STEPS, SHRINK_LAYOUT, assert_same_run, block_gemms
 from multirank import run_ranks
-from test_data_parallel import BF16_TOLERANCE, SHRINK, STEPS, assert_same_run
-from test_gemm_site import block_gemms
 from workers.record import record_run
 from workers.tensor_parallel import force_expert
 
@@ -32,7 +31,7 @@ SP2 = ["parallel.tp=2", "parallel.sequence_parallel=true"]
 TP4 = ["parallel.tp=4", "parallel.sequence_parallel=true"]
 # Tensor parallelism sums a gradient's per-head (or per-shard) parts in another order than one process: ~4e-10 on
 # a gradient row of scale 2e-3. Where such an element is itself near zero (7e-8), Adam's step moves by about
-# lr / eps times that difference (test_data_parallel explains it): 1.4e-6 after three steps at eps 1e-6, one
+# lr / eps times that difference (helpers.SHRINK_LAYOUT explains it): 1.4e-6 after three steps at eps 1e-6, one
 # element in 5k. eps 1e-5 keeps it 10x under the 1e-6 tolerance; every other element agrees to ~1e-8 either way.
 FP32 = ["train.precision=fp32", "train.adam_eps=1e-5", "train.global_batch_size=4"]
 Z_LOSS = ["model.moe.router.z_loss_coeff=1e-3"]  # with DeepSeek's seq_aux_loss: both losses on sequence shards
@@ -82,7 +81,7 @@ WORLD4 = [
 # adds bf16 rounding of the row-parallel GEMMs' partial sums before their all-reduce (one process rounds the whole
 # sum once): step-1 gradients differ by up to ~1e-3 of their scale, well inside test_data_parallel's bf16
 # tolerance. After three steps, Adam turns such a difference on an element whose gradient is near zero into up to
-# lr / eps times it (test_data_parallel explains): 2.5e-3 on a rare token's embedding at eps 1e-6, 1.5e-3 at 1e-5,
+# lr / eps times it (helpers.SHRINK_LAYOUT explains): 2.5e-3 on a rare token's embedding at eps 1e-6, 1.5e-3 at 1e-5,
 # under 6e-4 at 1e-4, which is used here. The router sees bf16-rounded inputs, so a near-tie can send a token or two
 # (of 256 per layer) to another expert from step 2 on: the balance figures are compared within 5% (or 0.01).
 BF16 = ["train.precision=bf16", "train.global_batch_size=4", "train.micro_batch_size=2", "train.adam_eps=1e-4"]
@@ -96,21 +95,21 @@ WORLD2_BF16 = [
 
 def _cases(table: list[tuple]) -> list[dict]:
     return [
-        {"id": case_id, "recipe": name, "steps": STEPS,
-         "overrides": [*SHRINK, *MODEL[name], f"train.micro_batch_size={mbs}", *layout, *recompute]}
+        {"id": case_id, "recipe": name, "steps": LAYOUT_STEPS,
+         "overrides": [*SHRINK_LAYOUT, *MODEL[name], f"train.micro_batch_size={mbs}", *layout, *recompute]}
         for case_id, name, layout, mbs, recompute in table
     ]
 
 
 def _reference(tmp_path: Path, cache: dict, name: str, mbs: int) -> dict:
     if (name, mbs) not in cache:
-        cache[name, mbs] = record_run(name, [*SHRINK, *MODEL[name], f"train.micro_batch_size={mbs}"], world=1,
-                                      run_dir=tmp_path / f"ref-{name}-{mbs}", steps=STEPS)
+        cache[name, mbs] = record_run(name, [*SHRINK_LAYOUT, *MODEL[name], f"train.micro_batch_size={mbs}"], world=1,
+                                      run_dir=tmp_path / f"ref-{name}-{mbs}", steps=LAYOUT_STEPS)
     return cache[name, mbs]
 
 
 def _bf16_cases() -> list[dict]:
-    return [{"id": case_id, "recipe": name, "steps": STEPS, "overrides": [*SHRINK, *BF16, *layout]}
+    return [{"id": case_id, "recipe": name, "steps": LAYOUT_STEPS, "overrides": [*SHRINK_LAYOUT, *BF16, *layout]}
             for case_id, name, layout in WORLD2_BF16]
 
 
@@ -118,8 +117,8 @@ def _check_bf16(tmp_path: Path, records: dict) -> None:
     references: dict[str, dict] = {}
     for case_id, name, _ in WORLD2_BF16:
         if name not in references:
-            references[name] = record_run(name, [*SHRINK, *BF16], world=1, run_dir=tmp_path / f"ref-bf16-{name}",
-                                          steps=STEPS)
+            references[name] = record_run(name, [*SHRINK_LAYOUT, *BF16], world=1, run_dir=tmp_path / f"ref-bf16-{name}",
+                                          steps=LAYOUT_STEPS)
         got = records[case_id]
         assert got["differing_across_ranks"] == [], case_id
         assert_same_run(got, references[name], **BF16_TP_TOLERANCE)
@@ -164,10 +163,11 @@ def _load(saved: dict) -> dict:
             if not key.startswith(("bytes-", "gemms-"))}
 
 
+@pytest.mark.slow
 def test_tensor_parallel_two_ranks_equals_single_process(tmp_path: Path) -> None:
     cases = [*_cases(WORLD2), *_bf16_cases()]
-    one_expert = [*SHRINK, *MODEL["deepseek-v3-tiny"], "train.micro_batch_size=2", *ONE_EXPERT]
-    cases.append({"id": "dsv3-sp2-one-expert", "recipe": "deepseek-v3-tiny", "steps": STEPS, "force_expert": 3,
+    one_expert = [*SHRINK_LAYOUT, *MODEL["deepseek-v3-tiny"], "train.micro_batch_size=2", *ONE_EXPERT]
+    cases.append({"id": "dsv3-sp2-one-expert", "recipe": "deepseek-v3-tiny", "steps": LAYOUT_STEPS, "force_expert": 3,
                   "overrides": [*one_expert, *SP2]})
     result = run_ranks("tensor_parallel", 2, {"cases": cases, "activations": _activation_cases(2),
                                               "run_root": str(tmp_path / "w2")}, tmp_path, timeout=300)
@@ -191,7 +191,7 @@ def test_tensor_parallel_two_ranks_equals_single_process(tmp_path: Path) -> None
     # A batch routed entirely to one expert (the others get no token) trains as on one process.
     one = records["dsv3-sp2-one-expert"]
     assert one["differing_across_ranks"] == []
-    want = record_run("deepseek-v3-tiny", one_expert, world=1, run_dir=tmp_path / "ref-one-expert", steps=STEPS,
+    want = record_run("deepseek-v3-tiny", one_expert, world=1, run_dir=tmp_path / "ref-one-expert", steps=LAYOUT_STEPS,
                       prepare=force_expert(3))
     for step in want["moe"]:
         for figures in step.values():
@@ -199,6 +199,7 @@ def test_tensor_parallel_two_ranks_equals_single_process(tmp_path: Path) -> None
     assert_same_run(one, want)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_four_ranks_equals_single_process(tmp_path: Path) -> None:
     result = run_ranks("tensor_parallel", 4, {"cases": _cases(WORLD4), "activations": _activation_cases(4),
                                               "run_root": str(tmp_path / "w4")}, tmp_path, timeout=360)

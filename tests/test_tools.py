@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from cli_helpers import assert_bad_input, run_cli
-from test_run_cli import SHRINK, sets, train_lines
+from helpers import SHRINK_CLI, read_metrics, sets
 
 import moe_train
 from moe_train.config import load_recipe
@@ -197,23 +197,24 @@ def wandb_records(path: Path) -> list:
     return records
 
 
+@pytest.mark.slow
 def test_wandb_offline_logs_every_step_into_the_run_folder(tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, WANDB_MODE="", OMP_NUM_THREADS="1")  # the recipe's mode decides, not the caller's
     env.pop("WANDB_MODE")
     result = subprocess.run([sys.executable, "-m", "moe_train.cli.main", "run", "qwen3-tiny",
-                             *sets(*SHRINK, "train.steps=4", "train.exit_at_step=3", f"run_dir={run_dir}",
+                             *sets(*SHRINK_CLI, "train.steps=4", "train.exit_at_step=3", f"run_dir={run_dir}",
                                    "logging.wandb={project: moe-test, mode: offline}")],
                             capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
     (offline,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     history = [{(item.key or "/".join(item.nested_key)): json.loads(item.value_json) for item in r.history.item}
                for r in wandb_records(offline) if r.WhichOneof("record_type") == "history"]
-    logged = train_lines(run_dir)
+    logged = read_metrics(run_dir, "train")
     assert [h["_step"] for h in history] == [r["step"] for r in logged] == [1, 2, 3]
     assert [h["train/loss"] for h in history] == [r["loss"] for r in logged]
     assert [h["train/tokens_per_s"] for h in history] == [r["tokens_per_s"] for r in logged]
     # A continued run with W&B switched off is the same run (logging.wandb is an ignored field).
-    again = run_cli("run", "qwen3-tiny", *sets(*SHRINK, "train.steps=4", f"run_dir={run_dir}"))
+    again = run_cli("run", "qwen3-tiny", *sets(*SHRINK_CLI, "train.steps=4", f"run_dir={run_dir}"))
     assert again.code == 0, again.stderr
-    assert [r["step"] for r in train_lines(run_dir)] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_metrics(run_dir, "train")] == [1, 2, 3, 4]

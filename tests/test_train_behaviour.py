@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import shrink, trainer
 
 from moe_train.config import TrainConfig, load_recipe
 from moe_train.data import global_batch
@@ -23,12 +24,9 @@ from moe_train.train.loop import Trainer
 from moe_train.train.optimizer import build_optimizer, param_groups
 from moe_train.train.schedule import lr_at
 
-SHRINK = ["model.num_layers=2", "train.seq_length=16", "train.global_batch_size=4", "train.micro_batch_size=2",
-          "train.precision=fp32", "logging.interval=1", "checkpoint.interval=null", "train.eval_interval=null"]
-
-
-def trainer(name: str, run_dir: Path, *extra: str) -> Trainer:
-    return Trainer(load_recipe(name, [*SHRINK, f"run_dir={run_dir}", *extra]))
+# 16-token sequences (the expert-load figures count a batch's 4 x 16 tokens) and the recipe's own warm-up
+# (a test that needs another sets it).
+SHORT = shrink("train.seq_length=16", without=("train.warmup_steps",))
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -92,7 +90,8 @@ def test_schedule_reaches_adamw_step_by_step(tmp_path: Path) -> None:
     """Cosine with 2 warmup steps over 4: 5e-4, 1e-3, 1e-4 + 9e-4 * (1 + cos(pi/2)) / 2, 1e-4, worked out by hand."""
     t = trainer("qwen3-tiny", tmp_path, "train.steps=4", "train.warmup_steps=2", "train.lr=1e-3",
                 "train.min_lr=1e-4", "train.lr_schedule=cosine", "train.weight_decay=0.1", "model.num_layers=1",
-                "train.adam_eps=1e-3", "train.adam_beta1=0.8", "train.adam_beta2=0.9")  # none of them torch's default
+                "train.adam_eps=1e-3", "train.adam_beta1=0.8", "train.adam_beta2=0.9",  # none of them torch's default
+                base=SHORT)
     records = watch_optimizer(t)
     assert all(t.train_step(step).finite for step in (1, 2, 3, 4))
     expected = [5e-4, 1e-3, 5.5e-4, 1e-4]
@@ -105,7 +104,7 @@ def test_schedule_reaches_adamw_step_by_step(tmp_path: Path) -> None:
 def test_first_update_moves_each_weight_by_the_learning_rate(tmp_path: Path) -> None:
     """Adam's first step is lr * sign(g) (|g| >> eps): the rate is visible in the parameters themselves."""
     t = trainer("qwen3-tiny", tmp_path, "train.steps=4", "train.warmup_steps=4", "train.lr=2e-3",
-                "train.weight_decay=0.0", "model.num_layers=1")
+                "train.weight_decay=0.0", "model.num_layers=1", base=SHORT)
     records = watch_optimizer(t)
     t.train_step(1)
     [record] = records
@@ -152,7 +151,7 @@ def test_clipping_binds_scales_gradients_and_logs_the_norm_before_clipping(tmp_p
     runs = {}
     for name, clip in (("none", "null"), ("loose", "1e9"), ("tight", "0.05")):
         t = trainer("qwen3-tiny", tmp_path / name, "train.steps=2", "train.warmup_steps=0", "train.lr=1e-3",
-                    "train.lr_schedule=constant", "model.num_layers=1", f"train.grad_clip={clip}")
+                    "train.lr_schedule=constant", "model.num_layers=1", f"train.grad_clip={clip}", base=SHORT)
         records = watch_optimizer(t)
         results = [t.train_step(step) for step in (1, 2)]
         runs[name] = (t, records, results)
@@ -191,7 +190,7 @@ def test_clipping_binds_scales_gradients_and_logs_the_norm_before_clipping(tmp_p
 
 def test_a_skipped_step_leaves_every_piece_of_state_unchanged(tmp_path: Path) -> None:
     """deepseek-v3-tiny: weights, expert biases (buffers), Adam's moments and step counts, learning rates."""
-    t = trainer("deepseek-v3-tiny", tmp_path, "train.steps=3", "train.warmup_steps=2")
+    t = trainer("deepseek-v3-tiny", tmp_path, "train.steps=3", "train.warmup_steps=2", base=SHORT)
     assert any(layer.router.expert_bias is not None for layer in t.moe_layers.values())
     assert t.train_step(1).finite  # Adam has state and the bias has moved once
     poisoned = {"on": True}
@@ -230,7 +229,7 @@ def test_a_skipped_step_leaves_every_piece_of_state_unchanged(tmp_path: Path) ->
 def test_expert_bias_moves_against_the_measured_load_by_the_rate(tmp_path: Path) -> None:
     """Loads counted here from the routers' top-k (every micro-batch of the step); bias += rate * sign(mean - load)."""
     rate = 0.01
-    t = trainer("deepseek-v3-tiny", tmp_path, "train.steps=2", f"model.moe.router.bias_update_rate={rate}")
+    t = trainer("deepseek-v3-tiny", tmp_path, "train.steps=2", f"model.moe.router.bias_update_rate={rate}", base=SHORT)
     loads: dict[int, torch.Tensor] = {}
 
     def counter(index: int, num_experts: int):
@@ -264,14 +263,14 @@ def test_expert_counts_and_bias_agree_with_recompute_and_micro_batches(tmp_path:
                 "four-micro-batches": ["train.micro_batch_size=1"]}
     seen = {}
     for key, sets in variants.items():
-        t = trainer("deepseek-v3-tiny", tmp_path / key, "train.steps=2", *sets)
+        t = trainer("deepseek-v3-tiny", tmp_path / key, "train.steps=2", *sets, base=SHORT)
         steps = []
         for step in (1, 2):
             assert t.train_step(step).finite
             steps.append({i: (layer.tokens_per_expert.clone(), layer.router.expert_bias.detach().clone())
                           for i, layer in t.moe_layers.items()})
         seen[key] = steps
-    tokens = 4 * 16 * load_recipe("deepseek-v3-tiny", SHRINK).model.moe.top_k  # the global batch's assignments
+    tokens = 4 * 16 * load_recipe("deepseek-v3-tiny", SHORT).model.moe.top_k  # the global batch's assignments
     for key, steps in seen.items():
         for step, layers in enumerate(steps):
             for index, (counts, bias) in layers.items():
@@ -295,7 +294,7 @@ def test_update_expert_bias_direction_and_amount_by_hand() -> None:
 def test_evaluate_is_the_mean_token_loss_of_the_validation_batches(tmp_path: Path) -> None:
     """Two validation global batches of 4, in micro-batches of 1: the mean cross-entropy over their 128 tokens."""
     t = trainer("qwen3-moe-tiny", tmp_path, "train.steps=2", "train.eval_steps=2", "train.micro_batch_size=1",
-                "data.reset_at_eod=false")
+                "data.reset_at_eod=false", base=SHORT)
     assert t.train_step(1).finite  # a trained model, not the initial one
     value = t.evaluate()
     assert t.chunks[0].training  # evaluation gives the model back in training mode

@@ -1,33 +1,23 @@
-"""The training loop: metrics.jsonl as INTERFACES.md defines it, non-finite steps, the expert-bias update."""
+"""The training loop: metrics.jsonl as docs/interfaces.md defines it, non-finite steps, the expert-bias update."""
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_metrics, trainer
 
 from moe_train.checkpoint.layout import latest_checkpoint
-from moe_train.config import RecipeError, load_recipe
+from moe_train.config import RecipeError
 from moe_train.train.errors import TrainingError
 from moe_train.train.loop import Trainer
 
-SHRINK = ["train.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=2", "train.warmup_steps=1",
-          "train.precision=fp32", "logging.interval=1", "checkpoint.interval=null"]
 TRAIN_KEYS = {"kind", "step", "loss", "lm_loss", "aux_loss", "grad_norm", "lr", "tokens", "tokens_per_s",
               "tflops_per_device", "mfu", "memory_bytes", "skipped"}
-BALANCE_KEYS = {"load_max_over_mean", "load_cv", "dropped_fraction", "load", "router_entropy"}
-
-
-def trainer(name: str, run_dir: Path, *extra: str) -> Trainer:
-    return Trainer(load_recipe(name, ["model.num_layers=2", *SHRINK, f"run_dir={run_dir}", *extra]))
-
-
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+BALANCE_KEYS = {"load_max_over_mean", "load_cv", "dropped_fraction", "load", "router_entropy", "tokens"}
 
 
 def poison(t: Trainer, steps: set[int]) -> None:
@@ -45,14 +35,14 @@ def poison(t: Trainer, steps: set[int]) -> None:
 def test_metrics_jsonl_schema(name: str, tmp_path: Path) -> None:
     t = trainer(name, tmp_path, "train.steps=4", "train.eval_interval=2", "train.eval_steps=1")
     summary = t.train()
-    lines = records(tmp_path)
+    lines = read_metrics(tmp_path)
     train = [r for r in lines if r["kind"] == "train"]
     evals = [r for r in lines if r["kind"] == "eval"]
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     assert [(r["step"], set(r)) for r in evals] == [(2, {"kind", "step", "loss"}), (4, {"kind", "step", "loss"})]
     moe = name == "qwen3-moe-tiny"
     for r in train:
-        assert set(r) == TRAIN_KEYS | ({"moe"} if moe else set())
+        assert set(r) == TRAIN_KEYS | ({"moe", "moe_ranks"} if moe else set())
         assert r["loss"] == pytest.approx(r["lm_loss"] + r["aux_loss"], rel=1e-12)
         assert r["tokens"] == r["step"] * 4 * 32
         assert r["skipped"] == 0 and r["grad_norm"] > 0 and r["memory_bytes"] > 0
@@ -76,7 +66,7 @@ def test_deepseek_mtp_loss_and_expert_bias_update(tmp_path: Path) -> None:
     biases = {i: layer.router.expert_bias.clone() for i, layer in t.moe_layers.items()}
     assert biases, "deepseek-v3-tiny has MoE layers with an expert bias"
     t.train()
-    for r in (r for r in records(tmp_path) if r["kind"] == "train"):
+    for r in (r for r in read_metrics(tmp_path) if r["kind"] == "train"):
         assert r["mtp_loss"] > 0
         assert r["loss"] == pytest.approx(r["lm_loss"] + r["aux_loss"] + r["mtp_loss"], rel=1e-12)
         assert set(r["moe"]) == {"1", "2"}  # layer 0 is dense (first_k_dense), 2 is the MTP block
@@ -103,7 +93,7 @@ def test_skip_counts_and_continues(tmp_path: Path) -> None:
     t = trainer("qwen3-tiny", tmp_path, "train.steps=4", "train.max_skipped_steps=2")
     poison(t, {2, 3})
     summary = t.train()
-    lines = {r["step"]: r for r in records(tmp_path) if r["kind"] == "train"}
+    lines = {r["step"]: r for r in read_metrics(tmp_path) if r["kind"] == "train"}
     assert summary.status == "complete" and summary.step == 4
     assert [lines[s]["skipped"] for s in (1, 2, 3, 4)] == [0, 1, 2, 2]
     assert lines[2]["loss"] is None and lines[2]["grad_norm"] is None
@@ -141,7 +131,7 @@ def test_tensorboard_events_or_a_clear_error(tmp_path: Path) -> None:
 def test_bf16_autocast_keeps_fp32_master_weights(tmp_path: Path) -> None:
     t = trainer("qwen3-moe-tiny", tmp_path / "bf16", "train.steps=3", "train.precision=bf16")
     t.train()
-    lines = [r for r in records(tmp_path / "bf16") if r["kind"] == "train"]
+    lines = [r for r in read_metrics(tmp_path / "bf16") if r["kind"] == "train"]
     assert lines[-1]["loss"] < lines[0]["loss"]
     assert all(p.dtype == torch.float32 for p in t.chunks[0].parameters())
     assert all(v.dtype == torch.float32 for s in t.optimizers[0].state.values() for k, v in s.items() if k != "step")

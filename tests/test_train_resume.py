@@ -5,11 +5,11 @@ DeepSeek-V3 adds what lives outside the optimizer: the expert-bias buffers (upda
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import shrink, train_losses
 
 from moe_train.checkpoint.layout import latest_checkpoint
 from moe_train.config import load_recipe
@@ -18,27 +18,12 @@ from moe_train.train.loop import Trainer
 STEPS = 6
 
 # Shrunk for speed; everything that matters to resume (MoE routing, aux loss, accumulation) is kept.
-SHRINK = [
-    "model.num_layers=2",
-    "train.seq_length=32",
-    "train.global_batch_size=4",
-    "train.micro_batch_size=2",
-    f"train.steps={STEPS}",
-    "train.warmup_steps=2",
-    "train.precision=fp32",
-    "train.eval_interval=null",
-    "checkpoint.interval=null",
-    "logging.interval=1",
-]
+# Two warm-up steps: the resumed half (from step STEPS // 2) runs on the decaying schedule.
+SHRINK = shrink("train.warmup_steps=2", f"train.steps={STEPS}")
 
 
 def recipe(name: str, run_dir: Path, *extra: str):
     return load_recipe(name, [*SHRINK, f"run_dir={run_dir}", *extra])
-
-
-def train_losses(run_dir: Path) -> dict[int, float]:
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in lines if r["kind"] == "train"}
 
 
 @pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny"])

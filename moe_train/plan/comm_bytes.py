@@ -1,6 +1,6 @@
 """Bytes one rank communicates per step, by `<group>/<op>` (the keys `moe-train measure` reports).
 
-Payload (DECISIONS.md): all-reduce and reduce-scatter count their input tensor, all-gather the local shard
+Payload (docs/decisions.md): all-reduce and reduce-scatter count their input tensor, all-gather the local shard
 sent, all-to-all the bytes sent to other ranks, pipeline `send` and `recv` the bytes sent and received;
 forward, backward and recompute together. Bus bytes, for the time model, use the usual collective-benchmark
 factors for a group of n: all-reduce 2(n-1)/n of the input, reduce-scatter (n-1)/n of the input, all-gather

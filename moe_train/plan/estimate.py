@@ -491,7 +491,7 @@ def _nests(moe, domains: int) -> bool:
 
 
 def plan_json(plan: Plan, *, pipeline_rank: int | None = None) -> dict:
-    """The JSON of `moe-train plan --json` (INTERFACES.md, plus extra keys): the most loaded rank's figures,
+    """The JSON of `moe-train plan --json` (docs/interfaces.md, plus extra keys): the most loaded rank's figures,
     or those of a rank of pipeline stage `pipeline_rank` (what `measure --rank` of that stage is held to)."""
     w = plan.worst if pipeline_rank is None else next(r for r in plan.ranks if r.rank == pipeline_rank)
     layout = plan.layout

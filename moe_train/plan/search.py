@@ -16,7 +16,8 @@ goes through the recipe rules (`check_recipe`) as `--set` overrides would, so ev
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from moe_train.config.hardware import Hardware
 from moe_train.config.rules import check_recipe
@@ -139,15 +140,17 @@ def _apply(recipe: Recipe, overrides: dict) -> Recipe:
 
 
 def search(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None = None, *,
-           top: int = 5) -> tuple[list[Candidate], int, int]:
-    """(the best `top` fitting layouts by tokens/s, layouts valid, layouts valid and fitting).
+           top: int = 5, imbalance: Callable[[Recipe], float] | None = None) -> tuple[list[Candidate], int, int]:
+    """(the best `top` fitting layouts by tokens/s, layouts valid, layouts valid and fitting). `imbalance`:
+    each candidate's measured moe_imbalance (`plan --routing`: the trace's loads on its ep), in place of the
+    assumption's.
 
     Per layout, full recompute is planned first: when even it does not fit, no policy does. Then no
     recompute: when it fits, the selective policies fit too and are slower (recompute only adds work), so they
     are counted without being planned. Each is planned first without communication (the memory is the plan's,
     the step time a lower bound); only those whose bound can still enter the best `top` are planned whole,
     the most promising first (every layout's full plan made the search of deepseek-v3 on 1,024 GPUs 14 s)."""
-    bounds: list[tuple[float, int, dict, Recipe]] = []
+    bounds: list[tuple[float, int, dict, Recipe, Assumptions | None]] = []
     valid = fits = 0
     options = _recompute_options(recipe)
     for base in layouts(recipe, nvlink_domain=hardware.nvlink_domain):
@@ -158,22 +161,24 @@ def search(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None =
         for index, rc in enumerate(options):
             overrides = {**base, "parallel.recompute": rc}
             candidate = first if index == 0 else _apply(recipe, overrides)
-            bound = estimate(candidate, hardware, assumptions, every_rank=False, comm=False)
+            planned = assumptions if imbalance is None else replace(assumptions or Assumptions(),
+                                                                     moe_imbalance=imbalance(candidate))
+            bound = estimate(candidate, hardware, planned, every_rank=False, comm=False)
             if not bound.fits:
                 if index == 0:
                     break
                 continue
             fits += 1
-            bounds.append((bound.step_time, len(bounds), overrides, candidate))
+            bounds.append((bound.step_time, len(bounds), overrides, candidate, planned))
             if rc["granularity"] == "none":
                 fits += len(options) - index - 1
                 break
     bounds.sort(key=lambda item: item[:2])
     best: list[Candidate] = []
-    for lower, _, overrides, candidate in bounds:
+    for lower, _, overrides, candidate, planned in bounds:
         if len(best) == top and lower >= best[-1].plan.step_time:
             break  # this bound and every later one: slower than the best `top` already planned whole
-        best.append(Candidate(overrides, estimate(candidate, hardware, assumptions, every_rank=False)))
+        best.append(Candidate(overrides, estimate(candidate, hardware, planned, every_rank=False)))
         best.sort(key=lambda c: c.plan.step_time)
         del best[top:]
     return best, valid, fits

@@ -14,7 +14,8 @@ each chunk's `balancing.start_step` gives them.
 
 Without pipeline parallelism this rank's single model runs the micro-batches one after another, FSDP2 reducing
 gradients in the last one's backward. With it, the schedule (parallel/pipeline.py) interleaves them over the
-stages and reduces after its last backward.
+stages and reduces after its last backward. With `parallel.ep_overlap` the micro-batches run in overlapped
+pairs, the forward of one beside the backward of the one before (parallel/overlap.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from moe_train.models.model import LossTerms, Transformer
 from moe_train.models.moe import MoELayer
 from moe_train.parallel.data_parallel import set_cadence
+from moe_train.parallel.overlap import overlapped_micro_batches
 from moe_train.parallel.pipeline import Pipeline, sync_shared_gradients
 from moe_train.parallel.tensor import reduce_replicated_gradients
 from moe_train.train.batch import Batch
@@ -75,11 +77,32 @@ def forward_backward(
         return
     (model,) = chunks
     micro_batches = batch.micro_batches(micro_batch_size)
+    if parallel.ep_overlap:
+        overlapped_forward_backward(model, micro_batches, loss=loss, parallel=parallel)
+        return
     for index, micro in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
         set_cadence(model, reduce_gradients=last or parallel.grad_reduce == "per_microbatch",
                     reshard_after_backward=last or not parallel.gathers_per_step)
         loss(model(micro.inputs, micro.positions, labels=micro.labels, **micro.mtp_kwargs)).backward()
+
+
+def overlapped_forward_backward(model: Transformer, micro_batches: list, *, loss: StepLoss,
+                                parallel: ParallelConfig) -> None:
+    """`parallel.ep_overlap`: the micro-batches' forwards and backwards in overlapped pairs (parallel/overlap.py),
+    each backward at the cadence the plain loop gives it."""
+    last = len(micro_batches) - 1
+
+    def forward(index: int) -> torch.Tensor:
+        micro = micro_batches[index]
+        return loss(model(micro.inputs, micro.positions, labels=micro.labels, **micro.mtp_kwargs))
+
+    def backward(index: int, optimised: torch.Tensor) -> None:
+        set_cadence(model, reduce_gradients=index == last or parallel.grad_reduce == "per_microbatch",
+                    reshard_after_backward=index == last or not parallel.gathers_per_step)
+        optimised.backward()
+
+    overlapped_micro_batches(len(micro_batches), forward, backward)
 
 
 @torch.no_grad()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from helpers import train_losses  # noqa: E402
 from workers.common import finish, start  # noqa: E402
 
 
@@ -57,13 +58,6 @@ def stops_case(case: dict, run_root: Path, rank: int) -> dict:
     return reasons
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    import json
-
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
-
-
 def reshard_case(case: dict, run_root: Path, world: int, rank: int) -> dict:
     from workers.record import full_state
 
@@ -75,7 +69,7 @@ def reshard_case(case: dict, run_root: Path, world: int, rank: int) -> dict:
             "checkpoint.keep=null"]
     saver = Trainer(load_recipe(case["recipe"], [*base, *case["save"], f"train.exit_at_step={case['stop_at']}"]))
     saver.train()
-    record = {"saved": full_state(saver), "losses": losses(run_dir) if rank == 0 else None}
+    record = {"saved": full_state(saver), "losses": train_losses(run_dir) if rank == 0 else None}
     del saver
     checkpoint = run_dir / "checkpoints" / f"step-{case['stop_at']:07d}"
     for index, (layout_id, layout) in enumerate(case["resume"].items()):
@@ -85,7 +79,7 @@ def reshard_case(case: dict, run_root: Path, world: int, rank: int) -> dict:
         loaded = {"loaded": full_state(trainer), "started": trainer.progress.step,
                   "started_from": str(trainer.started_from), "own": trainer.start.own}
         trainer.train()
-        loaded["losses"] = losses(run_dir) if rank == 0 else None
+        loaded["losses"] = train_losses(run_dir) if rank == 0 else None
         record[layout_id] = loaded
         del trainer
     return record

@@ -41,7 +41,7 @@ def differing_across_ranks(state: dict) -> list[str]:
 
 def layer_saved_bytes(recipe_name: str, overrides: list[str], *, world: int, layers: list[int]) -> tuple[dict, dict]:
     """{layer index: (bytes this rank's forward of the layer saves for backward, the plan's formula)}, and
-    {layer index: where each GEMM of that forward came from} (test_gemm_site.GemmOrigins).
+    {layer index: where each GEMM of that forward came from} (helpers.gemm_origins).
 
     The model is tensor-parallelised (no FSDP: its gathered weights would be saved storages to tell apart from
     activations); each storage counts once, parameters and the rotary tables every layer shares excluded."""
@@ -69,7 +69,7 @@ def layer_saved_bytes(recipe_name: str, overrides: list[str], *, world: int, lay
     params |= {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
     rows = seq // tp if recipe.parallel.sequence_parallel else seq
     torch.manual_seed(ctx.coord("tp"))
-    from test_gemm_site import GemmOrigins
+    from helpers import gemm_origins
 
     out, gemms = {}, {}
     for index in layers:
@@ -82,7 +82,7 @@ def layer_saved_bytes(recipe_name: str, overrides: list[str], *, world: int, lay
                 seen[storage.data_ptr()] = storage.nbytes()
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), GemmOrigins() as origins:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), gemm_origins() as origins:
             model.layers[str(index)](x, cos, sin, None)
         gemms[index] = origins.origins
         lay = ActivationLayout(micro_batch=train.micro_batch_size, seq_length=seq, act_bytes=4, tp=tp,
