@@ -63,3 +63,44 @@ def test_overlapped_pairs_equal_the_plain_step_on_two_ranks(tmp_path: Path) -> N
 @pytest.mark.slow
 def test_overlapped_pairs_equal_the_plain_step_on_four_ranks(tmp_path: Path) -> None:
     _run_layouts(tmp_path, 4, LAYOUTS_4)
+
+
+def overlapped_comms(events: list[list]) -> tuple[int, int]:
+    """(dispatch collectives issued inside a pair while the paired micro-batch still had compute to run, those
+    of them that a compute phase of the paired micro-batch ran between the issue and the completion)."""
+    checked = hidden = 0
+    for index, (event, _kind, micro, partner) in enumerate(events):
+        if event != "issue" or partner is None:
+            continue
+        nth = sum(1 for e in events[:index] if e[0] == "issue" and e[2] == micro)
+        done = [i for i, e in enumerate(events) if e[0] == "done" and e[2] == micro][nth]
+        later = [
+            i for i, e in enumerate(events) if e[0] == "compute" and e[2] == partner and e[3] == micro and i > index
+        ]
+        if later:
+            checked += 1
+            hidden += later[0] < done
+    return checked, hidden
+
+
+@pytest.mark.slow
+def test_each_dispatch_and_combine_runs_beside_a_compute_phase_of_the_paired_micro_batch(tmp_path: Path) -> None:
+    """A recorded order on 2 ranks (EP2, 2 layers, 4 micro-batches: 3 pairs): inside each pair every
+    dispatch/combine collective of one micro-batch (forward and backward) is issued before and completed after
+    a compute phase (attention or experts, forward or backward) of the other, for as long as the other has one
+    left. The plain step in the same job records no pair at all, and its collectives wait their whole time."""
+    overrides = [*FP32, "parallel.ep=2"]
+    cases = [case("overlap", "qwen3-moe-tiny", [*overrides, OVERLAP]), case("plain", "qwen3-moe-tiny", overrides)]
+    result = run_ranks("overlap_order", 2, {"cases": cases, "run_root": str(tmp_path / "order")}, tmp_path, timeout=300)
+    events = result["overlap"]["events"]
+    checked, hidden = overlapped_comms(events)
+    # per pair at least the forward half's 2 layers x (dispatch + combine), which the backward half outlasts
+    assert checked >= 3 * 4, events
+    assert hidden == checked, events
+    assert {tuple(e[2:]) for e in events if e[0] == "compute"} >= {(1, 0), (0, 1), (2, 1), (1, 2), (3, 2), (2, 3)}
+    plain = result["plain"]["events"]
+    assert plain and all(e[3] is None for e in plain)
+    assert overlapped_comms(plain) == (0, 0)
+    for layout in ("plain", "overlap"):  # every dispatch collective booked: waited within its own time
+        times = result[layout]["times"]["all_to_all"]
+        assert times["count"] > 0 and 0 < times["waited_s"] <= times["comm_s"]

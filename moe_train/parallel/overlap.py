@@ -45,7 +45,7 @@ import torch.distributed as dist
 _local = threading.local()  # per half: the pair it belongs to, its side, its micro-batch; a deferred batch
 _lock = threading.Lock()
 _ledger: dict[str, list[float]] = {}  # kind -> [waited_s, comm_s, count]
-_events: list[tuple] | None = None  # the recorded order (tests): (event, kind, micro_batch)
+_events: list[tuple] | None = None  # the recorded order (tests): (event, kind, micro_batch, partner)
 
 
 class _Baton:
@@ -90,10 +90,11 @@ def micro_batch() -> int | None:
 
 
 def record(event: str, kind: str) -> None:
-    """Append (event, kind, micro-batch) to the recorded order while `recording` is on (tests, no cost off)."""
+    """Append (event, kind, micro-batch, the paired micro-batch or None) to the recorded order while `recording`
+    is on (tests; nothing is kept off)."""
     if _events is not None:
         with _lock:
-            _events.append((event, kind, micro_batch()))
+            _events.append((event, kind, micro_batch(), getattr(_local, "partner", None)))
 
 
 @contextlib.contextmanager
@@ -197,21 +198,22 @@ def run_pair(
     results: dict[int, object] = {}
     errors: list[BaseException] = []
 
-    def half(side: int, body: Callable[[], object], micro: int) -> None:
-        _local.pair, _local.micro_batch = (baton, side), micro
+    def half(side: int, body: Callable[[], object], micro: int, partner: int) -> None:
+        _local.pair, _local.micro_batch, _local.partner = (baton, side), micro, partner
         try:
             baton.wait_turn(side)
-            record("start", "compute")
             results[side] = body()
         except BaseException as error:  # noqa: BLE001 -- re-raised on the calling thread below
             errors.append(error)
         finally:
-            _local.pair = _local.micro_batch = None
+            _local.pair = _local.micro_batch = _local.partner = None
             baton.finish(side)
 
-    helper = threading.Thread(target=half, args=(1, forward, forward_micro_batch), name="ep-overlap-forward")
+    helper = threading.Thread(
+        target=half, args=(1, forward, forward_micro_batch, backward_micro_batch), name="ep-overlap-forward"
+    )
     helper.start()
-    half(0, backward, backward_micro_batch)
+    half(0, backward, backward_micro_batch, forward_micro_batch)
     helper.join()
     if errors:
         raise errors[0]

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from moe_train.parallel.overlap import run_collective
+from moe_train.parallel.overlap import issued_together, run_collective
 
 
 def all_to_all_rows(
@@ -36,6 +36,20 @@ def all_to_all_rows(
 ) -> torch.Tensor:
     """rows [sum(send_splits), H] -> [sum(recv_splits), H]: block r of the input goes to rank r of the group."""
     return _AllToAll.apply(rows, send_splits, recv_splits, group, sent_bytes)
+
+
+def all_to_all_together(
+    tensors: list[torch.Tensor],
+    *,
+    send_splits: list[int],
+    recv_splits: list[int],
+    group: ProcessGroup,
+    sent_bytes: list[Counter],
+) -> list[torch.Tensor]:
+    """Several row tensors with the same splits (a dispatch's rows, their expert ids, their routing weights), each
+    counted in its Counter, issued together and waited on together, in forward and in backward: one wait, so
+    under `parallel.ep_overlap` the paired micro-batch's compute runs beside all of them at once."""
+    return list(_AllToAllTogether.apply(send_splits, recv_splits, group, sent_bytes, *tensors))
 
 
 def all_gather_rows(x: torch.Tensor, *, group: ProcessGroup, sent_bytes: Counter) -> torch.Tensor:
@@ -53,8 +67,12 @@ def _all_to_all(
 ) -> torch.Tensor:
     rows = rows.contiguous()
     out = rows.new_empty(sum(recv_splits), *rows.shape[1:])
-    run_collective("all_to_all", lambda: dist.all_to_all_single(
-        out, rows, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group, async_op=True))
+    run_collective(
+        "all_to_all",
+        lambda: dist.all_to_all_single(
+            out, rows, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group, async_op=True
+        ),
+    )
     to_others = sum(send_splits) - send_splits[dist.get_rank(group)]
     sent_bytes["all_to_all"] += to_others * math.prod(rows.shape[1:]) * rows.element_size()
     return out
@@ -71,8 +89,9 @@ def _all_gather(x: torch.Tensor, group: ProcessGroup, sent_bytes: Counter) -> to
 def _reduce_scatter(x: torch.Tensor, group: ProcessGroup, sent_bytes: Counter) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty(x.shape[0] // dist.get_world_size(group), *x.shape[1:])
-    run_collective("reduce_scatter", lambda: dist.reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group,
-                                                                        async_op=True))
+    run_collective(
+        "reduce_scatter", lambda: dist.reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    )
     sent_bytes["reduce_scatter"] += x.numel() * x.element_size()
     return out
 
@@ -87,6 +106,30 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         send_splits, recv_splits = ctx.splits
         return _all_to_all(grad, recv_splits, send_splits, ctx.group, ctx.sent_bytes), None, None, None, None
+
+
+class _AllToAllTogether(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, send_splits, recv_splits, group, sent_bytes, *tensors):
+        ctx.splits, ctx.group, ctx.sent_bytes = (send_splits, recv_splits), group, sent_bytes
+        ctx.set_materialize_grads(False)  # an output without a gradient sends nothing back, as on its own
+        with issued_together():
+            outs = [
+                _all_to_all(t, send_splits, recv_splits, group, counter)
+                for t, counter in zip(tensors, sent_bytes, strict=True)
+            ]
+        ctx.mark_non_differentiable(*[out for out in outs if not out.is_floating_point()])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        send_splits, recv_splits = ctx.splits
+        with issued_together():  # which outputs have gradients is the graph's, the same on every rank
+            back = [
+                None if grad is None else _all_to_all(grad, recv_splits, send_splits, ctx.group, counter)
+                for grad, counter in zip(grads, ctx.sent_bytes, strict=True)
+            ]
+        return None, None, None, None, *back
 
 
 class _AllGather(torch.autograd.Function):
