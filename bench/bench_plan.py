@@ -3,7 +3,7 @@
 1. Wall time (whole process, as a user waits for it) of `plan deepseek-v3` at 1024 GPUs and of `plan --search`
    over 256 GPUs, beside `python -c pass` and `validate`, interleaved so drifting load hits all alike. Target:
    under 2 s.
-2. The planner's TFLOP/s per GPU for the published Megatron-Core runs (../shared/reference/megatron.md), each in
+2. The planner's TFLOP/s per GPU for the published Megatron-Core runs (their published figures: docs/plan.md), each in
    its published layout, with the error. These are the figures docs/plan.md reports.
 
 Run: python bench/bench_plan.py [--repeats N]

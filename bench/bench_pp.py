@@ -4,7 +4,7 @@ micro-batches per step, next to the ideal bubble.
 Each configuration trains the same recipe and global batch with `Trainer` on every rank of a torchrun job (one
 thread per rank). Per rank and step it records the step's wall time and the rank's CPU time in it (gloo waits
 block without spinning, and OpenMP threads wait passively, so CPU time is the time the stage was busy); the
-bubble of a stage is 1 - busy / step time (DECISIONS: on 2 cores, busy time against step time says more than
+bubble of a stage is 1 - busy / step time (docs/decisions.md: on 2 cores, busy time against step time says more than
 wall time alone). The ideal 1F1B bubble is (p - 1) / (m + p - 1) of the step ((p - 1) / m of the work). PP=4
 runs 4 ranks on 2 cores: a rank also waits for a core, so its bubble there is an upper bound. The unpipelined
 step (1 rank) is timed in the same run, so the speed-up column compares like with like.

@@ -2,7 +2,7 @@
 parallelism on a real 2-rank gloo run (`moe-train measure --nproc 2`: measure's counters), and activation bytes
 per layer of full-size layers across layouts (`--fake`), each figure next to `moe-train plan`'s analytic count.
 
-Not a speed bench: bytes do not depend on the machine's load. Payload is DECISIONS.md's (all-reduce and
+Not a speed bench: bytes do not depend on the machine's load. Payload is docs/decisions.md's (all-reduce and
 reduce-scatter: the input; all-gather: the shard sent); bus bytes are the planner's (2(n-1)/n, (n-1)/n, n-1
 shards), where "SP moves what TP moves" plus one all-gather per column-parallel GEMM's saved shard shows.
 

@@ -10,6 +10,7 @@ import moe_train
 
 from .convert import convert_app
 from .data import data_app
+from .experts import experts_app
 from .measure import measure
 from .plan import plan
 from .recipes import recipes_app
@@ -58,6 +59,7 @@ app.command()(submit)
 app.command()(sweep)
 app.command()(runs)
 app.command()(report)
+app.add_typer(experts_app, name="experts")
 app.add_typer(data_app, name="data")
 app.add_typer(convert_app, name="convert")
 

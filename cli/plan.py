@@ -6,6 +6,7 @@ import json
 import shlex
 import sys
 from dataclasses import fields, replace
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -58,6 +59,8 @@ def _layout_text(plan: Plan) -> str:
         text += f" | ep {lay.ep} etp {lay.etp} edp {lay.edp}, {plan.recipe.model.moe.dispatcher} dispatch"
     if lay.sequence_parallel:
         text += ", SP"
+    if plan.recipe.train.precision == "fp8":
+        text += f"; fp8 {plan.recipe.train.fp8.recipe}" + (" (auto)" if plan.fp8_auto else "")
     rc = lay.recompute
     text += f"; recompute {rc.granularity}" + (f" ({', '.join(rc.modules)})" if rc.granularity == "selective" else "")
     return text + f"; micro-batch {lay.micro_batch} x {lay.micro_batches}"
@@ -78,11 +81,18 @@ def _table(plan: Plan) -> Table:
     table.add_row("", f"margin {plan.assumptions.memory_margin:.0%}: comfortable up to {budget / GB:.1f} GB; "
                       f"total {mem['total'] / GB:.1f} GB")
     t = data["time_s"]
-    table.add_row("step time", f"{t['step']:.2f} s = compute {t['compute']:.2f} + memory-bound {t['elementwise']:.2f} "
-                               f"+ exposed comm {t['comm_exposed']:.2f} + MoE syncs {t['moe_sync']:.2f} + bubble "
+    slowest = f" (the slowest: pipeline rank {plan.time_rank})" if plan.layout.pp > 1 else ""
+    table.add_row("step time", f"{t['step']:.2f} s{slowest} = compute {t['compute']:.2f} + memory-bound "
+                               f"{t['elementwise']:.2f} + exposed comm {t['comm_exposed']:.2f} + MoE syncs "
+                               f"{t['moe_sync']:.2f} + bubble "
                                f"{t['bubble']:.2f} + optimizer {t['optimizer']:.2f}")
-    table.add_row("throughput", f"{data['tokens_per_s']:,.0f} tokens/s, {data['tflops_per_gpu']:.0f} TFLOP/s per GPU, "
-                                f"MFU {data['mfu']:.1%}")
+    table.add_row("throughput", f"{data['tokens_per_s']:,.0f} tokens/s, {data['tflops_per_gpu']:.0f} TFLOP/s per GPU "
+                                f"({data['tflops_per_gpu_megatron']:.0f} in Megatron-Core's convention, causal "
+                                f"attention over half of s x s), MFU {data['mfu']:.1%}")
+    routing = data["routing"]
+    if routing and routing["nodes"] > 1:
+        table.add_row("routing", f"a token needs {routing['expected_nodes']:.2f} of {routing['nodes']} nodes "
+                                 f"({routing['expected_ranks']:.2f} ranks) under its router, in expectation")
     share = data["flops"]["recompute"] / data["flops"]["total"]
     table.add_row("FLOPs", f"model {data['model_flops_per_step']:.3e} per step; executed "
                            f"{data['executed_flops_per_step']:.3e} (recompute {share:.1%})")
@@ -106,6 +116,12 @@ def plan(
         typer.Option("--assume", help="Change a model assumption: NAME=VALUE (docs/plan.md lists them).",
                      show_default=False),
     ] = None,
+    routing: Annotated[
+        Path | None,
+        typer.Option("--routing", help="Price the step with a run's measured routing (its routing.jsonl): the "
+                     "most loaded rank's expert rows and all-to-all bytes per MoE layer, moe_imbalance measured.",
+                     show_default=False, metavar="RUN_DIR"),
+    ] = None,
 ) -> None:
     """Estimate memory per GPU, step time, tokens/s and MFU for RECIPE on its launch target (or --gpu/--nodes).
 
@@ -116,6 +132,8 @@ def plan(
         moe-train plan recipes/qwen3-30b-a3b.yaml --gpu h100 --nodes 4
 
         moe-train plan deepseek-v3 --search --json
+
+        moe-train plan qwen3-moe-tiny --gpu h100 --routing runs/qwen3-moe-tiny
     """
     sets = list(set or [])
     try:
@@ -133,26 +151,87 @@ def plan(
         fail(["launch.device: plan needs a GPU target: give --gpu (e.g. --gpu h100) or launch.device cuda"])
     hardware = table[loaded.launch.gpu]
     assumptions = _assumptions(assume)
+    loads = None if routing is None else _trace_or_exit(loaded, routing)
     if search:
-        _search(loaded, hardware, assumptions, top=top, as_json=as_json)
+        _search(loaded, hardware, assumptions, top=top, as_json=as_json, loads=loads)
         return
     result = estimate(loaded, hardware, assumptions)
+    routed = None if loads is None else _routed(loaded, hardware, assumptions, loads)
     if as_json:
-        print(json.dumps(plan_json(result)))
+        data = plan_json(result)
+        if routed is not None:
+            data["routing"] = {**routed[0].to_json(), **{f"routed_{k}": v for k, v in _speed(routed[1]).items()}}
+        print(json.dumps(data))
         return
-    Console(width=None if sys.stdout.isatty() else 140).print(_table(result))
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    console.print(_table(result))
+    if routed is not None:
+        console.print(_routing_table(result, *routed, run_dir=routing))
 
 
-def _search(recipe, hardware, assumptions: Assumptions, *, top: int, as_json: bool) -> None:
+def _trace_or_exit(recipe, run_dir: Path):
+    from moe_train.plan.routing import TraceError, read_trace, routing_plan
+
+    if recipe.model.moe is None:
+        fail(["--routing: the recipe has no MoE layers"])
+    try:
+        loads = read_trace(run_dir)
+        routing_plan(recipe, loads)  # the trace fits the recipe
+    except (TraceError, ValueError) as error:
+        fail([f"--routing: {error}"])
+    return loads
+
+
+def _routed(recipe, hardware, assumptions: Assumptions, loads):
+    """(the trace's RoutingPlan on the recipe's layout, the plan with its measured moe_imbalance)."""
+    from moe_train.plan.routing import routing_plan
+
+    routing = routing_plan(recipe, loads)
+    return routing, estimate(recipe, hardware, replace(assumptions, moe_imbalance=routing.imbalance))
+
+
+def _speed(plan: Plan) -> dict:
+    return {"step_time_s": plan.step_time, "tokens_per_s": plan.tokens_per_s, "mfu": plan.mfu}
+
+
+def _routing_table(balanced: Plan, routing, routed: Plan, *, run_dir: Path) -> Table:
+    table = Table(title=f"measured routing of {run_dir} ({routing.steps} steps) on ep {routing.ep}, "
+                        f"{routing.placement} placement", title_justify="left")
+    for column in ("MoE layer", "slowest rank", "expert rows", "even share", "max/mean", "all-to-all GB",
+                   "balanced GB"):
+        table.add_column(column, justify="right")
+    for layer in routing.layers:
+        table.add_row(str(layer.layer), str(layer.straggler_rank), f"{layer.rows_max:,.0f}",
+                      f"{layer.rows_mean:,.0f}", f"{layer.imbalance:.3f}", f"{layer.all_to_all_bytes_max / GB:.3f}",
+                      f"{layer.all_to_all_bytes_mean / GB:.3f}")
+    table.caption = (f"moe_imbalance measured {routing.imbalance:.3f}: step {routed.step_time:.2f} s "
+                     f"({routed.tokens_per_s:,.0f} tokens/s, MFU {routed.mfu:.1%}) against {balanced.step_time:.2f} s "
+                     f"balanced ({balanced.tokens_per_s:,.0f} tokens/s); the all-to-all time stays the balanced one")
+    return table
+
+
+def _search(recipe, hardware, assumptions: Assumptions, *, top: int, as_json: bool, loads=None) -> None:
     from moe_train.plan.search import search
 
-    best, valid, fitting = search(recipe, hardware, assumptions, top=top)
+    imbalance = None
+    if loads is not None:
+        from moe_train.plan.routing import routing_plan
+
+        def imbalance(candidate) -> float:
+            """The trace on the candidate's ep: the recipe's placement where it is for that ep, else contiguous."""
+            if candidate.parallel.ep != recipe.parallel.ep:
+                moe = candidate.model.moe.model_copy(update={"placement": "contiguous"})
+                candidate = candidate.model_copy(update={"model": candidate.model.model_copy(update={"moe": moe})})
+            return routing_plan(candidate, loads).imbalance
+
+    best, valid, fitting = search(recipe, hardware, assumptions, top=top, imbalance=imbalance)
     if as_json:
         print(json.dumps({"valid": valid, "fitting": fitting, "best": [
             {"overrides": c.overrides, **plan_json(c.plan)} for c in best]}))
         return
     table = Table(title=f"{recipe.name} on {recipe.world_size} x {hardware.name}: {valid} valid layouts, "
-                        f"{fitting} fit; best {len(best)} by estimated throughput", title_justify="left")
+                        f"{fitting} fit; best {len(best)} by estimated throughput"
+                        + (" under the measured routing" if loads is not None else ""), title_justify="left")
     for column in ("#", "layout", "peak GB", "step s", "tokens/s", "TFLOP/s/GPU", "MFU"):
         table.add_column(column, justify="left" if column == "layout" else "right")
     for index, c in enumerate(best, 1):

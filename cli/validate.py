@@ -5,9 +5,11 @@ from __future__ import annotations
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from moe_train.config import Recipe, unsupported
+from moe_train.config.fp8_auto import with_fp8_resolved
 from moe_train.config.hardware import hardware_table
 from moe_train.plan.fit import check_fit
 from moe_train.plan.params import count_parameters
@@ -48,8 +50,8 @@ def summary_table(recipe: Recipe) -> Table:
         extras.append(f"{p.recompute.granularity} recompute ({', '.join(p.recompute.modules)})")
     table.add_row("layout", layout + (f"; {', '.join(extras)}" if extras else ""))
     hardware = hardware_table()[launch.gpu]
-    table.add_row(
-        "world size", f"{recipe.world_size} = {launch.nodes} node(s) x {launch.gpus_per_node} ({hardware.name})"
+    table.add_row(  # a hardware file's name and the run dir are the user's text, not rich markup
+        "world size", f"{recipe.world_size} = {launch.nodes} node(s) x {launch.gpus_per_node} ({escape(hardware.name)})"
     )
     tokens = t.global_batch_size * t.seq_length
     micro_batches = t.global_batch_size // (t.micro_batch_size * recipe.dp)
@@ -58,10 +60,12 @@ def summary_table(recipe: Recipe) -> Table:
         f"{tokens:,} tokens per step = {t.global_batch_size} x {t.seq_length}; "
         f"{micro_batches} micro-batch(es) of {t.micro_batch_size} per rank",
     )
-    precision = (f"fp8 {t.fp8.recipe} ({t.fp8.backend}: {', '.join(t.fp8.modules)})" if t.precision == "fp8"
+    scaling = with_fp8_resolved(recipe).train.fp8.recipe
+    scaling += f" (auto on {launch.gpu})" if t.fp8.recipe == "auto" else ""
+    precision = (f"fp8 {scaling} ({t.fp8.backend}: {', '.join(t.fp8.modules)})" if t.precision == "fp8"
                  else t.precision)
     table.add_row("training", f"{t.steps:,} steps, {precision}, lr {t.lr:g} ({t.lr_schedule})")
-    table.add_row("run dir", recipe.resolved_run_dir())
+    table.add_row("run dir", escape(recipe.resolved_run_dir()))
     missing = unsupported(recipe)
     table.add_row(
         "engine",

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from moe_train.config import Recipe, RecipeError, load_recipe
+from moe_train.config.fp8_auto import with_fp8_resolved
 from moe_train.config.mesh_shape import MeshShape, coords_text, format_coords
 from moe_train.parallel.bootstrap import LauncherEnv, LaunchMismatch, bootstrap, launcher_problems, shutdown
 from moe_train.parallel.context import ParallelContext
@@ -84,6 +85,17 @@ def _table(recipe: Recipe, shape: MeshShape, backend: str, rows: list) -> str:
     return "\n".join(lines)
 
 
+def _device_capability(recipe: Recipe, env: LauncherEnv) -> float | None:
+    """This rank's CUDA compute capability (9.0: Hopper), which `train.fp8.recipe: auto` resolves from as plan
+    resolves it from the hardware table; None on the CPU (or where CUDA does not answer: the table's then)."""
+    import torch
+
+    if recipe.launch.device != "cuda" or not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(env.local_rank)
+    return major + minor / 10
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_train.entry", description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", required=True, type=Path, help="The resolved recipe (RUN_DIR/recipe.yaml).")
@@ -95,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     try:
         recipe = load_recipe(args.recipe)
+        recipe = with_fp8_resolved(recipe, capability=_device_capability(recipe, env))
         if args.restart:
             required = recipe.checkpoint.model_copy(update={"resume": "required"})
             recipe = recipe.model_copy(update={"checkpoint": required})

@@ -12,7 +12,9 @@ DeepSeek-V3's blockwise scales (1 x 128 activations, 128 x 128 weights) on sm90 
 them on any other major: "DeepSeek style (1x128, 128x128) scaling only supported in CUDA for SM90"); MX 1 x 32
 blocks with E8M0 scales on sm100 (major 10). `torch._scaled_grouped_mm` (the routed experts' forward and input
 gradient) takes per-row fp32 scales on sm90 and sm100, so tensorwise (a scale repeated per row) and rowwise run
-there; no CPU kernel. The experts' weight gradient stays emulated everywhere: the kernel's 2-D x 2-D form needs
+there; no CPU kernel. It takes e4m3 operands only (`fp8_grouped_formats`), so tensorwise's e5m2 output gradient
+is quantised in e4m3 for the experts' input gradient where that kernel runs (`fp8_operand_format`), and stays e5m2
+where the product is emulated. The experts' weight gradient stays emulated everywhere: the kernel's 2-D x 2-D form needs
 every expert's tokens aligned to 16, which the dispatchers do not pad. The start-up probe
 (models/fp8/runtime.py) runs the chosen kernel once and falls back to emulated, with the reason, if it raises.
 
@@ -60,6 +62,9 @@ class Kernels:
     # emulated. Linear GEMMs: torch._scaled_mm; the routed experts' grouped GEMMs: torch._scaled_grouped_mm.
     fp8_linear: Mapping[str, Capabilities]
     fp8_grouped: Mapping[str, Capabilities]
+    # the fp8 formats torch._scaled_grouped_mm takes for either operand (its check: "Expected inputs of E4M3 FP8
+    # type"): a recipe operand of another format (tensorwise's e5m2 gradients) is quantised in e4m3 for it
+    fp8_grouped_formats: tuple[Literal["e4m3", "e5m2"], ...] = ("e4m3",)
 
 
 KERNELS: dict[str, Kernels] = {
@@ -77,6 +82,15 @@ KERNELS: dict[str, Kernels] = {
 def kernels_for(device_type: str) -> Kernels:
     """The table row of a device kind; a kind without a row (meta, fake tensors' cpu semantics) is the CPU's."""
     return KERNELS.get(device_type, KERNELS["cpu"])
+
+
+def fp8_operand_format(recipe_format: Literal["e4m3", "e5m2"], device_type: str, *, grouped: bool,
+                       real: bool) -> Literal["e4m3", "e5m2"]:
+    """The fp8 format an operand is quantised in for its GEMM: the recipe's (`recipe_format`), unless the real
+    grouped kernel does not take it (`fp8_grouped_formats`), which then gets e4m3: the format every fp8 kernel
+    takes, whose 3 mantissa bits keep more of a gradient than e5m2's 2 (its range, 448, is the scale's to fill)."""
+    formats = kernels_for(device_type).fp8_grouped_formats
+    return recipe_format if not (grouped and real) or recipe_format in formats else "e4m3"
 
 
 def fp8_kernel(recipe: str, device_type: str, capability: Capability | None = None, *,

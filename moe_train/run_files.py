@@ -15,6 +15,7 @@ SCRIPT_FILE = "job.sbatch"
 PREFLIGHT_SCRIPT_FILE = "preflight.sbatch"
 SUBMISSIONS_FILE = "submissions.jsonl"  # one line per sbatch submission (job id, kind, script)
 METRICS_FILE = "metrics.jsonl"
+ROUTING_TRACE_FILE = "routing.jsonl"  # logging.routing_trace: tokens per expert per MoE layer per step
 COMPLETE_FILE = "COMPLETE"  # written by rank 0 when the last step is done: the run is finished, not preempted
 FAILED_FILE = "FAILED"  # a runtime failure's reason line (train_and_report), shown by `moe-train runs`
 PREEMPT_FILE = "PREEMPT"  # written by the job script on SLURM's signal: save and stop at the next step

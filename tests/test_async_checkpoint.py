@@ -76,6 +76,7 @@ def test_async_saves_equal_sync_saves_and_resume_the_same(tmp_path: Path, sync_r
     assert [r["loss"] for r in read_metrics(resumed, "train")] == sync_losses[2:]
 
 
+@pytest.mark.slow
 def test_async_save_on_two_gloo_ranks_equals_one_rank(tmp_path: Path, sync_run: Path) -> None:
     """Two ranks through torchrun: the background write runs DCP and the manifest on its own gloo group."""
     one, two = sync_run, tmp_path / "two"

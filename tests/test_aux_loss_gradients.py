@@ -8,7 +8,7 @@ its collectives and the trainer's step are those of training, but the only gradi
 layers attach (aux_loss for qwen3-moe-tiny, seq_aux_loss + z-loss for deepseek-v3-tiny), after every reduction
 of the layout. Every parameter's gradient is compared with the single-process run of the same micro-batch size
 (the router weights and everything upstream of them: attention, norms, earlier experts, the embedding).
-global_aux_loss depends on dp by definition (DECISIONS), so its gradient is compared with a direct computation
+global_aux_loss depends on dp by definition (docs/decisions.md), so its gradient is compared with a direct computation
 of Megatron-Core's definition over the data-parallel ranks' micro-batches instead.
 
 fp32: the router computes in fp32 whatever the model's dtype, so fp64 cannot reach the losses. Without the
@@ -146,12 +146,14 @@ def _check(tmp_path: Path, table: list[tuple], global_table: list[tuple], saved:
         assert_same_gradients(case_id, got, global_aux_loss_gradients(mbs, dp))
 
 
+@pytest.mark.slow
 def test_aux_loss_gradients_on_two_ranks_equal_single_process(tmp_path: Path) -> None:
     saved = run_ranks("aux_gradients", 2, {"cases": _cases(WORLD2, GLOBAL2), "run_root": str(tmp_path / "w2")},
                       tmp_path, timeout=240)
     _check(tmp_path, WORLD2, GLOBAL2, saved)
 
 
+@pytest.mark.slow
 def test_aux_loss_gradients_on_four_ranks_equal_single_process(tmp_path: Path) -> None:
     saved = run_ranks("aux_gradients", 4, {"cases": _cases(WORLD4, GLOBAL4), "run_root": str(tmp_path / "w4")},
                       tmp_path, timeout=300)

@@ -97,6 +97,7 @@ def run_driver(*args: str, kill_at: str | None) -> list[str]:
             process.wait()
 
 
+@pytest.mark.slow
 def test_killed_between_writing_a_step_and_updating_latest(tmp_path: Path) -> None:
     published(tmp_path, 1)
     write_tmp(tmp_path, 2, consumed=2)
@@ -123,6 +124,7 @@ OVERWRITE_EVENTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill_after", range(len(OVERWRITE_EVENTS)))
 def test_killed_while_saving_a_step_again(tmp_path: Path, kill_after: int) -> None:
     """Between removing the old step 2 and putting the new one in its place, a resume still finds step 1."""
@@ -142,6 +144,7 @@ def test_killed_while_saving_a_step_again(tmp_path: Path, kill_after: int) -> No
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-0000001", "step-0000002"]
 
 
+@pytest.mark.slow
 def test_saving_the_only_checkpoint_again_killed_midway_starts_over_honestly(tmp_path: Path) -> None:
     """No earlier checkpoint: `latest` is removed before the old folder goes (a fresh start, never a dangling name)."""
     published(tmp_path, 1)
@@ -160,6 +163,7 @@ def test_pruning_never_deletes_what_latest_names(tmp_path: Path) -> None:
     assert latest_checkpoint(tmp_path) == tmp_path / "step-0000002"
 
 
+@pytest.mark.slow
 def test_pruning_killed_midway_leaves_only_complete_steps(tmp_path: Path) -> None:
     published(tmp_path, 1, 2, 3)
     run_driver("prune", str(tmp_path), "1", kill_at="replace step-0000002 .tmp-removing-step-0000002")
@@ -198,6 +202,7 @@ def test_latest_naming_an_incomplete_or_missing_folder_is_not_trusted(tmp_path: 
     assert latest_checkpoint(tmp_path) == tmp_path / "step-0000001"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill_at", ["manifest .tmp-step-0000002", "replace tmp:manifest.json manifest.json"])
 def test_a_save_killed_before_or_as_its_manifest_is_written_is_never_resumed_from(tmp_path: Path, kill_at: str) -> None:
     """A real save_checkpoint killed with its DCP files on disk, before the manifest (or right as it lands): the
@@ -224,6 +229,7 @@ ASYNC_EVENTS = ["staged", "manifest .tmp-step-0000002", "replace tmp:manifest.js
                 "replace .tmp-step-0000002 step-0000002", "replace tmp:latest latest"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill_at", [*ASYNC_EVENTS, None])
 def test_a_background_save_killed_at_any_point_never_leaves_latest_naming_it_incomplete(
         tmp_path: Path, kill_at: str | None) -> None:

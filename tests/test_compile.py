@@ -166,6 +166,7 @@ WORLD2 = [
 ]
 
 
+@pytest.mark.slow
 def test_compiled_and_chunked_layouts_equal_the_single_process(tmp_path, aot_eager):
     """TP2+SP (full recompute) and EP2 (all-to-all) compiled, and the chunked loss under vocabulary parallelism
     (TP2 with DeepSeek-V3's MTP head, TP2+SP), against the eager, unchunked single process."""

@@ -51,6 +51,7 @@ def _attention_cases(world: int) -> list[dict]:
     return cases
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_attention_across_shards_equals_full_attention(tmp_path: Path, world: int) -> None:
     results = run_ranks("cp_attention", world, {"cases": _attention_cases(world)}, tmp_path, timeout=120)
@@ -84,6 +85,7 @@ DOCS = "data.reset_at_eod=true"
 MTP_RECIPE = ["train.micro_batch_size=2", "train.precision=fp32"]
 
 
+@pytest.mark.slow
 def test_cp2_equals_single_process(tmp_path: Path, reference) -> None:
     """CP2 on 2 ranks (dp 1): qwen3-tiny with both K/V exchanges (and evaluation) and with packed documents,
     DeepSeek-V3-tiny (MLA, MTP, expert bias, seq_aux_loss over each sequence's shards) and qwen3-moe-tiny: the
@@ -123,6 +125,7 @@ def test_cp2_equals_single_process(tmp_path: Path, reference) -> None:
                                        msg=lambda m, key=key, name=name: f"{name}: {key}: {m}")
 
 
+@pytest.mark.slow
 def test_cp_composes_on_four_ranks(tmp_path: Path, reference) -> None:
     """CP4 (8 chunks) on qwen3-tiny with selective recompute (core_attn: the exchange runs again in backward);
     CP2 x TP2 + SP on qwen3-moe-tiny (the sequence split by cp, then by tp; the MoE token set over cp x tp);

@@ -26,6 +26,7 @@ from moe_train.models import build_model
 BF16_DP_TOLERANCE = {**BF16_TOLERANCE, "balance_rel": 1e-3}
 
 
+@pytest.mark.slow
 def test_fsdp2_dp2_equals_single_process(tmp_path: Path) -> None:
     cases = [case(f"fp32-{name}", name, overrides) for name, overrides in FP32.items()]
     cases.append(case("bf16-qwen3-moe-tiny", "qwen3-moe-tiny", BF16))
@@ -54,6 +55,7 @@ def test_fsdp2_dp2_equals_single_process(tmp_path: Path) -> None:
     assert resumed_losses == straight["losses"]
 
 
+@pytest.mark.slow
 def test_fsdp2_dp4_equals_single_process(tmp_path: Path) -> None:
     names = ("qwen3-tiny", "qwen3-moe-tiny")
     cases = [case(f"fp32-{name}", name, FP32[name]) for name in names]
@@ -63,6 +65,7 @@ def test_fsdp2_dp4_equals_single_process(tmp_path: Path) -> None:
         assert_same_run(torch.load(saved[f"fp32-{name}"], weights_only=True), reference(tmp_path, name, FP32[name]))
 
 
+@pytest.mark.slow
 def test_global_aux_loss_counts_loads_over_the_data_parallel_group(tmp_path: Path) -> None:
     """global_aux_loss on 2 ranks x 2 micro-batches: each rank's loss at micro-batch m uses the loads of every
     rank's micro-batches 0..m (Megatron-Core's definition), recomputed here in fp64 from the gathered routing and
@@ -101,6 +104,7 @@ def test_global_aux_loss_counts_loads_over_the_data_parallel_group(tmp_path: Pat
 EP_MOE = ["train.micro_batch_size=1", "train.precision=fp32"]  # micro-batch accumulation on every rank
 
 
+@pytest.mark.slow
 def test_expert_parallel_layouts_equal_single_process(tmp_path: Path) -> None:
     """EP=2 on 2 ranks (edp 1), both dispatchers, qwen3-moe-tiny and deepseek-v3-tiny (expert bias, shared
     expert, MTP's MoE block): the single process's losses, gradients (expert stacks gathered whole), parameters
@@ -120,6 +124,7 @@ def test_expert_parallel_layouts_equal_single_process(tmp_path: Path) -> None:
     assert_same_run(torch.load(saved["ep2-alltoall-deepseek-v3-tiny"], weights_only=True), deepseek)
 
 
+@pytest.mark.slow
 def test_expert_parallel_on_four_ranks_equals_single_process(tmp_path: Path) -> None:
     """EP equal to the world size (edp 1: the reported FSDP2 divide-factor trap), dense DP4 with experts
     EP2 x EDP2 (FSDP2 over edp on top of the expert shards), and expert tensor parallelism: EP2 x ETP2 and
@@ -140,6 +145,7 @@ def test_expert_parallel_on_four_ranks_equals_single_process(tmp_path: Path) -> 
         assert_same_run(torch.load(saved[key], weights_only=True), qwen)
 
 
+@pytest.mark.slow
 def test_hierarchical_dispatch_on_two_emulated_nodes_equals_single_process(tmp_path: Path) -> None:
     """4 gloo ranks as 2 nodes x 2 (launch.nodes 2, node = rank // 2): the ep group spans both nodes, EP4 alone
     and EP4 under parallel folding with dense TP2 x DP2; the hierarchical dispatcher (each token once per node

@@ -102,6 +102,7 @@ def test_dispatcher_for_refuses_unknown_names():
         dispatcher_for("broadcast", num_experts=4, group=None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_dispatch_equals_single_process(world, tmp_path):
     """Every case of tests/workers/dispatch.py: outputs, gradients and byte counts on each of `world` ranks."""
@@ -112,6 +113,7 @@ def test_expert_parallel_dispatch_equals_single_process(world, tmp_path):
     assert result["checks"] == [expected] * world
 
 
+@pytest.mark.slow
 def test_hierarchical_dispatch_on_two_emulated_nodes_equals_alltoall(tmp_path):
     """tests/workers/dispatch_hierarchical.py on 4 gloo ranks as 2 nodes x 2: outputs and every gradient equal the
     single-process reference and the all-to-all dispatcher (fp64 1e-12, fp32 1e-6); the rows crossing nodes are

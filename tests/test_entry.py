@@ -42,6 +42,7 @@ def expected_coords(shape: tuple[int, ...], names: tuple[str, ...]) -> list[str]
             for coords in itertools.product(*(range(s) for s in shape))]
 
 
+@pytest.mark.slow
 def test_preflight_four_ranks_folds_experts_across_tp_and_dp(tmp_path):
     """tp 2 x dp 2 for attention, ep 2 x edp 2 for experts over the same 4 ranks."""
     recipe = load_recipe("qwen3-moe-tiny", [f"run_dir={tmp_path / 'r'}", "launch.gpus_per_node=4",
@@ -65,6 +66,7 @@ def test_preflight_four_ranks_folds_experts_across_tp_and_dp(tmp_path):
     assert "expert mesh (pp, edp, ep, etp) = (1, 2, 2, 1)" in result.stdout
 
 
+@pytest.mark.slow
 def test_world_size_mismatch_fails_fast_on_every_rank(tmp_path):
     recipe = load_recipe("qwen3-moe-tiny", [f"run_dir={tmp_path / 'r'}", "launch.gpus_per_node=4",
                                             "train.micro_batch_size=2"])

@@ -50,6 +50,7 @@ FP8_WEIGHTS = 2 * 4  # per rank: 2 layers' q, k, v, o (qwen3-moe's routed expert
 KEPT_FP8 = ("tp2-sp",)
 
 
+@pytest.mark.slow
 def test_fp8_layouts_equal_the_single_process_run(tmp_path: Path) -> None:
     layouts = {**LAYOUTS, "dp2-head": HEAD, **{key: sets for key, (_, sets) in SAME_WITHOUT_GATHER.items()}}
     cases = [{"id": key, "recipe": "qwen3-moe-tiny", "overrides": [*SHRINK, *sets], "steps": STEPS}

@@ -25,6 +25,7 @@ REDUCE_EACH = "parallel.grad_reduce=per_microbatch"
 MOE = FP32["qwen3-moe-tiny"]  # 4 micro-batches per rank at DP2
 
 
+@pytest.mark.slow
 def test_per_step_gathers_equal_per_microbatch_bit_for_bit_on_two_ranks(tmp_path: Path) -> None:
     cases = [
         case("fp32", "qwen3-moe-tiny", MOE),

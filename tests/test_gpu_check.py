@@ -5,17 +5,22 @@ for the checks each stage makes (the loss falls, resume equals the straight run,
 from __future__ import annotations
 
 import json
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 from processes import run_bounded
 
 REPO = Path(__file__).resolve().parents[1]
 CHECK = REPO / "bench" / "gpu" / "check.py"
-STAGES = ["probe", "grouped_mm", "sdpa", "tiny_run", "proxy", "fp8", "te", "hf_proxy", "resume", "compile"]
+STAGES = ["probe", "proxy", "hf_proxy", "grouped_mm", "sdpa", "fp8", "tiny_run", "resume", "te", "compile"]
 
 
+@pytest.mark.slow
 def test_cpu_rehearsal_runs_every_stage(tmp_path: Path) -> None:
     done = run_bounded([sys.executable, str(CHECK), "--device", "cpu", "--in-process", "--out", str(tmp_path)],
                        timeout=400, cwd=REPO)
@@ -34,7 +39,8 @@ def test_cpu_rehearsal_runs_every_stage(tmp_path: Path) -> None:
         assert f["probe_problems"] == [] and ("real" in f["linear"]) == (f["linear"]["table"] == "real")
     step = fp8["tensorwise"]["step"]
     assert step["finite"] and step["gemms"]["linear/forward/real"] > 0 and step["gemms"]["grouped/forward/emulated"] > 0
-    assert figures["probe"]["missing_apis"] == []
+    assert figures["probe"]["missing_apis"] == [] and figures["probe"]["matmul_ceiling"]["tflops"] > 0
+    assert report["ratios"]["proxy_tokens_per_s_vs_transformers"] > 0
     assert figures["grouped_mm"]["max_rel_diff"] == {"out": 0.0, "grad_x": 0.0, "grad_w": 0.0}  # fp32, CPU
     assert figures["grouped_mm"]["empty_experts"] > 0
     assert figures["sdpa"]["gqa_documents"]["kernel"] == "ScaledDotProductFlashAttentionForCpuBackward0"
@@ -49,9 +55,11 @@ def test_cpu_rehearsal_runs_every_stage(tmp_path: Path) -> None:
     compiled = figures["compile"]
     assert compiled["backend"] == "aot_eager" and compiled["passed"], compiled
     assert compiled["compiled"]["graphs"] > 0 and compiled["eager"]["graphs"] == 0
+    assert compiled["compiled"]["graphs_first_step"] == compiled["compiled"]["graphs"]  # none after step 1
     assert compiled["loss_max_rel_diff"] < 1e-5 and compiled["speedup"] > 0
 
 
+@pytest.mark.slow
 def test_stage_runs_in_its_own_process_under_a_timeout(tmp_path: Path) -> None:
     done = run_bounded([sys.executable, str(CHECK), "--device", "cpu", "--only", "probe", "--out", str(tmp_path)],
                        timeout=200, cwd=REPO)
@@ -65,4 +73,59 @@ def test_stage_runs_in_its_own_process_under_a_timeout(tmp_path: Path) -> None:
 
 def test_check_scripts_parse() -> None:
     for script in ("check.sh", "fetch_wheels.sh"):
-        subprocess.run(["bash", "-n", str(REPO / "bench" / "gpu" / script)], check=True)
+        parsed = subprocess.run(["bash", "-n", str(REPO / "bench" / "gpu" / script)], capture_output=True, text=True)
+        assert parsed.returncode == 0, (script, parsed.stderr)
+
+
+def _check_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", CHECK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_stage_timeouts_fit_inside_the_deadline_and_the_deadline_inside_check_sh() -> None:
+    check = _check_module()
+    assert list(check.TIMEOUTS) == STAGES  # headline stages first, compile last
+    assert sum(check.TIMEOUTS.values()) < check.DEADLINE
+    outer = re.search(r"timeout (\d+) python3 \"\$REPO/bench/gpu/check.py\"", (CHECK.parent / "check.sh").read_text())
+    assert outer and int(outer.group(1)) > check.DEADLINE
+
+
+@pytest.mark.slow
+def test_dry_run_builds_every_stage_and_validates_its_recipes_for_cuda(tmp_path: Path) -> None:
+    """Nothing runs; every recipe a stage trains is loaded for cuda (validate's mxfp8 refusal on an H200 and te
+    without transformer-engine are the stages' own findings), eager everywhere but the compile stage."""
+    done = run_bounded([sys.executable, str(CHECK), "--dry-run", "--out", str(tmp_path)], timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "dry_run.json").read_text())
+    assert list(report["stages"]) == STAGES and not (tmp_path / "figures.json").exists()
+    recipes = {name: entry["recipes"] for name, entry in report["stages"].items()}
+    assert all(recipes[name] for name in ("proxy", "hf_proxy", "fp8", "tiny_run", "resume", "te", "compile"))
+    sets = [s for name in ("tiny_run", "resume", "fp8") for r in recipes[name] for s in r["sets"]]
+    assert sets.count("train.compile=false") == 1 + 3 + 4
+    assert [r["sets"].count("train.precision=bf16") for r in recipes["tiny_run"] + recipes["resume"]] == [1] * 4
+    assert [r["extra"][0] for r in recipes["compile"]] == ["train.compile=false", "train.compile=true"]
+
+
+@pytest.mark.slow
+def test_the_deadline_and_sigterm_still_write_the_figures(tmp_path: Path) -> None:
+    """A deadline that leaves no time records the stages after it "not run"; a SIGTERM kills the running stage
+    with its process group and figures.json still says what ran, what was killed and what was not run."""
+    done = run_bounded([sys.executable, str(CHECK), "--device", "cpu", "--only", "tiny_run,grouped_mm", "--deadline",
+                        "2.5", "--out", str(tmp_path / "deadline")], timeout=120, cwd=REPO)
+    stages = json.loads((tmp_path / "deadline" / "figures.json").read_text())["stages"]
+    assert done.returncode == 1 and stages["tiny_run"]["status"] == "timeout"  # a training run takes longer
+    assert stages["tiny_run"]["timeout_s"] <= 2.5
+    assert stages["grouped_mm"] == {"status": "not run", "why": "the check's deadline passed before it"}
+    out = tmp_path / "term"
+    process = subprocess.Popen([sys.executable, str(CHECK), "--device", "cpu", "--only", "sdpa,probe", "--out",
+                                str(out)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)
+    process.send_signal(signal.SIGTERM)
+    stdout, _ = process.communicate(timeout=60)
+    stages = json.loads((out / "figures.json").read_text())["stages"]
+    assert process.returncode == 1, stdout
+    assert stages["sdpa"]["status"] == "killed" and stages["probe"] == {"status": "not run"}

@@ -373,6 +373,7 @@ def test_host_reads_of_one_step_on_one_rank(tmp_path: Path, packed: bool) -> Non
             dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_host_reads_of_one_step_under_expert_parallelism(tmp_path: Path) -> None:
     """EP2 on two gloo ranks: at most one read per MoE dispatch (the all-to-all splits, with the kept count of a
     capacity's keep-mask, or the all-gathered token counts), with and without a capacity, padded or not; none

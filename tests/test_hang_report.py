@@ -14,6 +14,7 @@ from multirank import run_ranks
 from moe_train.train import hang_report
 
 
+@pytest.mark.slow
 def test_mismatched_collectives_are_each_reported_with_their_stack(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     # The report comes at 0.75 x the timeout (6 s of 8), checked every 0.5 s: the 2 s left before the timeout

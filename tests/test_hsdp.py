@@ -20,6 +20,7 @@ from moe_train.config.loader import RecipeError
 HSDP = "parallel.dp_replicate=2"
 
 
+@pytest.mark.slow
 def test_hsdp_2x2_equals_single_process_and_resumes_as_dp4(tmp_path: Path) -> None:
     moe = FP32["qwen3-moe-tiny"]
     cases = [
@@ -63,6 +64,7 @@ def test_dp_replicate_must_divide_dp_and_edp() -> None:
         load_recipe("qwen3-moe-tiny", ["launch.gpus_per_node=2", "parallel.dp_replicate=2", "parallel.ep=2"])
 
 
+@pytest.mark.slow
 def test_prefetch_each_block_gathers_the_next_one_before_its_forward(tmp_path: Path) -> None:
     """Explicit forward prefetch, observed: in a bf16 step on 2 ranks, each decoder block's all-gather after the
     first is issued while the block before it is the one being entered, not when its own forward starts

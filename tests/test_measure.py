@@ -23,7 +23,7 @@ from moe_train.plan.flop_count import forward_flops_per_token
 from moe_train.plan.params import attention_matrices, count_parameters, ffn_matrices
 
 REPO = Path(__file__).resolve().parents[1]
-# INTERFACES.md's keys, then the documented extras (docs/measure.md).
+# The contract's keys (docs/interfaces.md), then the documented extras (docs/measure.md).
 CONTRACT_KEYS = {
     "world_size", "rank", "layers", "activation_bytes_per_layer", "activation_bytes_total", "param_bytes",
     "grad_bytes", "optimizer_bytes", "flops", "comm_bytes", "peak_memory_bytes",
@@ -228,6 +228,7 @@ def test_a_step_derived_from_a_few_micro_batches_equals_walking_them_all(case, c
     assert derived == walked
 
 
+@pytest.mark.slow
 def test_measure_counts_what_the_trainer_runs_two_ranks(tmp_path):
     """On 2 gloo ranks: the comm counter on known collectives, exactly; then `measure_step` and the trainer's
     own `Trainer.train_step` under the same counters: the same FLOPs and FSDP2 traffic, the trainer adding
@@ -268,6 +269,7 @@ def test_measure_counts_what_the_trainer_runs_two_ranks(tmp_path):
     assert_same_step(fake, report)
 
 
+@pytest.mark.slow
 def test_nproc_runs_the_ranks_with_torchrun():
     """`--nproc 2` starts both ranks; rank 1 writes the report."""
     argv = [str(Path(sys.executable).parent / "moe-train"), "measure", "qwen3-tiny", "--nproc", "2", "--rank", "1",

@@ -405,6 +405,7 @@ def _run_rank(rank: int, world: int, store: str, target, errors) -> None:
     os._exit(code)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", [_fsdp_init_rank, _tensor_parallel_rank], ids=["fsdp-init", "tp-heads"])
 def test_two_gloo_ranks_reproduce_the_single_process_model(target, tmp_path):
     import multiprocessing

@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +38,7 @@ def test_readme_has_two_setup_commands_and_ci_runs_the_test_one():
     assert commands[1] in (ROOT / ".ci" / "run").read_text()
 
 
+@pytest.mark.slow
 def test_ci_runs_the_tests_in_a_new_environment(tmp_path):
     """.ci/run's lines before the test command, run as CI runs them: the interpreter that then installs and runs
     the tests lives in a new folder and sees none of this machine's packages (an older pytest left by an earlier
@@ -52,6 +54,7 @@ def test_ci_runs_the_tests_in_a_new_environment(tmp_path):
     assert list(tmp_path.iterdir()) == [], "the environment is removed when the run ends"
 
 
+@pytest.mark.slow
 def test_plain_install_resolves_builtins_outside_the_repository(tmp_path):
     target = tmp_path / "site"
     subprocess.run(

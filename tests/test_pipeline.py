@@ -75,6 +75,7 @@ def _assert_cases(tmp_path: Path, table: list[tuple], saved: dict[str, str]) -> 
             assert got["eval"] == pytest.approx(want["eval"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_pipeline_two_ranks_equals_single_process(tmp_path: Path) -> None:
     cases = [_case(*row, evaluate=row[0] == EVALUATED) for row in WORLD2]
     resume = ["parallel.pp=2", UNEVEN]
@@ -94,6 +95,7 @@ def test_pipeline_two_ranks_equals_single_process(tmp_path: Path) -> None:
     assert all(r["mtp_loss"] > 0 and set(r["moe"]) == {"1", "2", "3", "4"} for r in logged)
 
 
+@pytest.mark.slow
 def test_pipeline_four_ranks_equals_single_process(tmp_path: Path) -> None:
     cases = [_case(*row) for row in WORLD4]
     saved = run_ranks("train_layouts", 4, {"cases": cases, "run_root": str(tmp_path / "pp4")}, tmp_path, timeout=480)
@@ -146,6 +148,7 @@ def test_zero_bubble_is_refused_before_training(tmp_path: Path) -> None:
     assert_bad_input(result, "parallel.pp_schedule: the zero_bubble schedule with FSDP2", "not supported yet")
 
 
+@pytest.mark.slow
 def test_run_nproc_trains_a_pipeline_and_the_last_stage_reports(tmp_path: Path) -> None:
     """`moe-train run --nproc 2` with pp 2 (torchrun, the entry): the summary and metrics come from the last stage's
     rank, the run completes with a checkpoint that a single process loads and `convert to-hf` exports."""

@@ -1,4 +1,4 @@
-"""`plan` held to `measure` (DECISIONS.md: forced even routing, the same rank): parameter bytes exactly, and
+"""`plan` held to `measure` (docs/decisions.md: forced even routing, the same rank): parameter bytes exactly, and
 activation bytes per layer, FLOPs per step by phase and bytes per `<group>/<op>`: exactly on the tiny recipes
 (every tensor-parallel layout at t = 1, 2, 4 with SP on and off, against every recompute policy), within 3% on
 a pairwise sample of full-size single layers through `--fake`, and the same on real gloo layouts
@@ -235,6 +235,7 @@ def check_real(result: dict, recipes: dict, world: int) -> None:
                 assert real["comm_bytes"][key] == planned[key], (case_id, key)
 
 
+@pytest.mark.slow
 def test_real_two_rank_layouts_measure_what_fake_and_plan_say(tmp_path):
     result, recipes = _run_real(2, tmp_path)
     check_real(result, recipes, 2)
@@ -244,6 +245,7 @@ def test_real_two_rank_layouts_measure_what_fake_and_plan_say(tmp_path):
     assert routed != even
 
 
+@pytest.mark.slow
 def test_real_four_rank_layouts_measure_what_fake_and_plan_say(tmp_path):
     result, recipes = _run_real(4, tmp_path)
     check_real(result, recipes, 4)

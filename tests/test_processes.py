@@ -27,6 +27,7 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_a_timed_out_launcher_is_killed_with_its_ranks(tmp_path: Path) -> None:
     pids = tmp_path / "pids"
     with pytest.raises(pytest.fail.Exception, match="did not finish within 3 s"):

@@ -60,7 +60,7 @@ def records(run_dir: Path) -> list[dict]:
 
 def train_line(step: int, loss: float | None, *, loads: dict[str, list[float]] | None = None,
                dropped: float = 0.0) -> dict:
-    """A train record as INTERFACES.md defines it; `loads` (layer -> shares) makes it an MoE run."""
+    """A train record as docs/interfaces.md defines it; `loads` (layer -> shares) makes it an MoE run."""
     line = {"kind": "train", "step": step, "loss": loss, "lm_loss": None if loss is None else loss - 0.01,
             "aux_loss": 0.01, "grad_norm": 1.0, "lr": 1e-3, "tokens": 1024 * step,
             "tokens_per_s": 900.0 + 13 * step, "tflops_per_device": 1.0, "mfu": 0.2 + 0.01 * step,

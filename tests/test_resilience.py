@@ -76,6 +76,7 @@ def assert_same_losses(got: dict[int, float], want: dict[int, float], steps: ran
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("save_layout", SAVE_LAYOUTS)
 def test_a_checkpoint_resumes_under_other_layouts_exactly(job, reference, save_layout: str) -> None:
     record = job["records"][f"save-{save_layout}"]
@@ -97,6 +98,7 @@ def test_a_checkpoint_resumes_under_other_layouts_exactly(job, reference, save_l
     assert_same_losses(train_losses(run_dir), reference["losses"], range(STOP_AT + 1, STEPS + 1))
 
 
+@pytest.mark.slow
 def test_export_of_a_sharded_checkpoint_gathers_every_expert_and_shard(job, reference) -> None:
     import transformers  # the test extra installs it: a missing one is an error, never a silent skip
     from safetensors.torch import load_file
@@ -123,6 +125,7 @@ def test_export_of_a_sharded_checkpoint_gathers_every_expert_and_shard(job, refe
     torch.testing.assert_close(logits["hf-sharded"], logits["hf-ws1"], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_a_nan_in_one_ranks_gradient_shard_is_rejected_by_every_rank(job) -> None:
     record = job["records"]["poison"]
     assert record["verdicts"] == [[None, "nonfinite", None]] * 4
@@ -130,6 +133,7 @@ def test_a_nan_in_one_ranks_gradient_shard_is_rejected_by_every_rank(job) -> Non
     assert record["unchanged"] == [[False, True, False]] * 4
 
 
+@pytest.mark.slow
 def test_stop_requests_agree_and_only_the_logging_rank_reads_the_notice(job) -> None:
     reasons = job["records"]["stops"]
     assert reasons["none"] == [None] * 4

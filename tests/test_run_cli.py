@@ -49,6 +49,7 @@ def test_run_refuses_unsupported_features(tmp_path: Path) -> None:
                      "supported yet")
 
 
+@pytest.mark.slow
 def test_run_two_data_parallel_ranks_match_one_across_a_resume(tmp_path: Path) -> None:
     """2 gloo ranks through torchrun, stopped at step 2 and resumed (a 2-rank DCP save and load), match 1 rank."""
     one, two = tmp_path / "one", tmp_path / "two"
@@ -104,11 +105,13 @@ def _check_clean_stop(done: subprocess.CompletedProcess, run_dir: Path, reason: 
     assert not (run_dir / "COMPLETE").exists()
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_and_exits_0(tmp_path: Path) -> None:
     done, run_dir = _stop_midway(tmp_path, lambda process, run_dir: process.send_signal(signal.SIGTERM))
     _check_clean_stop(done, run_dir, "SIGTERM")
 
 
+@pytest.mark.slow
 def test_preemption_notice_checkpoints_and_exits_0(tmp_path: Path) -> None:
     done, run_dir = _stop_midway(tmp_path, lambda process, run_dir: (run_dir / "PREEMPT").write_text("soon\n"))
     _check_clean_stop(done, run_dir, f"preemption notice {run_dir / 'PREEMPT'}")

@@ -53,6 +53,7 @@ def check_rank_table(log: str, want: dict[int, str]) -> None:
     assert lines == want, log
 
 
+@pytest.mark.slow
 def test_submit_preflight_runs_two_ranks_on_slurm(slurm_cluster, tmp_path):  # noqa: F811
     run_dir = tmp_path / HOSTILE_DIR
     result = cli(slurm_cluster, tmp_path, "submit", "qwen3-moe-tiny", "--preflight", "--set", f"run_dir={run_dir}",
@@ -72,6 +73,7 @@ def test_submit_preflight_runs_two_ranks_on_slurm(slurm_cluster, tmp_path):  # n
     assert re.search(rf"preflight done\s+{job_id}", runs.stdout), runs.stdout
 
 
+@pytest.mark.slow
 def test_sweep_is_one_job_array_each_task_with_its_own_recipe(slurm_cluster, tmp_path):  # noqa: F811
     base = tmp_path / "sweep"
     result = cli(slurm_cluster, tmp_path, "sweep", "qwen3-moe-tiny", "--set", f"run_dir={base}",
@@ -96,6 +98,7 @@ def test_sweep_is_one_job_array_each_task_with_its_own_recipe(slurm_cluster, tmp
     assert not (base / "ep-3").exists()
 
 
+@pytest.mark.slow
 def test_allocation_smaller_than_the_recipe_fails_fast_on_every_rank(slurm_cluster, tmp_path):  # noqa: F811
     recipe = load_recipe("qwen3-moe-tiny", [f"run_dir={tmp_path / 'r'}", "launch.nodes=2", "launch.gpus_per_node=2",
                                             "train.micro_batch_size=2"])
@@ -137,6 +140,7 @@ echo "stand-in step: complete"
 """
 
 
+@pytest.mark.slow
 def test_preemption_notice_requeues_once_then_completes(slurm_cluster, tmp_path):  # noqa: F811
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -169,6 +173,7 @@ def test_preemption_notice_requeues_once_then_completes(slurm_cluster, tmp_path)
     assert re.search(rf"^r\s+complete\s+{job_id}", runs.stdout, re.M), runs.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ['back\\slash "q" $(x) `y`', "tab\there; z", "it's 'single'", "a#b c #d", "x=1 %j"])
 def test_sbatch_reads_rendered_job_names_verbatim(slurm_cluster, tmp_path, name):  # noqa: F811
     recipe = load_recipe("qwen3-tiny", [f"run_dir={tmp_path / 'r'}"])
@@ -184,6 +189,7 @@ def test_sbatch_reads_rendered_job_names_verbatim(slurm_cluster, tmp_path, name)
         slurm_cluster.run("scancel", job_id)
 
 
+@pytest.mark.slow
 def test_submitted_ep2_run_trains_on_slurm(slurm_cluster, tmp_path):  # noqa: F811
     """A qwen3-moe-tiny training job with expert parallelism over its 2 ranks, through sbatch: it completes,
     the logging rank writes every step with each MoE layer's balance, the run folder is COMPLETE, and

@@ -39,6 +39,7 @@ def submit_two_ranks(cluster, tmp_path: Path, recipe: str, run_dir: Path, *extra
                          sets=[*JOB, "launch.gpus_per_node=2", f"run_dir={run_dir}", *extra]))
 
 
+@pytest.mark.slow
 def test_a_preempted_ep2_job_saves_requeues_resumes_and_matches_an_uninterrupted_run(slurm_cluster, tmp_path):  # noqa: F811
     run_dir = tmp_path / "ep2"
     job_id = submit_two_ranks(slurm_cluster, tmp_path, "qwen3-moe-tiny", run_dir, "parallel.ep=2",
@@ -66,6 +67,7 @@ def test_a_preempted_ep2_job_saves_requeues_resumes_and_matches_an_uninterrupted
     assert train_losses(run_dir) == logged
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_step_fails_the_job_within_60_s_naming_it_and_it_is_not_requeued(slurm_cluster,  # noqa: F811
                                                                                            tmp_path):
     run_dir = tmp_path / "crash"

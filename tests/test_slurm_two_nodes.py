@@ -54,6 +54,7 @@ def reference(tmp_path_factory) -> list[float]:
     return single_process_losses(tmp_path_factory.mktemp("reference"))
 
 
+@pytest.mark.slow
 def test_two_node_preflight_and_sweep_of_dp2_and_ep2_match_one_process(slurm_cluster, tmp_path,  # noqa: F811
                                                                         reference):
     nodes = node_names()
@@ -84,6 +85,7 @@ def test_two_node_preflight_and_sweep_of_dp2_and_ep2_match_one_process(slurm_clu
         assert losses(base / point) == pytest.approx(reference, rel=1e-5), point
 
 
+@pytest.mark.slow
 def test_two_node_pp2_preempted_requeued_resumes_to_the_single_process_losses(slurm_cluster, tmp_path):  # noqa: F811
     run_dir = tmp_path / "pp2"
     job_id = job_id_of(cli(slurm_cluster, tmp_path, "submit", "qwen3-moe-tiny",
@@ -96,6 +98,7 @@ def test_two_node_pp2_preempted_requeued_resumes_to_the_single_process_losses(sl
                                             rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_rank_killed_on_the_second_node_fails_the_two_node_job_fast(slurm_cluster, tmp_path):  # noqa: F811
     run_dir = tmp_path / "crash"
     job_id = job_id_of(cli(slurm_cluster, tmp_path, "submit", "qwen3-tiny",

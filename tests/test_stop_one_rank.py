@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from cli_helpers import run_cli
 from helpers import SHRINK, read_metrics
 from helpers import sets as set_args
@@ -60,6 +61,7 @@ def signal_rank_1_after_two_steps(run_dir: Path, sig: signal.Signals, *overrides
     return done, time.monotonic() - sent
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_rank_stops_both_ranks_at_the_same_step(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     done, _ = signal_rank_1_after_two_steps(run_dir, signal.SIGTERM)
@@ -75,6 +77,7 @@ def test_sigterm_to_one_rank_stops_both_ranks_at_the_same_step(tmp_path: Path) -
     assert not (run_dir / "COMPLETE").exists()
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_step_ends_the_job_non_zero_within_60_s_naming_it(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     done, seconds = signal_rank_1_after_two_steps(run_dir, signal.SIGKILL)
@@ -86,6 +89,7 @@ def test_a_rank_killed_mid_step_ends_the_job_non_zero_within_60_s_naming_it(tmp_
     assert not (run_dir / "COMPLETE").exists()
 
 
+@pytest.mark.slow
 def test_a_rank_stuck_alive_ends_the_job_once_the_collective_timeout_passes(tmp_path: Path) -> None:
     """No connection closes, so only the process group's timeout (6 s here) can free rank 0; torchrun then
     SIGTERMs the stopped rank (held pending) and SIGKILLs it after its 30 s grace."""

@@ -8,7 +8,9 @@ The layering (docs/architecture.md), each rule a test below:
 - train/ never imports launch/; models/ never imports parallel/;
 - in models/, torch.distributed only where a model meets its process groups: DTensor-aware init, the
   dispatcher extension point and the balancing-loss collectives (MODELS_MAY_USE_DISTRIBUTED);
-- the mesh dimension names are written down once (config/mesh_shape.py).
+- the mesh dimension names are written down once (config/mesh_shape.py);
+- the project points only at itself: no tracked file names a document outside the repository (the
+  engineers' shared notes it was built from), only docs/.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ MODELS_MAY_USE_DISTRIBUTED = frozenset({
     "models/moe/dispatch_hierarchical.py",
     "models/moe/dispatch_allgather.py",
     "models/moe/dispatch_collectives.py",  # the dispatchers' autograd collectives
+    "models/moe/collective_turns.py",  # ep_overlap's turn-taking: the dispatch collectives issued async, waited in turn
     "models/moe/expert_group.py",  # the dispatchers' process group and its rank
     "models/moe/aux_loss.py",  # balancing-loss collectives: token counts over the sequence's ranks
     "models/moe/layer.py",  # global_aux_loss's token counts over tp and dp
@@ -211,3 +214,18 @@ def test_a_failed_write_keeps_the_old_content(tmp_path):
         raise RuntimeError("writer died")
     assert target.read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+
+# Documents outside the repository that files once cited; their content lives in docs/ (decisions.md,
+# architecture.md, interfaces.md, testing.md).
+OUTSIDE = ("../shared", "DECISIONS.md", "HELPERS.md", "INTERFACES.md", "ARCHITECTURE.md", "SCENARIOS.md")
+
+
+def test_no_tracked_file_names_a_document_outside_the_repository():
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    this = Path(__file__).resolve().relative_to(ROOT).as_posix()
+    files = [name for name in listed.decode().split("\0") if name and name != this]
+    assert len(files) > 100 and "docs/decisions.md" in files  # the listing is the repository's
+    cited = [f"{name}: {outside}" for name in files if (ROOT / name).is_file()
+             for outside in OUTSIDE if outside in (ROOT / name).read_text(errors="replace")]
+    assert cited == []

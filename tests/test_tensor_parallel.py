@@ -163,6 +163,7 @@ def _load(saved: dict) -> dict:
             if not key.startswith(("bytes-", "gemms-"))}
 
 
+@pytest.mark.slow
 def test_tensor_parallel_two_ranks_equals_single_process(tmp_path: Path) -> None:
     cases = [*_cases(WORLD2), *_bf16_cases()]
     one_expert = [*SHRINK_LAYOUT, *MODEL["deepseek-v3-tiny"], "train.micro_batch_size=2", *ONE_EXPERT]
@@ -198,6 +199,7 @@ def test_tensor_parallel_two_ranks_equals_single_process(tmp_path: Path) -> None
     assert_same_run(one, want)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_four_ranks_equals_single_process(tmp_path: Path) -> None:
     result = run_ranks("tensor_parallel", 4, {"cases": _cases(WORLD4), "activations": _activation_cases(4),
                                               "run_root": str(tmp_path / "w4")}, tmp_path, timeout=360)

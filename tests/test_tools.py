@@ -197,6 +197,7 @@ def wandb_records(path: Path) -> list:
     return records
 
 
+@pytest.mark.slow
 def test_wandb_offline_logs_every_step_into_the_run_folder(tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, WANDB_MODE="", OMP_NUM_THREADS="1")  # the recipe's mode decides, not the caller's

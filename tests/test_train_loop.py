@@ -1,4 +1,4 @@
-"""The training loop: metrics.jsonl as INTERFACES.md defines it, non-finite steps, the expert-bias update."""
+"""The training loop: metrics.jsonl as docs/interfaces.md defines it, non-finite steps, the expert-bias update."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from moe_train.train.loop import Trainer
 
 TRAIN_KEYS = {"kind", "step", "loss", "lm_loss", "aux_loss", "grad_norm", "lr", "tokens", "tokens_per_s",
               "tflops_per_device", "mfu", "memory_bytes", "skipped"}
-BALANCE_KEYS = {"load_max_over_mean", "load_cv", "dropped_fraction", "load", "router_entropy"}
+BALANCE_KEYS = {"load_max_over_mean", "load_cv", "dropped_fraction", "load", "router_entropy", "tokens"}
 
 
 def poison(t: Trainer, steps: set[int]) -> None:
@@ -42,7 +42,7 @@ def test_metrics_jsonl_schema(name: str, tmp_path: Path) -> None:
     assert [(r["step"], set(r)) for r in evals] == [(2, {"kind", "step", "loss"}), (4, {"kind", "step", "loss"})]
     moe = name == "qwen3-moe-tiny"
     for r in train:
-        assert set(r) == TRAIN_KEYS | ({"moe"} if moe else set())
+        assert set(r) == TRAIN_KEYS | ({"moe", "moe_ranks"} if moe else set())
         assert r["loss"] == pytest.approx(r["lm_loss"] + r["aux_loss"], rel=1e-12)
         assert r["tokens"] == r["step"] * 4 * 32
         assert r["skipped"] == 0 and r["grad_norm"] > 0 and r["memory_bytes"] > 0

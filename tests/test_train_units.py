@@ -103,7 +103,7 @@ def test_moe_flops_count_active_experts_only() -> None:
 def test_expert_balance_figures() -> None:
     even = expert_balance(torch.tensor([4, 4, 4, 4]), 0.0, router_entropy=1.0)
     assert even == {"load_max_over_mean": 1.0, "load_cv": 0.0, "dropped_fraction": 0.0,
-                    "load": [0.25, 0.25, 0.25, 0.25], "router_entropy": 1.0}
+                    "load": [0.25, 0.25, 0.25, 0.25], "tokens": [4, 4, 4, 4], "router_entropy": 1.0}
     skewed = expert_balance(torch.tensor([8, 0, 0, 0]), 0.25)
     assert skewed["load"] == [1.0, 0.0, 0.0, 0.0] and "router_entropy" not in skewed
     assert skewed["load_max_over_mean"] == 4.0

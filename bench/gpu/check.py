@@ -1,11 +1,17 @@
 """The GPU path's checks on one GPU (issue 21), in stages, each in its own process under its own timeout.
 
-    python bench/gpu/check.py --out DIR [--device cuda|cpu] [--only STAGE,...]
+    python bench/gpu/check.py --out DIR [--device cuda|cpu] [--only STAGE,...] [--deadline S] [--dry-run]
 
 After every stage DIR/figures.json is rewritten with everything measured so far (a stage that hangs or crashes
-loses nothing before it) and DIR/check.log gets the stage's output. `--device cpu` is the rehearsal: the same
-stages on tiny shapes, run by tests/test_gpu_check.py, so the script cannot fail on the GPU over a typo. Nothing
-here states an expected GPU figure: each stage measures and writes what it saw.
+loses nothing before it) and DIR/check.log gets the stage's output. One deadline holds the whole check
+(`--deadline`, 480 s, inside check.sh's outer limit): each stage runs under min(its timeout, the time left), a
+stage the deadline leaves no time for is recorded "not run", and a SIGTERM (the device machine's limit) kills
+the running stage's process group and still writes figures.json. `--dry-run` builds every stage's command and
+validates its recipes for cuda, running nothing (tests/test_gpu_check.py), so a renamed field cannot break the
+GPU run unseen. Every stage but `compile` trains with `train.compile=false`, so eager figures are eager.
+`--device cpu` is the rehearsal: the same stages on tiny shapes, run by tests/test_gpu_check.py, so the script
+cannot fail on the GPU over a typo. Nothing here states an expected GPU figure: each stage measures and writes
+what it saw.
 
 Stages: probe (versions, the APIs the engine needs), grouped_mm (torch._grouped_mm forward/backward against the
 per-expert loop, ragged and zero counts), sdpa (the SDPA kernel chosen for GQA, MLA and document-masked inputs,
@@ -43,9 +49,12 @@ REPO = Path(__file__).resolve().parents[2]
 # fp8: each recipe's GEMM real and emulated, the grouped GEMM, and one training step per recipe validate takes.
 # In order of what the short lease on the machine must bring back first: check.sh stops the script at 420 s and
 # figures.json is written after every stage, so the longest and least certain stage (compile) runs last.
-TIMEOUTS = {"probe": 15, "grouped_mm": 30, "sdpa": 60, "tiny_run": 60, "proxy": 90, "fp8": 90, "te": 30,
-            "hf_proxy": 50, "resume": 50, "compile": 240}
+# The headline stages first (probe; the proxy step and the same step in transformers, side by side), the rest
+# after, compile (the longest, its inductor build never timed on a GPU) last. They add up to less than DEADLINE.
+TIMEOUTS = {"probe": 30, "proxy": 75, "hf_proxy": 45, "grouped_mm": 25, "sdpa": 45, "fp8": 70, "tiny_run": 45,
+            "resume": 45, "te": 10, "compile": 80}
 STAGES = list(TIMEOUTS)
+DEADLINE = 480.0  # seconds for the whole check.py; check.sh's outer `timeout` is 540
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -110,10 +119,26 @@ def stage_probe(device: str, work: Path) -> dict:
                "distributed_c10d._set_pg_timeout": hasattr(torch.distributed.distributed_c10d, "_set_pg_timeout"),
            }}
     if device == "cuda":
+        from moe_train.config.hardware import hardware_table
+
         out["device_name"] = torch.cuda.get_device_name()
         out["capability"] = list(torch.cuda.get_device_capability())
         out["memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
+        out["datasheet_bf16_tflops"] = hardware_table()["h200"].bf16_flops / 1e12
+    out["matmul_ceiling"] = _matmul_ceiling(device)
     return out
+
+
+def _matmul_ceiling(device: str) -> dict:
+    """The chip's measured dense GEMM rate (bf16 8192^3 on CUDA; fp32 256^3 on the CPU rehearsal): MFU is read
+    against it as well as against the data sheet."""
+    import torch
+
+    n, dtype = (8192, torch.bfloat16) if device == "cuda" else (256, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    seconds = _timed(lambda: a @ b, device, repeats=10)
+    return {"shape": [n, n, n], "dtype": str(dtype), "seconds": seconds, "tflops": 2 * n**3 / seconds / 1e12}
 
 
 def stage_grouped_mm(device: str, work: Path) -> dict:
@@ -210,6 +235,7 @@ def stage_sdpa(device: str, work: Path) -> dict:
     padding the cuda row leaves out) and a two-document mask (the engine's mask, and on CUDA its FlexAttention
     block mask)."""
     import torch
+    from torch.nn.attention.flex_attention import BlockMask
 
     from moe_train.kernels import kernels_for
     from moe_train.models.attention import attend, attention_mask
@@ -234,7 +260,8 @@ def stage_sdpa(device: str, work: Path) -> dict:
         q, k, v = make(qs), make(ks), make(vs)
         try:
             y = attend(q, k, v, mask, **kwargs)
-            node = _attention_node(y)
+            # compiled FlexAttention's backward node is the compiled graph's, not an attention node: named here
+            node = "flex_attention (BlockMask)" if isinstance(mask, BlockMask) else _attention_node(y)
 
             def step(q=q, k=k, v=v, mask=mask, kwargs=kwargs):
                 attend(q, k, v, mask, **kwargs).float().sum().backward()
@@ -311,19 +338,22 @@ def _fp8_gemm_side_by_side(device: str, recipe: str, grouped: bool) -> dict:
     return out
 
 
+def _fp8_sets(device: str, work: Path, recipe: str, backend: str = "torchao") -> list[str]:
+    sets = ["train.precision=fp8", f"train.fp8.recipe={recipe}", f"train.fp8.backend={backend}",
+            f"launch.device={device}", f"run_dir={work / f'fp8-{backend}-{recipe}'}", "train.steps=10",
+            "checkpoint.interval=null", "logging.tensorboard=false", "train.compile=false"]  # eager: no compile time
+    return sets + (["launch.gpu=h200"] if device == "cuda" else [
+        "model.num_layers=1", "train.seq_length=32", "train.global_batch_size=2", "train.micro_batch_size=2"])
+
+
 def _fp8_step(device: str, work: Path, recipe: str, backend: str = "torchao") -> dict:
     """Three trainer steps of qwen3-moe-tiny in fp8 (the first warms up): losses, step times, GEMMs by mode."""
     from moe_train.config import RecipeError, load_recipe
     from moe_train.models.fp8.gemm import count_fp8_gemms
     from moe_train.train.loop import Trainer
 
-    sets = ["train.precision=fp8", f"train.fp8.recipe={recipe}", f"train.fp8.backend={backend}",
-            f"launch.device={device}", f"run_dir={work / f'fp8-{backend}-{recipe}'}", "train.steps=10",
-            "checkpoint.interval=null", "logging.tensorboard=false", "train.compile=false"]  # eager: no compile time
-    sets += ["launch.gpu=h200"] if device == "cuda" else ["model.num_layers=1", "train.seq_length=32",
-                                                          "train.global_batch_size=2", "train.micro_batch_size=2"]
     try:
-        trainer = Trainer(load_recipe("qwen3-moe-tiny", sets))
+        trainer = Trainer(load_recipe("qwen3-moe-tiny", _fp8_sets(device, work, recipe, backend)))
     except RecipeError as error:  # validate refuses the recipe on this GPU: the finding
         return {"refused": str(error)[:1000]}
     seconds, losses = [], []
@@ -387,17 +417,30 @@ def _train_records(run_dir: Path) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["kind"] == "train"]
 
 
+def _words(sets: list[str]) -> list[str]:
+    return [w for s in sets for w in ("--set", s)]
+
+
+def _tiny_run_sets(device: str, run_dir: Path) -> list[str]:
+    """Eager (train.compile=false: compiling would take most of the stage) and, on CUDA, bf16: the grouped GEMM
+    and the bf16 attention kernels are what this stage is for (fp32 runs neither)."""
+    steps = 50 if device == "cuda" else 4
+    sets = [f"launch.device={device}", f"train.steps={steps}", f"run_dir={run_dir}", "checkpoint.interval=null",
+            "logging.interval=1", "train.compile=false"]
+    if device == "cuda":
+        return sets + ["launch.gpu=h200", "train.precision=bf16"]
+    return sets + ["model.num_layers=1", "train.seq_length=32", "train.global_batch_size=4",
+                   "train.micro_batch_size=2"]
+
+
+def _tiny_run_command(device: str, run_dir: Path) -> list[str]:
+    return ["run", "qwen3-moe-tiny", *_words(_tiny_run_sets(device, run_dir))]
+
+
 def stage_tiny_run(device: str, work: Path) -> dict:
     """`moe-train run` of the default recipe on this device (50 steps on CUDA): the loss falls."""
     run_dir = work / "tiny"
-    steps = 50 if device == "cuda" else 4
-    sets = [f"launch.device={device}", f"train.steps={steps}", f"run_dir={run_dir}", "checkpoint.interval=null",
-            "logging.interval=1"]
-    if device == "cuda":
-        sets += ["launch.gpu=h200"]
-    else:
-        sets += ["model.num_layers=1", "train.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=2"]
-    result = _cli(["run", "qwen3-moe-tiny", *[w for s in sets for w in ("--set", s)]], work, TIMEOUTS["tiny_run"])
+    result = _cli(_tiny_run_command(device, run_dir), work, TIMEOUTS["tiny_run"])
     out = {"exit_code": result.returncode, "stderr_tail": result.stderr[-2000:]}
     if (run_dir / "metrics.jsonl").exists():
         records = _train_records(run_dir)
@@ -422,7 +465,7 @@ def _proxy_recipe(device: str, work: Path, name: str = "proxy", extra: tuple[str
         sets = ["model.num_layers=2", "train.seq_length=64", "train.global_batch_size=4", "train.micro_batch_size=2",
                 "launch.device=cpu"]
         base = "qwen3-moe-tiny"
-    return load_recipe(base, [*sets, f"run_dir={work / name}", "train.steps=100", *extra])
+    return load_recipe(base, [*sets, f"run_dir={work / name}", "train.steps=100", "train.compile=false", *extra])
 
 
 def stage_proxy(device: str, work: Path) -> dict:
@@ -441,8 +484,10 @@ def stage_proxy(device: str, work: Path) -> dict:
     return out
 
 
-def _timed_steps(trainer, device: str, *, tokens_per_step: int) -> dict:
-    """The trainer's own steps, timed (the first warms caches and kernels, and compiles: left out of the rates)."""
+def _timed_steps(trainer, device: str, *, tokens_per_step: int, graphs=None) -> dict:
+    """The trainer's own steps, timed (the first warms caches and kernels, and compiles: left out of the rates).
+    `graphs`: the compiled graphs made so far, counted after step 1 and after the last step (a graph made after
+    step 1 is a recompilation)."""
     import torch
 
     if device == "cuda":
@@ -454,15 +499,24 @@ def _timed_steps(trainer, device: str, *, tokens_per_step: int) -> dict:
         _sync(device)
         seconds.append(time.perf_counter() - start)
         losses.append(result.loss)
+        if step == 1 and graphs is not None:
+            after_first = graphs()
     timed = seconds[1:]
     tokens_per_s = tokens_per_step * len(timed) / sum(timed)
     tflops = trainer.flops_per_token * tokens_per_s / 1e12
     out = {"step_seconds": seconds, "losses": losses, "tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
            "mfu": tflops * 1e12 / trainer.peak}
+    if graphs is not None:
+        out["graphs_first_step"], out["graphs_after_first_step"] = after_first, graphs() - after_first
     if device == "cuda":
         out["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
         out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
     return out
+
+
+def _compile_extra(device: str, mode: str) -> tuple[str, ...]:
+    cut = ("model.num_layers=1",) if device == "cpu" else ()
+    return (f"train.compile={str(mode == 'compiled').lower()}", *cut)
 
 
 def stage_compile(device: str, work: Path) -> dict:
@@ -478,16 +532,26 @@ def stage_compile(device: str, work: Path) -> dict:
 
     if device == "cpu":
         os.environ.setdefault(BACKEND_ENV, "aot_eager")
+    import gc
+
+    import torch
+
     figures = {}
     for mode in ("eager", "compiled"):
-        cut = ("model.num_layers=1",) if device == "cpu" else ()
-        extra = (f"train.compile={str(mode == 'compiled').lower()}", *cut)
-        recipe = _proxy_recipe(device, work, name=f"compile-{mode}", extra=extra)
+        recipe = _proxy_recipe(device, work, name=f"compile-{mode}", extra=_compile_extra(device, mode))
         trainer = Trainer(recipe)
-        graphs = counters["stats"]["unique_graphs"]
+        before = counters["stats"]["unique_graphs"]
+
+        def made(before=before) -> int:
+            return counters["stats"]["unique_graphs"] - before
+
         figures[mode] = _timed_steps(trainer, device, tokens_per_step=recipe.train.global_batch_size
-                                     * recipe.train.seq_length)
-        figures[mode]["graphs"] = counters["stats"]["unique_graphs"] - graphs
+                                     * recipe.train.seq_length, graphs=made)
+        figures[mode]["graphs"] = made()
+        del trainer  # the eager trainer's state must not sit under the compiled one's peak
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     eager, compiled = figures["eager"], figures["compiled"]
     out = {"backend": os.environ.get(BACKEND_ENV, "inductor"), **figures,
            "first_step_seconds": compiled["step_seconds"][0],
@@ -513,21 +577,21 @@ def stage_hf_proxy(device: str, work: Path) -> dict:
     config._attn_implementation = "sdpa"
     config._experts_implementation = "grouped_mm"
     torch.manual_seed(0)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # built on the device in its dtype: 3B parameters drawn on the host take long
-    try:
-        with torch.device(device):
-            model = Qwen3MoeForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default_dtype)
+    with torch.device(device):  # built on the device: 3B parameters drawn on the host take long
+        model = Qwen3MoeForCausalLM(config).float()  # fp32 master weights, as moe-train keeps them
+    # fp32 AdamW moments over the fp32 weights, as the proxy's (train.adam_moment_dtype fp32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     micro = recipe.train.global_batch_size // recipe.train.micro_batch_size
-    tokens = torch.randint(recipe.model.vocab_size, (recipe.train.micro_batch_size, recipe.train.seq_length + 1),
+    tokens = torch.randint(recipe.model.vocab_size, (recipe.train.micro_batch_size, recipe.train.seq_length),
                            device=device)
 
     def step():
         for _ in range(micro):
-            model(input_ids=tokens[:, :-1], labels=tokens[:, 1:]).loss.backward()
+            # bf16 compute over fp32 weights, as moe-train's mixed precision; transformers shifts the labels
+            # itself, so labels are the inputs (shifting them here too would predict two tokens ahead)
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+                loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -537,25 +601,31 @@ def stage_hf_proxy(device: str, work: Path) -> dict:
     tokens_per_step = recipe.train.global_batch_size * recipe.train.seq_length
     out = {"transformers": transformers.__version__, "experts_implementation": config._experts_implementation,
            "step_seconds": seconds, "tokens_per_s": tokens_per_step / seconds,
-           "note": "fp32 master weights are not kept here: the model itself is bf16 (transformers' usual run)"}
+           "master_weights": "fp32", "adam_moments": "fp32",
+           "compute": "bf16 autocast" if device == "cuda" else "fp32"}
     if device == "cuda":
         out["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
     return out
 
 
+def _resume_commands(device: str, work: Path) -> list[list[str]]:
+    """4 steps straight; 2 steps, stopped; the 2 more the resume runs. Eager and, on CUDA, bf16 (the kernels
+    train.deterministic must make repeatable)."""
+    sets = [f"launch.device={device}", "train.deterministic=true", "train.steps=4", "checkpoint.interval=2",
+            "train.global_batch_size=4", "train.micro_batch_size=2", "logging.interval=1", "train.compile=false"]
+    sets += ["launch.gpu=h200", "model.num_layers=2", "train.seq_length=128", "train.precision=bf16"] \
+        if device == "cuda" else ["model.num_layers=1", "train.seq_length=32"]
+    words = _words(sets)
+    return [["run", "qwen3-moe-tiny", *words, "--set", f"run_dir={work / 'straight'}"],
+            ["run", "qwen3-moe-tiny", *words, "--set", f"run_dir={work / 'resumed'}", "--set", "train.exit_at_step=2"],
+            ["run", "qwen3-moe-tiny", *words, "--set", f"run_dir={work / 'resumed'}"]]
+
+
 def stage_resume(device: str, work: Path) -> dict:
     """train.deterministic: 4 steps straight vs 2, a checkpoint, and 2 more in a new process: equal losses."""
-    sets = [f"launch.device={device}", "train.deterministic=true", "train.steps=4", "checkpoint.interval=2",
-            "train.global_batch_size=4", "train.micro_batch_size=2", "logging.interval=1"]
-    sets += ["launch.gpu=h200", "model.num_layers=2", "train.seq_length=128"] if device == "cuda" else \
-        ["model.num_layers=1", "train.seq_length=32"]
     out = {}
-    words = [w for s in sets for w in ("--set", s)]
     limit = TIMEOUTS["resume"]  # each; the stage's own timeout bounds the three together
-    straight = _cli(["run", "qwen3-moe-tiny", *words, "--set", f"run_dir={work / 'straight'}"], work, limit)
-    first = _cli(["run", "qwen3-moe-tiny", *words, "--set", f"run_dir={work / 'resumed'}",
-                  "--set", "train.exit_at_step=2"], work, limit)
-    second = _cli(["run", "qwen3-moe-tiny", *words, "--set", f"run_dir={work / 'resumed'}"], work, limit)
+    straight, first, second = (_cli(command, work, limit) for command in _resume_commands(device, work))
     out["exit_codes"] = [straight.returncode, first.returncode, second.returncode]
     if out["exit_codes"] != [0, 0, 0]:
         out["stderr_tail"] = (straight.stderr + first.stderr + second.stderr)[-2000:]
@@ -590,23 +660,93 @@ def _stage_entry(name: str, device: str, work: Path) -> dict:
                 "traceback": traceback.format_exc()[-4000:]}
 
 
+class Stopped(Exception):
+    """SIGTERM reached check.py (the device machine's limit, or check.sh's outer timeout)."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Stopped
+
+
+def _stage_command(name: str, device: str, out: Path, work: Path) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--out", str(out), "--device", device, "--stage", name,
+            "--work", str(work)]
+
+
 def _stage_in_child(name: str, args: argparse.Namespace, work: Path, timeout: float) -> tuple[dict, str]:
-    """The stage in a process session of its own, killed with everything it started when over `timeout`."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--out", str(args.out), "--device", args.device,
-               "--stage", name, "--work", str(work)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                               start_new_session=True)
+    """The stage in a process session of its own, killed with everything it started when over `timeout` or when
+    check.py is stopped (SIGTERM: `Stopped` goes on up once the stage's processes are gone)."""
+    process = subprocess.Popen(_stage_command(name, args.device, args.out, work), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except (subprocess.TimeoutExpired, Stopped) as stop:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)  # the stage and whatever it started (moe-train run)
         stdout, stderr = process.communicate()
-        return {"status": "timeout", "timeout_s": timeout}, stdout + stderr
+        if isinstance(stop, Stopped):
+            raise
+        return {"status": "timeout", "timeout_s": round(timeout, 1)}, stdout + stderr
     lines = [line for line in stdout.splitlines() if line.startswith("CHECK-RESULT ")]
     if not lines:
         return {"status": "crashed", "exit_code": process.returncode, "stderr_tail": stderr[-2000:]}, stdout + stderr
     return json.loads(lines[-1][len("CHECK-RESULT "):]), stdout + stderr
+
+
+def _ratios(stages: dict) -> dict:
+    """moe-train's proxy step against the same step in transformers, measured side by side in this run."""
+    proxy, hf = stages.get("proxy", {}), stages.get("hf_proxy", {})
+    if proxy.get("status") != "ok" or hf.get("status") != "ok":
+        return {}
+    ours, theirs = proxy["figures"]["eager"]["tokens_per_s"], hf["figures"]["tokens_per_s"]
+    return {"proxy_tokens_per_s_vs_transformers": ours / theirs}
+
+
+def dry_run(device: str, out: Path) -> dict:
+    """Every stage's command line, and every recipe a stage would train, loaded and validated for `device`
+    (launch.device included), without running anything. validate's refusal of mxfp8 below sm100 is what the
+    fp8 stage records on an H200: expected, not an error."""
+    from moe_train.config import RecipeError, load_recipe
+
+    work = Path(tempfile.gettempdir()) / "moe-train-check-dry-run"
+    recipes: dict[str, list[tuple[str, list[str]]]] = {
+        "tiny_run": [("qwen3-moe-tiny", _tiny_run_sets(device, work / "tiny"))],
+        "resume": [(c[1], [w for w in c[2:] if w != "--set"]) for c in _resume_commands(device, work)],
+        "fp8": [("qwen3-moe-tiny", _fp8_sets(device, work, recipe)) for recipe in FP8_RECIPES],
+        "te": [("qwen3-moe-tiny", _fp8_sets(device, work, "tensorwise", backend="te"))],
+    }
+    report: dict = {"device": device, "stages": {}}
+    for name in STAGES:
+        entry: dict = {"command": _stage_command(name, device, out, work / name), "timeout_s": TIMEOUTS[name],
+                       "recipes": []}
+        if name == "tiny_run":
+            entry["cli"] = _tiny_run_command(device, work / "tiny")
+        if name == "resume":
+            entry["cli"] = _resume_commands(device, work)
+        problems = []
+        try:
+            if name in ("proxy", "hf_proxy", "compile"):
+                extras = [_compile_extra(device, mode) for mode in ("eager", "compiled")] if name == "compile" else [()]
+                for extra in extras:
+                    _proxy_recipe(device, work, name, extra)
+                    entry["recipes"].append({"base": "proxy", "extra": list(extra), "valid": True})
+            for base, sets in recipes.get(name, []):
+                try:
+                    load_recipe(base, sets)
+                    entry["recipes"].append({"base": base, "sets": sets, "valid": True})
+                except RecipeError as error:
+                    refused = str(error)
+                    expected = ("train.fp8.recipe=mxfp8" in sets and "mxfp8" in refused) or \
+                        ("train.fp8.backend=te" in sets and "transformer-engine" in refused)
+                    entry["recipes"].append({"base": base, "sets": sets, "valid": False, "refused": refused[:500],
+                                             "expected": expected})
+                    if not expected:
+                        problems.append(refused[:500])
+        except Exception as error:  # a stage whose recipe cannot even be built: the finding
+            problems.append(f"{type(error).__name__}: {error}"[:500])
+        entry["problems"] = problems
+        report["stages"][name] = entry
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -614,8 +754,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="Folder for figures.json and check.log.")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--only", default=",".join(STAGES), help="Comma-separated stages (default: all).")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help=f"Seconds for the whole check (default {DEADLINE:.0f} on cuda, 3x on the CPU).")
     parser.add_argument("--in-process", action="store_true",
                         help="Run the stages in this process, without their timeouts (the quick CPU rehearsal).")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="Build every stage's command and validate its recipes for --device; run nothing.")
     parser.add_argument("--stage", help=argparse.SUPPRESS)  # the child: run one stage, print its JSON
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -628,23 +772,51 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown stage(s) {', '.join(unknown)}; known: {', '.join(STAGES)}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.dry_run:
+        report = dry_run(args.device, args.out)
+        (args.out / "dry_run.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+        bad = {name: entry["problems"] for name, entry in report["stages"].items() if entry["problems"]}
+        for name, entry in report["stages"].items():
+            verdict = "problems: " + "; ".join(entry["problems"]) if entry["problems"] else "ok"
+            print(f"{name}: {len(entry['recipes'])} recipe(s) validated, {verdict}")
+        return 1 if bad else 0
     figures_path, log_path = args.out / "figures.json", args.out / "check.log"
     report: dict = {"device": args.device, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "stages": {}}
+                    "stages": {name: {"status": "not run"} for name in stages}}
     work = Path(tempfile.mkdtemp(prefix="moe-train-check-"))
     scale = 1.0 if args.device == "cuda" else 3.0  # the CPU rehearsal runs on a shared machine
-    for name in stages:
-        start = time.monotonic()
-        if args.in_process:
-            entry, output = _stage_entry(name, args.device, work / name), ""
-        else:
-            entry, output = _stage_in_child(name, args, work / name, TIMEOUTS[name] * scale)
-        entry["seconds"] = round(time.monotonic() - start, 2)
-        report["stages"][name] = entry
+    deadline = time.monotonic() + (args.deadline if args.deadline is not None else DEADLINE * scale)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+    def write() -> None:
+        report["ratios"] = _ratios(report["stages"])
         figures_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
-        with log_path.open("a") as log:
-            log.write(f"===== {name}: {entry['status']} in {entry['seconds']} s\n{output[-20000:]}\n")
-        print(f"{name}: {entry['status']} ({entry['seconds']} s)", flush=True)
+
+    try:
+        for name in stages:
+            left = deadline - time.monotonic()
+            if left < 1:
+                report["stages"][name] = {"status": "not run", "why": "the check's deadline passed before it"}
+                continue
+            start = time.monotonic()
+            if args.in_process:
+                entry, output = _stage_entry(name, args.device, work / name), ""
+            else:
+                entry, output = _stage_in_child(name, args, work / name, min(TIMEOUTS[name] * scale, left))
+            entry["seconds"] = round(time.monotonic() - start, 2)
+            report["stages"][name] = entry
+            write()
+            with log_path.open("a") as log:
+                log.write(f"===== {name}: {entry['status']} in {entry['seconds']} s\n{output[-20000:]}\n")
+            print(f"{name}: {entry['status']} ({entry['seconds']} s)", flush=True)
+    except Stopped:
+        running = next(name for name, entry in report["stages"].items() if entry["status"] == "not run")
+        report["stages"][running] = {"status": "killed", "why": "SIGTERM while it ran (its process group killed)"}
+        print(f"{running}: killed (SIGTERM)", flush=True)
+    finally:
+        write()
+    for name, value in report["ratios"].items():
+        print(f"{name}: {value:.3f}", flush=True)
     return 0 if all(e["status"] in ("ok", "skipped") for e in report["stages"].values()) else 1
 
 

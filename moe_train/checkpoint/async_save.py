@@ -40,9 +40,10 @@ from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from moe_train.checkpoint import collective
+from moe_train.checkpoint.expert_order import ExpertOrderSavePlanner
 from moe_train.checkpoint.layout import prune, publish, step_dir_name, tmp_dir
 from moe_train.checkpoint.save import save_checkpoint
-from moe_train.checkpoint.state import Progress, training_state, write_model_config
+from moe_train.checkpoint.state import Progress, placed_stacks_of, training_state, write_model_config
 
 
 class Checkpointer:
@@ -80,7 +81,8 @@ class Checkpointer:
         group = self._background_group()
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-        self._pending = self._executor.submit(self._write, staged, tmp, progress.step, group)
+        self._pending = self._executor.submit(self._write, staged, tmp, progress.step, group,
+                                              placed_stacks_of(chunks))
         return self.ckpt_dir / step_dir_name(progress.step)
 
     def wait(self) -> None:
@@ -108,12 +110,13 @@ class Checkpointer:
             self._group = dist.new_group(backend="gloo")
         return self._group
 
-    def _write(self, staged: dict, tmp: Path, step: int, group) -> None:
+    def _write(self, staged: dict, tmp: Path, step: int, group, stacks: dict[str, tuple[int, ...]]) -> None:
         """On the background thread: DCP's write of the staged copy, the checksums, then publish like a
         synchronous save."""
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(staged, checkpoint_id=str(tmp), process_group=group, no_dist=not collective.distributed())
+            dcp.save(staged, checkpoint_id=str(tmp), process_group=group, no_dist=not collective.distributed(),
+                     planner=ExpertOrderSavePlanner(stacks) if stacks else None)
         collective.write_manifest(tmp, group=group)
         if collective.rank() == 0:
             publish(tmp, step=step)

@@ -1,4 +1,4 @@
-"""Which checkpoint a run starts from: `checkpoint.resume` and `checkpoint.init_from` (INTERFACES.md).
+"""Which checkpoint a run starts from: `checkpoint.resume` and `checkpoint.init_from` (docs/interfaces.md).
 
 - resume `auto`: the newest intact checkpoint of the run's checkpoint folder, else a fresh start;
 - resume `required`: the same, but no checkpoint is an error (a requeued job that lost its state must not

@@ -11,6 +11,7 @@ A training checkpoint is one DCP state dict:
 Beside the tensors: `model.json` (the model section) and `manifest.json` (every file's size and SHA-256,
 written last: moe_train/checkpoint/manifest.py). Parameters are DTensors with their full shapes wherever they
 are sharded (TP, EP, FSDP2), so DCP reshards on load: a checkpoint saved under one layout loads under any other.
+Expert stacks are kept by global expert id whatever `model.moe.placement` (expert_order.py).
 
 Loading is not free of pickle: DCP keeps its index, `.metadata`, as a pickle (tensors are read with
 `torch.load(weights_only=True)`; our state holds no pickled byte items). Checkpoints are therefore trusted input:
@@ -39,8 +40,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from moe_train.checkpoint import collective
+from moe_train.checkpoint.expert_order import ExpertOrderLoadPlanner, ExpertOrderSavePlanner
 from moe_train.checkpoint.layout import MODEL_CONFIG, CheckpointError
 from moe_train.checkpoint.trust import reader_for
+from moe_train.models.moe.placement import placed_stacks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,18 +57,25 @@ class Progress:
     recent_losses: tuple[float, ...] = ()
 
 
-def _dcp_save(state: dict, path: Path) -> None:
-    """dcp.save, single-process when no process group exists (without DCP's warning about it)."""
+def placed_stacks_of(chunks: list[nn.Module]) -> dict[str, tuple[int, ...]]:
+    """The placed expert stacks of every chunk (models/moe/placement.py), which checkpoints store by expert."""
+    return {name: ids for chunk in chunks for name, ids in placed_stacks(chunk).items()}
+
+
+def _dcp_save(state: dict, path: Path, stacks: dict[str, tuple[int, ...]] | None = None) -> None:
+    """dcp.save, single-process when no process group exists (without DCP's warning about it); placed expert
+    `stacks` are written by expert (expert_order.py)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=str(path), no_dist=not collective.distributed())
+        dcp.save(state, checkpoint_id=str(path), no_dist=not collective.distributed(),
+                 planner=ExpertOrderSavePlanner(stacks) if stacks else None)
 
 
-def _dcp_load(state: dict, path: Path, *, own: bool) -> None:
+def _dcp_load(state: dict, path: Path, *, own: bool, stacks: dict[str, tuple[int, ...]] | None = None) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(path), storage_reader=reader_for(path, own=own),
-                 no_dist=not collective.distributed())
+                 no_dist=not collective.distributed(), planner=ExpertOrderLoadPlanner(stacks) if stacks else None)
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -94,10 +104,11 @@ def write_model_config(path: Path, model_config: dict | None) -> None:
     collective.barrier()
 
 
-def _write_files(path: Path, state: dict, model_config: dict | None) -> None:
+def _write_files(path: Path, state: dict, model_config: dict | None,
+                 stacks: dict[str, tuple[int, ...]] | None = None) -> None:
     """model.json (rank 0), the DCP state, then the manifest of them all; every rank calls this together."""
     write_model_config(path, model_config)
-    _dcp_save(state, path)
+    _dcp_save(state, path, stacks)
     collective.barrier()
     collective.write_manifest(path)
 
@@ -136,7 +147,7 @@ def save_training_state(
     whose step count changes the next real update's bias correction (the resumed run would differ from the
     uninterrupted one)."""
     _write_files(path, training_state(chunks=chunks, optimizers=optimizers, progress=progress),
-                 model_config)
+                 model_config, placed_stacks_of(chunks))
 
 
 def training_state(
@@ -180,7 +191,8 @@ def load_training_state(
     state = {"model": model_sd, "progress": progress, "rng": rng}
     if stepped:
         state["optim"] = {"state": optim_state}
-    _dcp_load(state, path, own=own)  # fills the chunks' state dicts in place (merged above: the same tensors)
+    # fills the chunks' state dicts in place (merged above: the same tensors)
+    _dcp_load(state, path, own=own, stacks=placed_stacks_of(chunks))
     for chunk, optimizer, (chunk_sd, chunk_optim) in zip(chunks, optimizers, states, strict=True):
         if chunk_optim is None:
             set_model_state_dict(chunk, chunk_sd)
@@ -235,5 +247,5 @@ def load_model_weights(path: Path, model: nn.Module, model_keys: Collection[str]
     pipeline stage of the model whose keys are `model_keys`), strictly by name. `own`: see load_training_state."""
     model_sd = model.state_dict()
     _check_model_matches(path, _saved_tensors(path, own=own), model_sd, model_keys)
-    _dcp_load({"model": model_sd}, path, own=own)
+    _dcp_load({"model": model_sd}, path, own=own, stacks=placed_stacks_of([model]))
     model.load_state_dict(model_sd, strict=True)

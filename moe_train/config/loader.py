@@ -12,6 +12,7 @@ import copy
 import difflib
 import importlib.resources
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
@@ -158,9 +159,9 @@ def _apply_overrides(data: dict, positions: dict[Path_, Origin], overrides: Iter
             problems.append(str(error))
             continue
         node = data
-        for part in parts[:-1]:
-            if not isinstance(node.get(part), dict):
-                node[part] = {}
+        for part in parts[:-1]:  # copy each mapping on the path: the rest stays shared with the source, unchanged
+            child = node.get(part)
+            node[part] = dict(child) if isinstance(child, dict) else {}
             node = node[part]
         node[parts[-1]] = value
         origin = Origin(f"--set {text}")
@@ -232,14 +233,20 @@ def _schema_problem(error: dict, positions: dict[Path_, Origin], default: Origin
 # ---------------------------------------------------------------------------------------------- the loader
 
 
-def load_recipe(path_or_name: str | Path, overrides: Iterable[str] = (), *, check_files: bool = True) -> Recipe:
-    """Load, merge, override and validate a recipe; raise RecipeError listing every problem.
+@dataclass(frozen=True)
+class RecipeSource:
+    """A recipe file read with its `extends:` parents, before overrides: the merged mapping and where each of its
+    keys was written. `resolve_recipe` never changes it, so one read serves many overrides (a sweep's points,
+    the bad-input walk of tests/test_bad_input.py)."""
 
-    `check_files=False` skips the checks that look at the filesystem (data paths, checkpoints), for tools that
-    only transform recipes.
-    """
-    from .rules import check_recipe
+    path: Path
+    data: dict
+    positions: dict[Path_, Origin]
+    origin: Origin  # where a problem with no position of its own is reported: the file (or built-in) itself
 
+
+def read_recipe(path_or_name: str | Path) -> RecipeSource:
+    """Find and read a recipe file or built-in with its parents; raise RecipeError naming the file."""
     reference = str(path_or_name)
     path = _locate(reference, None)
     if path is None:
@@ -254,10 +261,19 @@ def load_recipe(path_or_name: str | Path, overrides: Iterable[str] = (), *, chec
         data, positions = _read_with_parents(path, ())
     except SourceError as error:
         raise RecipeError(error.problems) from None
+    return RecipeSource(path, data, positions, Origin(_display(path)))
 
+
+def resolve_recipe(source: RecipeSource, overrides: Iterable[str] = (), *, check_files: bool = True) -> Recipe:
+    """Apply `--set` overrides and the cluster profile to a read recipe, validate the schema, then run the rules;
+    raise RecipeError listing every problem. `check_files`: as load_recipe's."""
+    from .rules import check_recipe
+
+    # Shallow copies: _apply_overrides copies each mapping it changes, and nothing after it changes one in place.
+    path, data, positions = source.path, dict(source.data), dict(source.positions)
     problems = _apply_overrides(data, positions, overrides)
     data["extends"] = None
-    default = Origin(_display(path))
+    default = source.origin
 
     launch = data.get("launch")
     if isinstance(launch, dict) and isinstance(launch.get("cluster"), str):
@@ -280,6 +296,15 @@ def load_recipe(path_or_name: str | Path, overrides: Iterable[str] = (), *, chec
     if rule_problems:
         raise RecipeError([f"{_where(p.path, positions, default)}: {p}" for p in rule_problems])
     return recipe
+
+
+def load_recipe(path_or_name: str | Path, overrides: Iterable[str] = (), *, check_files: bool = True) -> Recipe:
+    """Load, merge, override and validate a recipe; raise RecipeError listing every problem.
+
+    `check_files=False` skips the checks that look at the filesystem (data paths, checkpoints), for tools that
+    only transform recipes.
+    """
+    return resolve_recipe(read_recipe(path_or_name), overrides, check_files=check_files)
 
 
 def dump_recipe(recipe: Recipe) -> str:

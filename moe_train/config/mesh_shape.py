@@ -160,8 +160,31 @@ def dispatch_node_ranks(recipe: Recipe) -> int:
 
 def ep_split(shape: MeshShape, node_ranks: int) -> tuple[int, int]:
     """(epnode, eplocal): the nodes an ep group spans and its ranks inside each (ep ranks are etp apart)."""
-    local = max(1, min(shape.ep, node_ranks // shape.etp))
+    local = _ep_local(shape.ep, shape.etp, node_ranks)
     return shape.ep // local, local
+
+
+def _ep_local(ep: int, etp: int, node_ranks: int) -> int:
+    return max(1, min(ep, node_ranks // etp))
+
+
+def ep_node_split_problem(*, world_size: int, ep: int, etp: int, node_ranks: int) -> str | None:
+    """Why the ep groups do not split into `ep_split`'s eplocal blocks each inside one node of `node_ranks`
+    consecutive ranks (what the hierarchical dispatcher needs); None when they do.
+
+    From the sizes alone, never a walk over ranks: an ep group is ep ranks etp apart inside an aligned block of
+    ep*etp ranks, so its eplocal blocks tile the ranks in aligned spans of eplocal*etp. With eplocal > 1 some
+    block holds ranks on both sides of a node boundary exactly when the world has more than one node and
+    node_ranks is not a multiple of that span (the span holding the first boundary then straddles it)."""
+    local = _ep_local(ep, etp, node_ranks)
+    if ep % local:
+        return (f"ep {ep} does not split into nodes of {local} ep ranks ({node_ranks} ranks per node, ep ranks "
+                f"etp {etp} apart)")
+    span = local * etp
+    if local > 1 and world_size > node_ranks and node_ranks % span:
+        return (f"the ep groups' node blocks of {local} ep ranks ({span} consecutive ranks, ep ranks etp {etp} "
+                f"apart) straddle node boundaries: {node_ranks} ranks per node is not a multiple of {span}")
+    return None
 
 
 def _unravel(rank: int, shape: tuple[int, ...]) -> tuple[int, ...]:

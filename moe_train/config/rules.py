@@ -9,15 +9,25 @@ from __future__ import annotations
 import importlib.util
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from .data_files import DataError, read_index_header
+from .fp8_auto import with_fp8_resolved
 from .hardware import HardwareError, hardware_table
 from .loss_chunks import recipe_loss_chunk_tokens
-from .mesh_shape import expert_data_parallel_size, ranks_beside_dp, ranks_beside_edp, stage_ranks
+from .mesh_shape import (
+    dispatch_node_ranks,
+    ep_node_split_problem,
+    expert_data_parallel_size,
+    ranks_beside_dp,
+    ranks_beside_edp,
+    stage_ranks,
+)
+from .placement import PlacementError, recipe_placement
 from .pp_layout import LayoutError, parse_layout
-from .schema import DEEPSEEK_ONLY_FIELDS, MLA_FIELDS, Recipe
+from .schema import DEEPSEEK_ONLY_FIELDS, FP8_MODULES, MLA_FIELDS, Recipe
 
 IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -37,16 +47,37 @@ def _p(dotted: str, message: str) -> Problem:
     return Problem(tuple(int(part) if part.isdigit() else part for part in dotted.split(".")), message)
 
 
+@dataclass(frozen=True)
+class Rule:
+    """A cross-field rule and the recipe sections it reads. It runs only on a recipe whose sections it reads are
+    complete (`REQUIRED`), so it never meets a null where the family requires a value (DeepSeek-V3's
+    kv_lora_rank, a MoE family's model.moe); `files`: it looks at the filesystem (skipped by check_files=False)."""
+
+    check: Callable[[Recipe], list[Problem]]
+    reads: tuple[str, ...]
+    files: bool = False
+
+
 def check_recipe(recipe: Recipe, *, check_files: bool = True) -> list[Problem]:
-    problems: list[Problem] = []
-    for rule in (_name, _model, _moe, _layout, _pipeline, _overlap, _recompute, _batch, _train, _fp8, _launch):
-        problems.extend(rule(recipe))
-    if check_files:
-        problems.extend(_data_files(recipe))
-        problems.extend(_checkpoint_files(recipe))
-    else:
-        problems.extend(_data_shape(recipe))
+    recipe = with_fp8_resolved(recipe)  # train.fp8.recipe auto: the rules judge what the launch target runs
+    incomplete = {section: found for section, required in REQUIRED.items() if (found := required(recipe))}
+    problems = [problem for found in incomplete.values() for problem in found]
+    for rule in RULES:
+        if (check_files or not rule.files) and not incomplete.keys() & set(rule.reads):
+            problems.extend(rule.check(recipe))
     return problems
+
+
+def _complete_model(r: Recipe) -> list[Problem]:
+    """The fields the family requires that the schema lets be null (they mean nothing for the other families)."""
+    m, out = r.model, []
+    if m.family == "deepseek_v3":
+        for field in MLA_FIELDS[1:]:
+            if getattr(m, field) is None:
+                out.append(_p(f"model.{field}", "required for family deepseek_v3 (multi-head latent attention)"))
+    if m.family in ("qwen3_moe", "deepseek_v3") and m.moe is None:
+        out.append(_p("model.moe", f"required for family {m.family}"))
+    return out
 
 
 def _name(r: Recipe) -> list[Problem]:
@@ -70,17 +101,12 @@ def _model(r: Recipe) -> list[Problem]:
         if m.head_dim is None and m.hidden_size % m.num_attention_heads:
             out.append(_p("model.head_dim", "required when hidden_size is not a multiple of num_attention_heads"))
     else:
-        for field in MLA_FIELDS[1:]:
-            if getattr(m, field) is None:
-                out.append(_p(f"model.{field}", "required for family deepseek_v3 (multi-head latent attention)"))
-        if m.qk_rope_head_dim is not None and m.qk_rope_head_dim % 2:
+        if m.qk_rope_head_dim % 2:
             out.append(_p("model.qk_rope_head_dim", f"must be even for rotary embeddings, got {m.qk_rope_head_dim}"))
         if m.first_k_dense > m.num_layers:
             out.append(_p("model.first_k_dense", f"{m.first_k_dense} exceeds num_layers {m.num_layers}"))
     if m.family == "qwen3" and m.moe is not None:
         out.append(_p("model.moe", "family qwen3 is dense; use family qwen3_moe for experts"))
-    if m.family in ("qwen3_moe", "deepseek_v3") and m.moe is None:
-        out.append(_p("model.moe", f"required for family {m.family}"))
     if m.family != "deepseek_v3" and m.attention_head_dim % 2:
         out.append(_p("model.head_dim", f"must be even for rotary embeddings, got {m.attention_head_dim}"))
     if r.data.source != "mock" and r.data.tokenizer == "byte" and m.vocab_size < BYTE_VOCAB:
@@ -122,6 +148,9 @@ def _moe(r: Recipe) -> list[Problem]:
                       "backward, which pipeline stages (pp > 1) cannot share; use aux_loss or global_aux_loss"))
     if moe.pad_to_capacity and moe.capacity_factor is None:
         out.append(_p("model.moe.pad_to_capacity", "needs capacity_factor (dropless has no capacity)"))
+    if router.logit_bias is not None and len(router.logit_bias) != moe.num_experts:
+        out.append(_p("model.moe.router.logit_bias", f"{len(router.logit_bias)} values for {moe.num_experts} experts "
+                      "(one per expert)"))
     return out
 
 
@@ -170,6 +199,8 @@ def _layout(r: Recipe) -> list[Problem]:
                           "ep x etp ranks and sums the experts' partial outputs)"))
         if m.moe.ffn_hidden_size % p.etp:
             out.append(_p("parallel.etp", f"{p.etp} must divide model.moe.ffn_hidden_size {m.moe.ffn_hidden_size}"))
+        if m.moe.dispatcher == "hierarchical" and edp is not None:
+            out.extend(_hierarchical_nodes(r))
     if m.num_attention_heads % p.tp:
         out.append(_p("parallel.tp", f"{p.tp} must divide model.num_attention_heads {m.num_attention_heads}"))
     if m.family != "deepseek_v3" and m.kv_heads % p.tp:
@@ -197,6 +228,17 @@ def _layout(r: Recipe) -> list[Problem]:
             out.append(_p("train.seq_length", f"{r.train.seq_length} must be divisible by {split} (2*cp"
                           f"{'*tp' if split != 2 * p.cp else ''}) with context parallelism"))
     return out
+
+
+def _hierarchical_nodes(r: Recipe) -> list[Problem]:
+    """The hierarchical dispatcher splits each ep group at node boundaries (parallel/expert.py `node_split`)."""
+    try:
+        node_ranks = dispatch_node_ranks(r)
+    except (HardwareError, KeyError):  # an unknown GPU: _launch reports it
+        return []
+    problem = ep_node_split_problem(world_size=r.world_size, ep=r.parallel.ep, etp=r.parallel.etp,
+                                    node_ranks=node_ranks)
+    return [] if problem is None else [_p("parallel.ep", f"{problem} (model.moe.dispatcher hierarchical)")]
 
 
 def _pipeline(r: Recipe) -> list[Problem]:
@@ -310,6 +352,13 @@ def _train(r: Recipe) -> list[Problem]:
         out.append(_p("train.min_lr", f"{t.min_lr} exceeds lr {t.lr}"))
     if t.eval_interval is not None and r.data.valid_fraction == 0:
         out.append(_p("train.eval_interval", "evaluation needs held-out data: set data.valid_fraction > 0"))
+    if t.optimizer == "muon" and t.muon.qk_clip is not None:
+        if r.model.qk_norm and r.model.kv_lora_rank is None:
+            out.append(_p("train.muon.qk_clip", "QK-norm after the projections would undo the clip: set "
+                          "model.qk_norm false (or use MLA)"))
+        if r.parallel.cp > 1:
+            out.append(_p("train.muon.qk_clip", "the max-logit measurement sees one context shard: needs "
+                          "parallel.cp 1"))
     return out
 
 
@@ -373,6 +422,9 @@ def _fp8(r: Recipe) -> list[Problem]:
     if fp8.backend == "te" and fp8.saved_inputs == "fp8":
         out.append(_p("train.fp8.saved_inputs", "applies to backend torchao; transformer-engine keeps its GEMMs' "
                       "inputs itself (leave it bf16)"))
+    if not fp8.modules:
+        out.append(_p("train.fp8.modules", f"empty: precision fp8 with no fp8 GEMM; name at least one of "
+                      f"{', '.join(FP8_MODULES)}, or set train.precision bf16"))
     if len(set(fp8.modules)) != len(fp8.modules):
         out.append(_p("train.fp8.modules", "names a kind twice"))
     if cuda:
@@ -412,7 +464,8 @@ def _launch(r: Recipe) -> list[Problem]:
               and (hardware.compute_capability or 0) < 10):
             capability = hardware.compute_capability or "unknown"
             out.append(_p("train.fp8.recipe", f"mxfp8 needs compute capability 10.0 (Blackwell, sm100); "
-                          f"{hardware.name} is {capability}"))
+                          f"{hardware.name} is {capability}: on it, --set train.fp8.recipe=blockwise (DeepSeek-V3's "
+                          "1x128/128x128 block scales)"))
     for name in launch.env:
         if not IDENTIFIER.match(name):
             out.append(_p("launch.env", f"'{name}' is not a valid environment variable name"))
@@ -442,7 +495,7 @@ def _data_shape(r: Recipe) -> list[Problem]:
 
 
 def _data_files(r: Recipe) -> list[Problem]:
-    d, out = r.data, _data_shape(r)
+    d, out = r.data, []
     if d.tokenizer != "byte" and not Path(d.tokenizer).is_file():
         out.append(_p("data.tokenizer", f"'byte' or a tokenizer.json file; {d.tokenizer} does not exist"))
     if d.source != "indexed":
@@ -454,10 +507,24 @@ def _data_files(r: Recipe) -> list[Problem]:
                 out.append(_p(f"data.paths.{index}", f"{stem + suffix} does not exist"))
         if Path(stem + ".idx").is_file():
             try:
-                read_index_header(stem)
+                header = read_index_header(stem)
             except DataError as error:
                 out.append(_p(f"data.paths.{index}", str(error)))
+                continue
+            if header.document_count == 0:
+                out.append(_p(f"data.paths.{index}", f"{stem}.idx holds 0 documents (was its input empty?); "
+                              "prepare it from a non-empty input"))
     return out
+
+
+def _placement_file(r: Recipe) -> list[Problem]:
+    if r.model.moe is None or r.model.moe.num_experts % r.parallel.ep:
+        return []  # no experts to place, or parallel.ep's own problem
+    try:
+        recipe_placement(r)
+    except PlacementError as error:
+        return [_p("model.moe.placement", str(error))]
+    return []
 
 
 def _checkpoint_files(r: Recipe) -> list[Problem]:
@@ -471,3 +538,33 @@ def _checkpoint_files(r: Recipe) -> list[Problem]:
     if c.init_from is not None and c.resume not in ("auto", "never"):
         out.append(_p("checkpoint.init_from", f"conflicts with resume {c.resume}: init_from starts fresh at step 0"))
     return out
+
+
+def _logging(r: Recipe) -> list[Problem]:
+    wandb = r.logging.wandb
+    if wandb is not None and not wandb.project.strip():
+        return [_p("logging.wandb.project", "empty; name the W&B project (or drop logging.wandb)")]
+    return []
+
+
+# Every rule, in the order its problems are listed. A section a rule reads that `REQUIRED` finds incomplete
+# keeps it from running: its fields' problems are listed instead.
+REQUIRED: dict[str, Callable[[Recipe], list[Problem]]] = {"model": _complete_model}
+RULES: tuple[Rule, ...] = (
+    Rule(_name, reads=("name",)),
+    Rule(_model, reads=("model", "data", "train")),
+    Rule(_moe, reads=("model", "parallel")),
+    Rule(_layout, reads=("model", "parallel", "train", "launch")),
+    Rule(_pipeline, reads=("model", "parallel")),
+    Rule(_overlap, reads=("model", "parallel")),
+    Rule(_recompute, reads=("model", "parallel")),
+    Rule(_batch, reads=("train", "parallel", "launch")),
+    Rule(_train, reads=("train", "data")),
+    Rule(_fp8, reads=("model", "parallel", "train", "launch")),
+    Rule(_launch, reads=("launch", "train")),
+    Rule(_logging, reads=("logging",)),
+    Rule(_data_shape, reads=("data",)),
+    Rule(_data_files, reads=("data",), files=True),
+    Rule(_checkpoint_files, reads=("checkpoint",), files=True),
+    Rule(_placement_file, reads=("model", "parallel"), files=True),
+)

@@ -1,4 +1,4 @@
-"""The recipe schema: every field a YAML recipe may hold (../shared/INTERFACES.md is the contract).
+"""The recipe schema: every field a YAML recipe may hold (docs/interfaces.md records each).
 
 Every model forbids unknown keys, so a typo is an error rather than a silently ignored setting. Rules that
 relate several fields live in `rules.py`, where all problems can be reported at once instead of stopping at
@@ -7,9 +7,10 @@ the first model validator that fails.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
+from pydantic_core import PydanticCustomError
 
 from moe_train.config.mesh_shape import (
     data_parallel_size,
@@ -20,10 +21,31 @@ from moe_train.config.mesh_shape import (
 )
 
 
+def _number(value: Any) -> Any:
+    """A YAML number, not a boolean or a string that pydantic's lax mode would read as one (`true` as 1.0)."""
+    if isinstance(value, (bool, str)):
+        raise PydanticCustomError("float_type", "Input should be a valid number")
+    return value
+
+
+# Every integer field is a StrictInt: a YAML int, never `true` read as 1 (one head GEMM per token for
+# train.loss_chunk_tokens) nor a float or a string. Every float field is a Number: ints welcome, booleans and
+# strings not; and no field takes inf or nan (`allow_inf_nan`: a timeout of .inf overflows timedelta at start-up).
+Number = Annotated[float, BeforeValidator(_number)]
+
+# Sizes no hardware can hold, refused by the schema (a typo such as 10**12, which the login half's layer-by-
+# layer arithmetic would otherwise walk for hours): 100x the deepest published LLM (DeepSeek-V3: 61 layers)
+# and 256x the widest expert count (DeepSeek-V3: 256; Kimi K2: 384).
+MAX_LAYERS = 10_000
+MAX_EXPERTS = 65_536
+# Collective timeouts beyond a week are typos too (and past ~1.4e12 minutes, timedelta overflows).
+MAX_TIMEOUT_MINUTES = 7 * 24 * 60
+
+
 class Section(BaseModel):
     """Base of every recipe section: unknown keys are errors, values are immutable once resolved."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 # --------------------------------------------------------------------------------------------------- model
@@ -31,76 +53,83 @@ class Section(BaseModel):
 
 class YarnScaling(Section):
     type: Literal["yarn"] = "yarn"
-    factor: float = Field(gt=0)
-    original_max_position_embeddings: int = Field(gt=0)
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
+    factor: Number = Field(gt=0)
+    original_max_position_embeddings: StrictInt = Field(gt=0)
+    beta_fast: Number = 32.0
+    beta_slow: Number = 1.0
+    mscale: Number = 1.0
+    mscale_all_dim: Number = 0.0
 
 
 class RopeConfig(Section):
-    theta: float = Field(10000.0, gt=0)
+    theta: Number = Field(10000.0, gt=0)
     scaling: YarnScaling | None = None
 
 
 class RouterConfig(Section):
     score_function: Literal["softmax", "sigmoid"] = "softmax"
     normalize_topk: bool = Field(True, description="Renormalise the top-k weights to sum to 1.")
-    num_groups: int | None = Field(None, ge=1, description="Group-limited routing: expert groups.")
-    group_top_k: int | None = Field(None, ge=1, description="Groups each token may route into.")
-    topk_scaling_factor: float = Field(1.0, gt=0)
+    num_groups: StrictInt | None = Field(None, ge=1, description="Group-limited routing: expert groups.")
+    group_top_k: StrictInt | None = Field(None, ge=1, description="Groups each token may route into.")
+    topk_scaling_factor: Number = Field(1.0, gt=0)
     expert_bias: bool = Field(False, description="Aux-loss-free balancing: a bias used for selection only.")
-    bias_update_rate: float = Field(1e-3, ge=0)
+    bias_update_rate: Number = Field(1e-3, ge=0)
     load_balancing: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "all_layers_aux_loss", "none"] = Field(
         "aux_loss",
         description="aux_loss: per layer over each micro-batch; seq_aux_loss: per sequence; global_aux_loss: over "
         "the data-parallel group's micro-batches so far; all_layers_aux_loss: transformers' Qwen3-MoE loss over "
         "all layers together (one pipeline stage only).",
     )
-    aux_loss_coeff: float = Field(1e-3, ge=0)
-    z_loss_coeff: float = Field(0.0, ge=0)
+    aux_loss_coeff: Number = Field(1e-3, ge=0)
+    z_loss_coeff: Number = Field(0.0, ge=0)
+    logit_bias: tuple[Number, ...] | None = Field(
+        None, description="A test and benchmark knob, not a training setting: one value per expert added to the "
+        "router's logits, which skews real routing (bench/bench_routing.py, the placement tests); null: none.")
 
 
 class MoEConfig(Section):
-    num_experts: int = Field(ge=1)
-    top_k: int = Field(ge=1)
-    ffn_hidden_size: int = Field(ge=1, description="Hidden size of each routed expert's SwiGLU.")
-    shared_expert_ffn_hidden_size: int = Field(0, ge=0, description="0: no shared expert.")
+    num_experts: StrictInt = Field(ge=1, le=MAX_EXPERTS)
+    top_k: StrictInt = Field(ge=1)
+    ffn_hidden_size: StrictInt = Field(ge=1, description="Hidden size of each routed expert's SwiGLU.")
+    shared_expert_ffn_hidden_size: StrictInt = Field(0, ge=0, description="0: no shared expert.")
     router: RouterConfig = RouterConfig()
     dispatcher: Literal["alltoall", "allgather", "hierarchical"] = Field(
         "alltoall", description="hierarchical: node-aware all-to-all, a token crosses the network once per "
         "destination node and fans out inside it (models/moe/dispatch_hierarchical.py).")
-    capacity_factor: float | None = Field(None, gt=0, description="null: dropless.")
+    capacity_factor: Number | None = Field(None, gt=0, description="null: dropless.")
     drop_policy: Literal["probs", "position"] = "probs"
     pad_to_capacity: bool = False
+    placement: str = Field(
+        "contiguous", description="Which expert-parallel slot holds each expert: contiguous (rank r holds experts "
+        "[r E/ep, (r+1) E/ep)) or a placement file (`moe-train experts place`, docs/interfaces.md). A layout "
+        "setting: checkpoints keep experts by their global id.")
 
 
 class ModelConfig(Section):
     family: Literal["qwen3", "qwen3_moe", "deepseek_v3"]
-    num_layers: int = Field(ge=1)
-    hidden_size: int = Field(ge=1)
-    num_attention_heads: int = Field(ge=1)
-    num_query_groups: int | None = Field(None, ge=1, description="KV heads; null: as many as attention heads.")
-    head_dim: int | None = Field(None, ge=1, description="null: hidden_size / num_attention_heads.")
-    ffn_hidden_size: int = Field(ge=1, description="Dense SwiGLU hidden size (dense layers).")
-    vocab_size: int = Field(ge=1)
-    make_vocab_size_divisible_by: int = Field(128, ge=1)
-    max_position_embeddings: int = Field(4096, ge=1)
+    num_layers: StrictInt = Field(ge=1, le=MAX_LAYERS)
+    hidden_size: StrictInt = Field(ge=1)
+    num_attention_heads: StrictInt = Field(ge=1)
+    num_query_groups: StrictInt | None = Field(None, ge=1, description="KV heads; null: as many as attention heads.")
+    head_dim: StrictInt | None = Field(None, ge=1, description="null: hidden_size / num_attention_heads.")
+    ffn_hidden_size: StrictInt = Field(ge=1, description="Dense SwiGLU hidden size (dense layers).")
+    vocab_size: StrictInt = Field(ge=1)
+    make_vocab_size_divisible_by: StrictInt = Field(128, ge=1)
+    max_position_embeddings: StrictInt = Field(4096, ge=1)
     tie_embeddings: bool = False
     qk_norm: bool = True
-    norm_eps: float = Field(1e-6, gt=0)
-    init_std: float = Field(0.02, gt=0)
+    norm_eps: Number = Field(1e-6, gt=0)
+    init_std: Number = Field(0.02, gt=0)
     rope: RopeConfig = RopeConfig()
     # deepseek_v3 only (multi-head latent attention, dense-first layers, multi-token prediction)
-    q_lora_rank: int | None = Field(None, ge=1)
-    kv_lora_rank: int | None = Field(None, ge=1)
-    qk_nope_head_dim: int | None = Field(None, ge=1)
-    qk_rope_head_dim: int | None = Field(None, ge=1)
-    v_head_dim: int | None = Field(None, ge=1)
-    first_k_dense: int = Field(0, ge=0)
-    mtp_layers: int = Field(0, ge=0)
-    mtp_loss_weight: float = Field(0.3, ge=0)
+    q_lora_rank: StrictInt | None = Field(None, ge=1)
+    kv_lora_rank: StrictInt | None = Field(None, ge=1)
+    qk_nope_head_dim: StrictInt | None = Field(None, ge=1)
+    qk_rope_head_dim: StrictInt | None = Field(None, ge=1)
+    v_head_dim: StrictInt | None = Field(None, ge=1)
+    first_k_dense: StrictInt = Field(0, ge=0)
+    mtp_layers: StrictInt = Field(0, ge=0, le=MAX_LAYERS)
+    mtp_loss_weight: Number = Field(0.3, ge=0)
     moe: MoEConfig | None = None
 
     @property
@@ -113,13 +142,17 @@ class ModelConfig(Section):
 
     def padded_vocab_size(self) -> int:
         """The vocabulary padded to a multiple of make_vocab_size_divisible_by. Never by tp (Megatron-LM pads by
-        divisible_by x tp): every layout must have the same parameter shapes to reshard (DECISIONS.md), so
+        divisible_by x tp): every layout must have the same parameter shapes to reshard (docs/decisions.md), so
         validate checks that tp divides this size instead."""
         multiple = self.make_vocab_size_divisible_by
         return -(-self.vocab_size // multiple) * multiple
 
     def is_moe_layer(self, index: int) -> bool:
         return self.moe is not None and index >= self.first_k_dense
+
+    def moe_layers_in(self, start: int, stop: int) -> int:
+        """How many of the layers [start, stop) are MoE layers (`is_moe_layer`), counted rather than walked."""
+        return 0 if self.moe is None else max(0, stop - max(start, self.first_k_dense))
 
 
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -136,25 +169,25 @@ class RecomputeConfig(Section):
     granularity: Literal["none", "selective", "full"] = "none"
     modules: tuple[RecomputeModule, ...] = ("core_attn",)
     method: Literal["uniform", "block"] = "uniform"
-    num_layers: int = Field(1, ge=1, description="Full recompute: layers per chunk (uniform) or count (block).")
+    num_layers: StrictInt = Field(1, ge=1, description="Full recompute: layers per chunk (uniform) or count (block).")
 
 
 class ParallelConfig(Section):
-    tp: int = Field(1, ge=1)
-    pp: int = Field(1, ge=1)
-    vpp: int = Field(1, ge=1, description="Virtual pipeline stages per pipeline rank.")
+    tp: StrictInt = Field(1, ge=1)
+    pp: StrictInt = Field(1, ge=1)
+    vpp: StrictInt = Field(1, ge=1, description="Virtual pipeline stages per pipeline rank.")
     pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe", "zero_bubble"] = "1f1b"
     pp_layout: str | None = Field(None, description="Megatron notation, e.g. 'Et*3|(tt|)*29m|L'.")
-    cp: int = Field(1, ge=1, description="Context parallelism: each sequence split over cp ranks (2*cp chunks, "
+    cp: StrictInt = Field(1, ge=1, description="Context parallelism: each sequence split over cp ranks (2*cp chunks, "
                     "rank r holding chunks r and 2*cp-1-r).")
     cp_comm: Literal["p2p", "allgather"] | None = Field(
         None, description="How attention under cp > 1 exchanges keys and values: p2p (a ring, fully masked "
         "blocks skipped) or allgather. null: the family's default (p2p for GQA, allgather for MLA). Does not "
         "change a run's numbers.")
-    ep: int = Field(1, ge=1)
-    etp: int = Field(1, ge=1)
-    dp: int | None = Field(None, ge=1, description="null: derived from the world size.")
-    dp_replicate: int = Field(
+    ep: StrictInt = Field(1, ge=1)
+    etp: StrictInt = Field(1, ge=1)
+    dp: StrictInt | None = Field(None, ge=1, description="null: derived from the world size.")
+    dp_replicate: StrictInt = Field(
         1, ge=1, description="HSDP: dp splits into dp_replicate replicas (dpr, across nodes) x dp/dp_replicate "
         "shards (dps, within a node); parameters are sharded over dps and replicated over dpr, gradients "
         "reduce-scattered within dps and all-reduced across dpr. Experts replicate over the same dpr. 1: FSDP."
@@ -228,9 +261,10 @@ FP8_MODULES = ("attention", "mlp", "shared_experts", "experts", "head")
 class Fp8Config(Section):
     """train.precision fp8: the scaling recipe, the library and the GEMMs it covers (docs/fp8.md)."""
 
-    recipe: Literal["tensorwise", "rowwise", "blockwise", "mxfp8"] = Field(
+    recipe: Literal["tensorwise", "rowwise", "blockwise", "mxfp8", "auto"] = Field(
         "tensorwise", description="Scales per tensor, per row, per 1x128/128x128 block (DeepSeek-V3) or per "
-        "32-element MX block (E8M0, sm100).")
+        "32-element MX block (E8M0, sm100); auto: blockwise on sm90, mxfp8 on sm100, tensorwise on the CPU "
+        "(config/fp8_auto.py).")
     backend: Literal["torchao", "te"] = Field("torchao", description="torchao's scaling at the engine's GEMM site; "
                                               "te: transformer-engine (not built yet).")
     modules: tuple[Literal["attention", "mlp", "shared_experts", "experts", "head"], ...] = Field(
@@ -243,33 +277,54 @@ class Fp8Config(Section):
         "DeepSeek-V3's). The same numbers bit for bit; fp8 holds about half the bytes.")
 
 
+class MuonConfig(Section):
+    """train.optimizer muon: Newton-Schulz orthogonalised momentum for the hidden matrices (docs/optimizer.md);
+    the parameters it leaves out train with AdamW on train's lr, betas, eps and weight_decay."""
+
+    momentum: Number = Field(0.95, ge=0, lt=1, description="The momentum buffer's decay.")
+    nesterov: bool = Field(True, description="Orthogonalise grad + momentum * buffer (Nesterov), not the buffer.")
+    ns_steps: StrictInt = Field(5, ge=1, le=20, description="Newton-Schulz iterations per matrix.")
+    adjust_lr: bool = Field(True, description="Scale each update by 0.2 * sqrt(max(rows, cols)) (Moonlight), so "
+                            "its RMS matches AdamW's and AdamW's lr carries over; false: sqrt(max(1, rows/cols)) "
+                            "(Keller Jordan's).")
+    weight_decay: Number | None = Field(None, ge=0, description="Decoupled decay of the Muon matrices; null: "
+                                       "train.weight_decay.")
+    exclude: tuple[str, ...] = Field(("embed_tokens", "lm_head", "router", "eh_proj"), description="Module names "
+                                     "(any component of a parameter's dotted path) whose matrices train with AdamW.")
+    qk_clip: Number | None = Field(None, gt=0, description="MuonClip: after a step, scale down the query and key "
+                                  "weights of each head whose largest pre-softmax logit exceeded this; null: off.")
+
+
 class TrainConfig(Section):
-    seq_length: int = Field(ge=1)
-    micro_batch_size: int = Field(1, ge=1)
-    global_batch_size: int = Field(ge=1)
-    steps: int = Field(ge=1, description="The schedule's horizon; COMPLETE is written when reached.")
-    exit_at_step: int | None = Field(None, ge=1, description="Stop early: checkpoint and exit 0.")
-    lr: float = Field(3e-4, gt=0)
-    min_lr: float = Field(3e-5, ge=0)
-    warmup_steps: int = Field(0, ge=0)
+    seq_length: StrictInt = Field(ge=1)
+    micro_batch_size: StrictInt = Field(1, ge=1)
+    global_batch_size: StrictInt = Field(ge=1)
+    steps: StrictInt = Field(ge=1, description="The schedule's horizon; COMPLETE is written when reached.")
+    exit_at_step: StrictInt | None = Field(None, ge=1, description="Stop early: checkpoint and exit 0.")
+    lr: Number = Field(3e-4, gt=0)
+    min_lr: Number = Field(3e-5, ge=0)
+    warmup_steps: StrictInt = Field(0, ge=0)
     lr_schedule: Literal["cosine", "wsd", "constant"] = "cosine"
-    wsd_decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd: share of steps spent decaying.")
-    weight_decay: float = Field(0.1, ge=0)
-    adam_beta1: float = Field(0.9, ge=0, lt=1)
-    adam_beta2: float = Field(0.95, ge=0, lt=1)
-    adam_eps: float = Field(1e-8, gt=0)
-    grad_clip: float | None = Field(1.0, gt=0, description="null: no clipping.")
+    wsd_decay_fraction: Number = Field(0.2, gt=0, le=1, description="wsd: share of steps spent decaying.")
+    weight_decay: Number = Field(0.1, ge=0)
+    adam_beta1: Number = Field(0.9, ge=0, lt=1)
+    adam_beta2: Number = Field(0.95, ge=0, lt=1)
+    adam_eps: Number = Field(1e-8, gt=0)
+    grad_clip: Number | None = Field(1.0, gt=0, description="null: no clipping.")
     precision: Literal["fp32", "bf16", "fp8"] = Field(
         "bf16", description="fp8: bf16 compute around fp8 GEMMs (train.fp8); master weights stay fp32.")
     fp8: Fp8Config = Field(default_factory=Fp8Config, description="Read with precision fp8 only.")
     adam_moment_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="AdamW's two moments stored in bf16 (half their memory; each step computes in fp32, "
-        "Megatron-Core's precision-aware optimizer); master weights stay fp32.")
-    seed: int = 1234
+        "Megatron-Core's precision-aware optimizer); master weights stay fp32. Muon's momentum follows it.")
+    optimizer: Literal["adamw", "muon"] = Field("adamw", description="muon: train.muon's orthogonalised momentum "
+                                                "for hidden matrices, AdamW for the rest (docs/optimizer.md).")
+    muon: MuonConfig = Field(default_factory=MuonConfig, description="Read with optimizer muon only.")
+    seed: StrictInt = 1234
     deterministic: bool = Field(
         False, description="Deterministic kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG): "
         "bitwise resume and layout equality on CUDA, at a speed cost (docs/gpu.md).")
-    loss_chunk_tokens: int | None = Field(
+    loss_chunk_tokens: StrictInt | None = Field(
         None, ge=0, description="Tokens per chunk of the head GEMM + cross-entropy, which then keeps one fp32 "
         "log-sum-exp per token instead of the logits and recomputes each chunk's logits in backward; 0: "
         "unchunked; null: chunks of 1,024 where a micro-batch's fp32 logits would exceed 1 GiB "
@@ -277,15 +332,16 @@ class TrainConfig(Section):
     compile: bool | None = Field(
         None, description="Regional torch.compile of each decoder block; null: on for cuda, off for cpu "
         "(moe_train/kernels.py). Changes no number: an ignored field of the run folder.")
-    eval_interval: int | None = Field(None, ge=1, description="null: no evaluation.")
-    eval_steps: int = Field(1, ge=1)
+    eval_interval: StrictInt | None = Field(None, ge=1, description="null: no evaluation.")
+    eval_steps: StrictInt = Field(1, ge=1)
     on_nonfinite: Literal["skip", "stop"] = "skip"
-    loss_spike_threshold: float | None = Field(
+    loss_spike_threshold: Number | None = Field(
         None, gt=1, description="Reject a step whose loss is over this factor x the mean of the last "
         "loss_spike_window applied steps' losses; null: no spike check.")
-    loss_spike_window: int = Field(20, ge=1, description="Applied steps the loss-spike check averages over.")
+    loss_spike_window: StrictInt = Field(20, ge=1, description="Applied steps the loss-spike check averages over.")
     on_loss_spike: Literal["skip", "stop"] = Field("skip", description="A rejected spike: skip it or stop.")
-    max_skipped_steps: int = Field(10, ge=0, description="Skipped steps (non-finite or spikes) tolerated per run.")
+    max_skipped_steps: StrictInt = Field(10, ge=0, description="Skipped steps (non-finite or spikes) tolerated per "
+                                         "run.")
 
     @property
     def compute_precision(self) -> Literal["fp32", "bf16"]:
@@ -299,9 +355,9 @@ class TrainConfig(Section):
 class DataConfig(Section):
     source: Literal["builtin", "mock", "indexed"] = "builtin"
     paths: tuple[str, ...] = Field((), description="indexed: .bin/.idx prefixes (without extension).")
-    weights: tuple[float, ...] | None = Field(None, description="Blending weights, one per path.")
+    weights: tuple[Number, ...] | None = Field(None, description="Blending weights, one per path.")
     tokenizer: str = Field("byte", description="'byte' or a tokenizer.json path.")
-    valid_fraction: float = Field(0.0, ge=0, lt=1)
+    valid_fraction: Number = Field(0.0, ge=0, lt=1)
     reset_at_eod: bool = False
 
 
@@ -310,8 +366,8 @@ class DataConfig(Section):
 
 class CheckpointConfig(Section):
     dir: str | None = Field(None, description="null: {run_dir}/checkpoints.")
-    interval: int | None = Field(None, ge=1, description="Steps between checkpoints; null: only at the end.")
-    keep: int | None = Field(2, ge=1, description="Newest checkpoints kept; null: all.")
+    interval: StrictInt | None = Field(None, ge=1, description="Steps between checkpoints; null: only at the end.")
+    keep: StrictInt | None = Field(2, ge=1, description="Newest checkpoints kept; null: all.")
     resume: str = Field("auto", description="auto | required | never | a checkpoint path.")
     init_from: str | None = Field(None, description="A model-only checkpoint (e.g. from convert from-hf).")
     async_save: bool = Field(False, description="Write checkpoints in the background (the last one and a "
@@ -326,9 +382,11 @@ class WandbConfig(Section):
 
 class LoggingConfig(Section):
     dir: str | None = Field(None, description="null: {run_dir}.")
-    interval: int = Field(1, ge=1)
+    interval: StrictInt = Field(1, ge=1)
     tensorboard: bool = False
     wandb: WandbConfig | None = Field(None, description="Weights & Biases logging beside metrics.jsonl.")
+    routing_trace: bool = Field(False, description="Write tokens per expert per MoE layer per step to the run "
+                                "folder's routing.jsonl (what `experts place` and `plan --routing` read).")
 
 
 # -------------------------------------------------------------------------------------------------- launch
@@ -336,7 +394,8 @@ class LoggingConfig(Section):
 
 class SlurmConfig(Section):
     # `time: 60` (minutes) is as valid to SLURM as `time: "01:00:00"`.
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, coerce_numbers_to_str=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False,
+                              coerce_numbers_to_str=True)
 
     partition: str | None = None
     account: str | None = None
@@ -345,25 +404,26 @@ class SlurmConfig(Section):
     qos: str | None = None
     constraint: str | None = None
     exclusive: bool = True
-    cpus_per_gpu: int | None = Field(
+    cpus_per_gpu: StrictInt | None = Field(
         None, ge=1, description="CPU cores per GPU rank (cuda: --cpus-per-task = gpus_per_node x this); null: the "
         "hardware table's cpus_per_gpu of launch.gpu.")
     extra_sbatch: tuple[str, ...] = Field((), description="Extra #SBATCH directives, e.g. '--mem=0'.")
-    signal_seconds: int = Field(120, ge=0, description="Preemption notice this long before the time limit.")
+    signal_seconds: StrictInt = Field(120, ge=0, description="Preemption notice this long before the time limit.")
     requeue: bool = True
-    max_restarts: int = Field(3, ge=0)
+    max_restarts: StrictInt = Field(3, ge=0)
     container_image: str | None = None
 
 
 class LaunchConfig(Section):
     device: Literal["cpu", "cuda"] = "cpu"
     gpu: str = Field("cpu", description="An id of the hardware table (moe-train validate lists them).")
-    nodes: int = Field(1, ge=1)
-    gpus_per_node: int = Field(1, ge=1, description="Ranks per node, also on CPU.")
-    timeout_minutes: float = Field(10.0, gt=0, description="Timeout of a training step's collectives.")
-    startup_timeout_minutes: float = Field(
-        30.0, gt=0, description="Timeout of collectives until the first step has run (rendezvous, NCCL set-up, "
-        "checkpoint load, first step).")
+    nodes: StrictInt = Field(1, ge=1)
+    gpus_per_node: StrictInt = Field(1, ge=1, description="Ranks per node, also on CPU.")
+    timeout_minutes: Number = Field(10.0, gt=0, le=MAX_TIMEOUT_MINUTES,
+                                    description="Timeout of a training step's collectives (at most a week).")
+    startup_timeout_minutes: Number = Field(
+        30.0, gt=0, le=MAX_TIMEOUT_MINUTES, description="Timeout of collectives until the first step has run "
+        "(rendezvous, NCCL set-up, checkpoint load, first step; at most a week).")
     env: dict[str, str] = Field(default_factory=dict)
     setup: tuple[str, ...] = Field((), description="Shell lines run before the job (trusted, not quoted).")
     cluster: str | None = Field(None, description="A cluster profile name or path supplying launch defaults.")

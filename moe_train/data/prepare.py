@@ -10,8 +10,10 @@ Inputs:
   `text_field` column (data/sources_tables.py).
 
 Each document is one sequence and, with append_eod (the default, as Megatron's --append-eod), ends in the
-tokenizer's EOD. Empty documents are skipped and counted. Input is read in batches of about BATCH_BYTES and
-never held whole; the output is written under temporary names and renamed into place only on success.
+tokenizer's EOD. Empty documents are skipped and counted; input with no document at all is refused (DataError)
+rather than written as a 0-document dataset that no run can sample from. Input is read in batches of about
+BATCH_BYTES and never held whole; the output is written under temporary names and renamed into place only on
+success.
 """
 
 from __future__ import annotations
@@ -115,6 +117,10 @@ def prepare(
                 on_progress(done_before + done)
             done_before += _input_bytes(path)
         documents, tokens = writer.num_documents, writer.num_tokens
+        if not documents:  # raised inside the writer: it drops its temporary files, the prefix stays as it was
+            skipped = f" ({empty} empty skipped)" if empty else ""
+            raise DataError(f"{', '.join(inputs)}: no documents{skipped}, so no dataset was written to "
+                            f"{output_prefix}.bin/.idx (a 0-document dataset cannot be trained on)")
     return PrepareSummary(documents, empty, tokens, total_bytes, time.perf_counter() - started)
 
 

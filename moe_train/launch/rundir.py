@@ -27,7 +27,7 @@ from .shell import LaunchError
 # Fields that may differ between two launches of the same run: where the recipe came from, how it was
 # written down, whether to resume, where this launch stops early, and the layout: how the same math is spread
 # over devices (`parallel.*`, `launch.*`, `train.micro_batch_size`), since checkpoints reshard on load
-# (INTERFACES.md, run directory; SCENARIOS.md journey 7). recipe.yaml then records the latest launch's layout.
+# (docs/interfaces.md, run directory). recipe.yaml then records the latest launch's layout.
 # Everything else must match.
 IGNORED_FIELDS: tuple[tuple[str, ...], ...] = (
     ("provenance",),
@@ -43,6 +43,8 @@ IGNORED_FIELDS: tuple[tuple[str, ...], ...] = (
     ("logging", "wandb"),
     ("train", "compile"),  # compiled blocks compute what eager ones do (moe_train/parallel/compile.py)
     ("model", "moe", "dispatcher"),  # how tokens travel to their experts, not what the experts compute
+    ("model", "moe", "placement"),  # which rank holds which expert: a layout (checkpoints keep global ids)
+    ("logging", "routing_trace"),  # a record of the routing, not a change to it
     ("train", "fp8", "saved_inputs"),  # what fp8 GEMMs keep for backward: memory, the same numbers bit for bit
 )
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_train.config.fp8_auto import with_fp8_resolved
 from moe_train.config.schema import Recipe
 from moe_train.measure.activations import SavedTensorTracker
 from moe_train.measure.derive import NotAffine, derive, sample_counts, with_micro_batches
@@ -105,6 +106,7 @@ def measure_step(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
     """Measure one step on this rank (every rank of the job calls it) and return the report dict: under
     `--fake` from steps of a few micro-batches when they fix the step's figures (derive.py), else by walking
     every micro-batch, with a line of progress on stderr now and then."""
+    recipe = with_fp8_resolved(recipe)  # auto: what the launch target runs (the table's capability, as plan)
     train = recipe.train
     micro_batches = train.global_batch_size // (train.micro_batch_size * ctx.size("dp"))
     counts = sample_counts(recipe, micro_batches) if target.fake and not target.every_micro_batch else None

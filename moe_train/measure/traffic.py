@@ -5,7 +5,7 @@ Every collective torch runs goes through the dispatcher as a `c10d.*` op (torch.
 torch.distributed.nn's autograd collectives) or a `_c10d_functional.*` op (functional collectives, DTensor),
 so one TorchDispatchMode sees them all, in forward, backward and recomputation alike, DTensor's implicit
 redistributions included (dtensor.py). Payload, as
-../shared/DECISIONS.md defines it: all-reduce, reduce-scatter and reduce: the input tensor(s); all-gather
+docs/decisions.md defines it: all-reduce, reduce-scatter and reduce: the input tensor(s); all-gather
 and gather: the local shard sent; all-to-all: the bytes sent to other ranks (this rank's own chunk stays);
 broadcast: the tensor; send and recv: the tensor sent or received. A collective over a group of one rank moves
 nothing and is not counted. Groups are named by their mesh dimension (`dp`, `tp`, `ep`, ...), through the

@@ -1,6 +1,6 @@
 """`plan` against `measure`: the figures both report for one rank, side by side (torch-free).
 
-DECISIONS.md holds the planner to the measurement under forced even routing, for the same rank: parameter
+docs/decisions.md holds the planner to the measurement under forced even routing, for the same rank: parameter
 bytes exactly; activation bytes per layer, FLOPs per step (forward, backward, recompute, total) and bytes per
 `<group>/<op>` within a tolerance. `against(plan, report)` lists every figure with both values, so a test or a
 bench can print the table and name the figure that disagrees (tests/test_plan_measure.py holds each figure to

@@ -25,7 +25,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from moe_train.config.schema import ModelConfig
 from moe_train.kernels import kernels_for
-from moe_train.models.linear import Linear
+from moe_train.models.linear import Linear, attention_product
 from moe_train.models.norm import RMSNorm
 from moe_train.models.rope import apply_rotary
 
@@ -109,6 +109,40 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, **kwargs)
 
 
+# Elements of the score block one step of `head_max_logits` materialises (fp32: 256 MiB).
+MAX_LOGIT_BLOCK = 1 << 26
+
+
+@torch.no_grad()
+def head_max_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | BlockMask | None,
+                    scale: float) -> torch.Tensor:
+    """The largest pre-softmax logit scale * q.k of each query head over the allowed (causal, same-document)
+    pairs: [heads] fp32, for QK-clip (train/qk_clip.py). The attention kernel does not return its scores, so this
+    forms them again beside it: one more QK^T product per layer (2 b h s^2 d FLOPs, a third of the forward
+    attention's 6 b h s^2 d with PV, no backward), a block of heads at a time so that at most MAX_LOGIT_BLOCK
+    scores are live, nothing saved. Under a FlexAttention block mask (CUDA, packed documents) the causal mask is
+    taken: pairs across documents count too, a larger maximum, so clipping errs on the safe side."""
+    heads, seq = q.shape[1], q.shape[-2]
+    if k.shape[1] != heads:  # grouped keys: each serves heads / kv_heads query heads
+        k = k.repeat_interleave(heads // k.shape[1], dim=1)
+    if isinstance(mask, torch.Tensor):
+        additive = mask.float()
+    else:
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+        additive = torch.zeros(seq, seq, device=q.device).masked_fill_(~causal, float("-inf"))
+    block = max(1, MAX_LOGIT_BLOCK // (q.shape[0] * seq * k.shape[-2]))
+    maxima = []
+    for start in range(0, heads, block):
+        scores = attention_product(q[:, start: start + block].float(), k[:, start: start + block].float().mT)
+        maxima.append((scores * scale + additive).amax(dim=(0, 2, 3)))
+    return torch.cat(maxima)
+
+
+def track_max_logits(module: nn.Module, logits: torch.Tensor) -> None:
+    """Keep the step's running maximum per head on an attention module (`max_logits`, reset by QK-clip)."""
+    module.max_logits = logits if module.max_logits is None else torch.maximum(module.max_logits, logits)
+
+
 class CoreAttention(nn.Module):
     """`attend` as a module (no parameters): the region `parallel.recompute`'s core_attn policy recomputes."""
 
@@ -130,6 +164,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.core_attention = CoreAttention()
+        self.measures_max_logits = False  # QK-clip (train/qk_clip.py) sets it: `max_logits` per head, in training
+        self.max_logits: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         # Head counts come from the projections' outputs (-1), so tensor parallelism can shard heads.
@@ -141,5 +177,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
+        if self.measures_max_logits and self.training:
+            track_max_logits(self, head_max_logits(q, k, mask, self.head_dim**-0.5))
         out = self.core_attention(q, k, v, mask, enable_gqa=q.shape[1] != k.shape[1])
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))

@@ -4,10 +4,12 @@ Every tensor draws from its own torch.Generator seeded by a SHA-256 of (seed, na
 between processes), on the CPU in fp32, whatever the target device, dtype or build order. So a model split
 into pipeline stages, sharded by FSDP, TP or EP, or built on another device starts from the same weights as the
 single-process model: a parallel layout can be tested for equality with the plain run.
-Rules: RMSNorm weights 1; biases and buffers (the router's expert bias, telemetry) 0; every other tensor
-N(0, init_std). An expert stack [E, ...] draws each expert separately, by the name `{stack}.{e}`: a rank draws
-only the experts of its shard (a DeepSeek-V3 expert stack is tens of GB per projection in fp32 and must never
-be drawn whole on one rank); any other sharded tensor draws the whole tensor and keeps its slice.
+Rules: RMSNorm weights 1; biases and buffers (the router's expert bias, telemetry; not its placement table) 0;
+every other tensor N(0, init_std). An expert stack [E, ...] draws each expert separately, by the name
+`{stack}.{e}`: a rank draws only the experts of its shard (a DeepSeek-V3 expert stack is tens of GB per projection
+in fp32 and must never be drawn whole on one rank); any other sharded tensor draws the whole tensor and keeps its
+slice. Under an expert placement row s of a stack holds expert `expert_ids[s]` and draws by that expert's name, so
+every placement starts from the same experts.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moe_train.models.moe.experts import GroupedExperts
+from moe_train.models.moe.router import Router
 from moe_train.models.norm import RMSNorm
 
 
@@ -44,12 +47,13 @@ def local_region(param: torch.Tensor) -> tuple[slice, ...]:
     return tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
 
 
-def _draw(name: str, param: torch.Tensor, *, expert_stack: bool, seed: int, std: float) -> torch.Tensor:
+def _draw(name: str, param: torch.Tensor, *, expert_stack: bool, seed: int, std: float,
+          expert_ids: tuple[int, ...] | None = None) -> torch.Tensor:
     """This rank's part of parameter `name`, drawn as the single-process model draws the whole."""
     region = local_region(param)
     if not expert_stack:
         return normal_by_name(param.shape, seed=seed, name=name, std=std)[region]
-    experts = range(region[0].start, region[0].stop)
+    experts = [s if expert_ids is None else expert_ids[s] for s in range(region[0].start, region[0].stop)]
     drawn = [normal_by_name(param.shape[1:], seed=seed, name=f"{name}.{e}", std=std)[region[1:]] for e in experts]
     if not drawn:
         return torch.empty(0, *(r.stop - r.start for r in region[1:]))
@@ -61,7 +65,7 @@ def init_weights(model: nn.Module, *, seed: int, init_std: float) -> None:
     """Fill every parameter and buffer of `model` in place by the rules above (this rank's shards only)."""
     norm_weights = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, RMSNorm)}
     expert_stacks = {
-        f"{name}.{param_name}"
+        f"{name}.{param_name}": module.expert_ids
         for name, module in model.named_modules()
         if isinstance(module, GroupedExperts)
         for param_name, _ in module.named_parameters(recurse=False)
@@ -73,9 +77,18 @@ def init_weights(model: nn.Module, *, seed: int, init_std: float) -> None:
         elif name.endswith(".bias"):
             local.zero_()
         else:
-            local.copy_(_draw(name, param, expert_stack=name in expert_stacks, seed=seed, std=init_std))
+            local.copy_(_draw(name, param, expert_stack=name in expert_stacks, seed=seed, std=init_std,
+                              expert_ids=expert_stacks.get(name)))
+    _zero_buffers(model)
+
+
+def _zero_buffers(model: nn.Module) -> None:
+    """Every buffer to zero but the routers' placement tables, which are refilled from their lists."""
     for _, buffer in model.named_buffers():
         buffer.zero_()
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.reset_placement()
 
 
 def materialize(model: nn.Module, *, device: torch.device | str) -> None:
@@ -85,5 +98,4 @@ def materialize(model: nn.Module, *, device: torch.device | str) -> None:
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     with torch.no_grad():
-        for _, buffer in model.named_buffers():
-            buffer.zero_()
+        _zero_buffers(model)

@@ -17,7 +17,7 @@ from torch import nn
 
 from moe_train.config.schema import ModelConfig
 from moe_train.kernels import kernels_for
-from moe_train.models.attention import CoreAttention
+from moe_train.models.attention import CoreAttention, head_max_logits, track_max_logits
 from moe_train.models.linear import Linear
 from moe_train.models.norm import RMSNorm
 from moe_train.models.rope import apply_rotary, yarn_mscale
@@ -46,6 +46,8 @@ class MLA(nn.Module):
         self.o_proj = Linear(heads * self.v_dim, hidden, bias=False)
 
         self.core_attention = CoreAttention()
+        self.measures_max_logits = False  # QK-clip (train/qk_clip.py) sets it: `max_logits` per head, in training
+        self.max_logits: torch.Tensor | None = None
         # Extension point: the shared rope key enters the heads' region here. Tensor parallelism replaces it by
         # the region's entry (a gather of the sequence, or a copy whose gradient is summed over ranks).
         self.rope_key_to_heads: nn.Module = nn.Identity()
@@ -80,6 +82,8 @@ class MLA(nn.Module):
         q = torch.cat((q_nope, q_rot), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
 
+        if self.measures_max_logits and self.training:
+            track_max_logits(self, head_max_logits(q, k, mask, self.scale))
         pad = q.shape[-1] - self.v_dim if kernels_for(q.device.type).mla_value == "padded" else 0
         if pad > 0:
             v = F.pad(v, (0, pad))

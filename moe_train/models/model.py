@@ -17,14 +17,15 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from moe_train.config.routing_shapes import ForcedRouting
 from moe_train.config.schema import ModelConfig
 from moe_train.models.attention import attention_mask
 from moe_train.models.decoder import DecoderBlock
 from moe_train.models.linear import Linear
 from moe_train.models.loss import LanguageModelLoss
 from moe_train.models.moe.aux_loss import StepBalancing, global_aux_loss
-from moe_train.models.moe.layer import RoutingRecord, RoutingRecords
-from moe_train.models.moe.router import Router
+from moe_train.models.moe.dispatch_hierarchical import HierarchicalDispatcher
+from moe_train.models.moe.layer import MoELayer, RoutingRecord, RoutingRecords
 from moe_train.models.mtp import MTPModule, mtp_shifts
 from moe_train.models.norm import RMSNorm
 from moe_train.models.rope import RotaryEmbedding
@@ -82,11 +83,18 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def set_even_routing(self, even: bool) -> None:
-        """Route every token by the even round-robin spread instead of its scores (`Router.even_routing`):
-        `moe-train measure` on tensors without values."""
+        """Route every token by the forced spread instead of its scores (`Router.even_routing`): `moe-train
+        measure` on tensors without values. Under the hierarchical dispatcher the spread is over its nodes
+        (as many per token as the model's router reaches in expectation), and the dispatcher sizes its
+        network all-to-all from the same pattern."""
         for module in self.modules():
-            if isinstance(module, Router):
-                module.even_routing = even
+            if isinstance(module, MoELayer):
+                dispatcher = module.dispatcher
+                nodes = dispatcher.nodes if isinstance(dispatcher, HierarchicalDispatcher) else 1
+                module.router.even_routing = even
+                module.router.forced = ForcedRouting.of(module.moe, nodes)
+                if isinstance(dispatcher, HierarchicalDispatcher):
+                    dispatcher.forced = module.router.forced if even else None
 
     def forward(
         self,

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from moe_train.config.mesh_shape import dispatch_node_ranks, ep_split
+from moe_train.config.mesh_shape import dispatch_node_ranks, ep_node_split_problem, ep_split
 from moe_train.models.moe import MoELayer
 from moe_train.models.moe.dispatcher import dispatcher_for
 
@@ -61,12 +61,11 @@ def node_split(ctx: ParallelContext, *, node_ranks: int):
 
     if "eplocal" in ctx.named_groups or "epnode" in ctx.named_groups:  # one split per context (every chunk)
         return ctx.named_groups.get("eplocal"), ctx.named_groups.get("epnode")
-    ep_ranks = ctx.expert["ep"].mesh.tolist()
-    nodes = [rank // node_ranks for rank in ep_ranks]
-    _, local = ep_split(ctx.shape, node_ranks)
-    if len(ep_ranks) % local or any(nodes[i] != nodes[i - i % local] for i in range(len(nodes))):
-        raise ValueError(f"parallel.ep: the ep group's ranks {ep_ranks} do not split into whole nodes of "
-                         f"{node_ranks} ranks")
+    shape = ctx.shape
+    problem = ep_node_split_problem(world_size=shape.world_size, ep=shape.ep, etp=shape.etp, node_ranks=node_ranks)
+    if problem is not None:  # validate refuses the recipe (config/rules.py); a hand-made context may not be one
+        raise ValueError(f"parallel.ep: {problem}")
+    _, local = ep_split(shape, node_ranks)
     # (pp, edp, ep, etp) -> (pp, edp, epnode, eplocal, etp), on the host's rank table: under `measure --fake`
     # a tensor op would run in fake mode
     ranks = [[[row[n: n + local] for n in range(0, len(row), local)] for row in stage]

@@ -4,7 +4,7 @@ The recipe's stages (`parallel.pp_layout` in Megatron's notation, or an even spl
 dealt to pipeline ranks round-robin, virtual stage s on rank s % pp, so a rank holds vpp model chunks. A chunk
 is the whole model cut down (`split_model`): the decoder layers of its stage, under their own indices (the
 ModuleDict keys, hence the parameter names, are the single-process model's), the embedding where the stage
-holds `E`, the final norm, head and MTP modules where it holds `L` (DECISIONS: MTP lives on the last stage).
+holds `E`, the final norm, head and MTP modules where it holds `L` (docs/decisions.md: MTP lives on the last stage).
 Checkpoints therefore hold the same keys at every pp, and a chunk is parallelised (TP, EP, recompute, FSDP2)
 exactly as a whole model is.
 
@@ -17,7 +17,7 @@ counted once in the gradient norm (`duplicate_parameters`) and its checkpoint ke
 Schedules are torch.distributed.pipelining's, given static stage inputs and outputs (a hidden-state tensor
 between stages, the loss terms after the last): 1f1b, gpipe, interleaved_1f1b (vpp > 1) and zero_bubble
 (torch's interleaved zero-bubble schedule). Every stage receives the micro-batch's token ids, labels and position
-ids as keyword arguments (the data is read on every pipeline rank; DECISIONS: the last stage reads its input ids
+ids as keyword arguments (the data is read on every pipeline rank; docs/decisions.md: the last stage reads its input ids
 from the data), so rotary tables and document masks are rebuilt per stage and MTP finds its tokens. The loss
 already divides by the whole step's tokens and micro-batches, so the schedule sums gradients unscaled
 (`scale_grads=False`) and FSDP2 reduces them once per step, after the last backward.

@@ -6,7 +6,7 @@ backward, and run the region again in backward (torch.utils.checkpoint, non-reen
   attention: q, k and v are never stored), mlp (dense MLPs), moe_act (the routed experts' SwiGLU), moe (the whole
   MoE layer: routing, dispatch, experts, shared experts), shared_experts. A region inside another selected
   one is not wrapped again.
-- full: the decoder stack of this model chunk (DECISIONS: `num_layers` counts per chunk), `uniform` in groups of
+- full: the decoder stack of this model chunk (docs/decisions.md: `num_layers` counts per chunk), `uniform` in groups of
   `num_layers` consecutive layers (each group keeps only its input), `block` the first `num_layers` layers one by
   one and the rest not at all. MTP blocks are not part of the stack.
 

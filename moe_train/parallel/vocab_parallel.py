@@ -3,7 +3,7 @@ and no rank ever holds a full-vocabulary row (Megatron-Core's vocab_parallel_cro
 
 Per token: the max over the vocabulary (all-reduce max), the sum of exp(logit - max) (all-reduce sum) and the
 target's logit (all-reduce sum; only the rank whose slice holds the target contributes) give
-loss = log(sum) - (target logit - max). Padding columns (ids >= vocab_size, DECISIONS: the padded size does not
+loss = log(sum) - (target logit - max). Padding columns (ids >= vocab_size, docs/decisions.md: the padded size does not
 depend on tp) are masked to -inf inside the loss, so they get probability 0 and gradient 0, as in the
 single-device `moe_train.models.loss`. The backward is softmax - one-hot on each rank's own slice, without
 communication. Chunked (`train.loss_chunk_tokens`), the same three all-reduces run per chunk of tokens inside

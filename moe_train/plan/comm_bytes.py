@@ -1,6 +1,6 @@
 """Bytes one rank communicates per step, by `<group>/<op>` (the keys `moe-train measure` reports).
 
-Payload (DECISIONS.md): all-reduce and reduce-scatter count their input tensor, all-gather the local shard
+Payload (docs/decisions.md): all-reduce and reduce-scatter count their input tensor, all-gather the local shard
 sent, all-to-all the bytes sent to other ranks, pipeline `send` and `recv` the bytes sent and received;
 forward, backward and recompute together. Bus bytes, for the time model, use the usual collective-benchmark
 factors for a group of n: all-reduce 2(n-1)/n of the input, reduce-scatter (n-1)/n of the input, all-gather
@@ -56,7 +56,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moe_train.config.hardware import Hardware
-from moe_train.config.routing_shapes import even_node_tokens, even_share
+from moe_train.config.routing_shapes import ForcedRouting
 from moe_train.config.schema import ModelConfig, Recipe
 from moe_train.kernels import kernels_for
 
@@ -311,7 +311,7 @@ class _ModelComm:
             if ep == 1:
                 return []
             slots, local = tm * k, moe.num_experts // ep
-            mine = even_share(int(slots), moe.num_experts, local)
+            mine = sum(ForcedRouting.of(moe).counts(int(tm))[:local])  # this rank's slots on its own experts
             if self.capacity is not None:  # padded: every expert's capacity rows, whatever was kept
                 slots, mine = moe.num_experts * self.capacity, local * self.capacity
             # the rows go with their fp32 routing weights (forward), and the weights' gradients come back
@@ -334,8 +334,9 @@ class _ModelComm:
                 (group, "all_gather", tm * h * FP32)]
 
     def _hierarchical(self, forward: bool) -> list[Collective]:
-        """dispatch_hierarchical.py at even routing, on node 0's local rank 0 (the most loaded: remainders go
-        to the first experts): over epnode each token once per other node it needs (with its K expert ids and
+        """dispatch_hierarchical.py under measure's forced routing (config/routing_shapes.py `ForcedRouting`:
+        each token over as many nodes as the model's router reaches in expectation), on node 0's local rank 0:
+        over epnode each token once per other node it needs (with its K expert ids and
         its K fp32 weights) and each node's partial sums back; over eplocal the all-to-all dispatcher's traffic
         for the (token, expert) pairs the node's rank of each node sends here (each with its fp32 weight). Padded to
         capacity c: min(T, E/N c) rows to every node (no counts exchanged across nodes) and inside the node
@@ -345,11 +346,12 @@ class _ModelComm:
         k, e, tm = moe.top_k, moe.num_experts, int(self.tm)
         per_node, mine_experts = e // nodes, e // (nodes * local)
         if self.capacity is None:
-            need = even_node_tokens(tm, k, e, nodes)
+            forced = ForcedRouting.of(moe, nodes)  # measure's routing: the model's router's spread over nodes
+            need, slots = forced.domain_tokens(tm), forced.counts(tm)
             sent, received = sum(need) - need[0], (nodes - 1) * need[0]  # rows to / from the other nodes
             counts = [("epnode", "all_to_all", (nodes - 1) * INT64)]
-            node_pairs = nodes * even_share(tm * k, e, per_node)  # pairs this rank sends inside its node
-            mine = nodes * even_share(tm * k, e, mine_experts)  # of them for its own experts
+            node_pairs = nodes * sum(slots[:per_node])  # pairs this rank sends inside its node
+            mine = nodes * sum(slots[:mine_experts])  # of them for its own experts
         else:
             sent = received = (nodes - 1) * min(tm, per_node * self.capacity)
             counts = []

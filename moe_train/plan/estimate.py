@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moe_train.config.fp8_auto import with_fp8_resolved
 from moe_train.config.hardware import Hardware
+from moe_train.config.routing_shapes import ForcedRouting
 from moe_train.config.schema import ModelConfig, Recipe
 from moe_train.kernels import kernels_for
 
@@ -64,7 +66,10 @@ class Plan:
     worst: RankPlan
     model_flops_per_step: float
     executed_flops_per_step: float
+    megatron_flops_per_step: float  # model FLOPs with causal attention over half of s x s (Megatron-Core's)
     time: dict[str, float] = field(default_factory=dict)
+    time_rank: int = 0  # the pipeline rank whose step time is the step's (the slowest; `worst` is the fullest)
+    fp8_auto: bool = False  # train.fp8.recipe was auto (`recipe` holds what it resolved to on this GPU)
 
     @property
     def device_memory(self) -> float:
@@ -94,6 +99,12 @@ class Plan:
     @property
     def tflops_per_gpu(self) -> float:
         return self.model_flops_per_step / self.step_time / self.layout.world_size / 1e12
+
+    @property
+    def tflops_per_gpu_megatron(self) -> float:
+        """TFLOP/s per GPU as Megatron-Core reports it (its published figures): causal attention counts half
+        of the s x s scores."""
+        return self.megatron_flops_per_step / self.step_time / self.layout.world_size / 1e12
 
     @property
     def mfu(self) -> float:
@@ -414,6 +425,9 @@ def estimate(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None
     """Plan `recipe` (its layout, batch and precision) on `hardware`. `every_rank` False plans only the
     pipeline ranks that can be the most loaded (what `--search` needs)."""
     a = assumptions or Assumptions()
+    # train.fp8.recipe auto: what this GPU runs (the engine resolves it from the device the same way)
+    auto = recipe.train.fp8.recipe == "auto"
+    recipe = with_fp8_resolved(recipe, capability=hardware.compute_capability, from_table=False)
     m = recipe.model
     layout = PlanLayout.from_recipe(recipe)
     per_rank = rank_chunks(layout, m)
@@ -421,18 +435,17 @@ def estimate(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None
     ranks = [_plan_rank(recipe, layout, a, r, per_rank[r], detail=every_rank) for r in indices]
     tokens = layout.global_batch * layout.seq_length
     model_flops = 3 * forward_flops_per_token(m, seq_length=layout.seq_length) * tokens
+    megatron_flops = 3 * forward_flops_per_token(m, seq_length=layout.seq_length, causal=True) * tokens
     # executed FLOPs of the whole step: every pipeline rank's, times the ranks of its stage
     if every_rank:
         executed = sum(r.flops["total"] for r in ranks) * layout.ranks_per_stage
     else:  # the planned ranks stand for all (search ranks layouts; it does not report executed FLOPs)
         executed = sum(r.flops["total"] for r in ranks) * layout.pp / len(ranks) * layout.ranks_per_stage
-    times = []
-    for r in ranks:
-        times.append(_time(r, layout, hardware, a, r.params.local))
+    times = [_time(r, layout, hardware, a, r.params.local) for r in ranks]
     worst = max(ranks, key=lambda r: r.memory["total"])
-    plan = Plan(recipe, hardware, layout, a, ranks, worst, model_flops, executed)
-    plan.time = max(times, key=lambda t: t["step"])
-    return plan
+    slowest = max(range(len(ranks)), key=lambda i: times[i]["step"])
+    return Plan(recipe, hardware, layout, a, ranks, worst, model_flops, executed, megatron_flops,
+                time=times[slowest], time_rank=ranks[slowest].rank, fp8_auto=auto)
 
 
 def _gathered_bytes(recipe: Recipe, layout: PlanLayout, rank: RankPlan) -> int:
@@ -443,8 +456,30 @@ def _gathered_bytes(recipe: Recipe, layout: PlanLayout, rank: RankPlan) -> int:
     return rank.params.gathered_bytes(PARAM_BYTES[recipe.train.precision], fp8_gathered_kinds(recipe))
 
 
+def _routing(recipe: Recipe, layout: PlanLayout) -> dict | None:
+    """The spread the plan prices (config/routing_shapes.py): distinct nodes and ranks a token needs in
+    expectation under the model's router, and the nodes of the forced pattern measure routes by and the
+    hierarchical dispatcher's bytes follow (its integer version for this micro-batch)."""
+    moe = recipe.model.moe
+    if moe is None:
+        return None
+    nodes = layout.ep_split[0] if moe.dispatcher == "hierarchical" else 1
+    spread = ForcedRouting.of(moe, nodes)
+    tokens = int(_activation_layout(recipe, layout, Assumptions()).moe_tokens)
+    ranks = layout.ep if moe.num_experts % layout.ep == 0 and _nests(moe, layout.ep) else 1
+    return {"nodes": nodes,
+            "expected_nodes": sum(d * p for d, p in enumerate(spread.histogram())),
+            "forced_nodes": spread.mean_spread(tokens),
+            "expected_ranks": sum(d * p for d, p in enumerate(ForcedRouting.of(moe, ranks).histogram()))}
+
+
+def _nests(moe, domains: int) -> bool:
+    groups = moe.router.num_groups or 1
+    return groups % domains == 0 or domains % groups == 0
+
+
 def plan_json(plan: Plan, *, pipeline_rank: int | None = None) -> dict:
-    """The JSON of `moe-train plan --json` (INTERFACES.md, plus extra keys): the most loaded rank's figures,
+    """The JSON of `moe-train plan --json` (docs/interfaces.md, plus extra keys): the most loaded rank's figures,
     or those of a rank of pipeline stage `pipeline_rank` (what `measure --rank` of that stage is held to)."""
     w = plan.worst if pipeline_rank is None else next(r for r in plan.ranks if r.rank == pipeline_rank)
     layout = plan.layout
@@ -475,8 +510,13 @@ def plan_json(plan: Plan, *, pipeline_rank: int | None = None) -> dict:
                    "recompute_modules": list(layout.recompute.modules)},
         "step_time_s": plan.step_time,
         "time_s": plan.time,
+        "time_rank": {"pp": plan.time_rank, "dp": 0, "cp": 0, "tp": 0},
         "tokens_per_s": plan.tokens_per_s,
         "tflops_per_gpu": plan.tflops_per_gpu,
+        "tflops_per_gpu_megatron": plan.tflops_per_gpu_megatron,
+        "megatron_flops_per_step": plan.megatron_flops_per_step,
+        "routing": _routing(plan.recipe, layout),
+        "fp8_recipe": plan.recipe.train.fp8.recipe if plan.recipe.train.precision == "fp8" else None,
         "mfu": plan.mfu,
         "assumptions": plan.assumptions.to_dict(),
     }

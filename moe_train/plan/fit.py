@@ -26,7 +26,7 @@ def memory_line(plan: Plan) -> str:
     mem = plan.worst.memory
     parts = ", ".join(f"{name} {mem[name] / GB:.1f}" for name in ("weights", "grads", "optimizer", "activations",
                                                                   "buffers"))
-    stage = f" (pipeline rank {plan.worst.rank})" if plan.layout.pp > 1 else ""
+    stage = f" (the fullest: pipeline rank {plan.worst.rank})" if plan.layout.pp > 1 else ""
     return (f"peak {plan.peak / GB:.1f} GB per GPU{stage} against {plan.device_memory / GB:.0f} GB of a "
             f"{plan.hardware.id}: {parts} GB")
 

@@ -6,8 +6,8 @@ of `seq_length`:
   down/up projections when `q_lora_rank` is set, the joint kv down projection with the decoupled rope key,
   the kv up projection, o);
 - attention's quadratic term: QK^T and AV over the full `seq_length` keys. The causal mask is not discounted,
-  the way Megatron-LM reports model FLOPs and the way `torch.utils.flop_counter` counts scaled dot-product
-  attention, so measured and predicted figures agree;
+  the way `torch.utils.flop_counter` counts scaled dot-product attention, so measured and predicted figures
+  agree (`causal=True`: Megatron-Core's convention, half of s x s, which its published TFLOP/s use);
 - SwiGLU MLPs (3 matrices): dense layers, and on MoE layers the router, the `top_k` active routed experts
   and the shared expert;
 - the output head over the real vocabulary (model FLOPs: the model also computes the padding columns, masked in
@@ -27,13 +27,13 @@ from moe_train.config.schema import ModelConfig
 from moe_train.plan.params import attention_matrices, ffn_matrices
 
 
-def _attention(cfg: ModelConfig, seq_length: int) -> float:
-    """Projections (2 FLOPs per weight) plus QK^T and AV over `seq_length` keys."""
+def _attention(cfg: ModelConfig, seq_length: int, causal: bool = False) -> float:
+    """Projections (2 FLOPs per weight) plus QK^T and AV over `seq_length` keys (`causal`: half of them)."""
     if cfg.family == "deepseek_v3":
         qk_dim, v_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
     else:
         qk_dim = v_dim = cfg.attention_head_dim
-    quadratic = seq_length * cfg.num_attention_heads * (qk_dim + v_dim)
+    quadratic = seq_length * cfg.num_attention_heads * (qk_dim + v_dim) * (0.5 if causal else 1.0)
     return 2.0 * (attention_matrices(cfg) + quadratic)
 
 
@@ -42,11 +42,12 @@ def _ffn(cfg: ModelConfig, layer: int) -> float:
 
 
 @functools.lru_cache(maxsize=256)
-def forward_flops_per_token(cfg: ModelConfig, *, seq_length: int) -> float:
-    """Forward FLOPs for one token (see the module docstring for what is counted)."""
+def forward_flops_per_token(cfg: ModelConfig, *, seq_length: int, causal: bool = False) -> float:
+    """Forward FLOPs for one token (see the module docstring for what is counted). `causal`: Megatron-Core's
+    convention (its published TFLOP/s), the causal mask's half of the s x s scores (s / 2 keys a query)."""
     head = 2.0 * cfg.hidden_size * cfg.vocab_size
-    layers = sum(_attention(cfg, seq_length) + _ffn(cfg, i) for i in range(cfg.num_layers))
-    mtp_layer = 2.0 * 2 * cfg.hidden_size * cfg.hidden_size + _attention(cfg, seq_length)
+    layers = sum(_attention(cfg, seq_length, causal) + _ffn(cfg, i) for i in range(cfg.num_layers))
+    mtp_layer = 2.0 * 2 * cfg.hidden_size * cfg.hidden_size + _attention(cfg, seq_length, causal)
     mtp_layer += _ffn(cfg, cfg.num_layers - 1) + head
     return layers + head + cfg.mtp_layers * mtp_layer
 

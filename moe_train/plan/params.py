@@ -62,13 +62,16 @@ def _layer(m: ModelConfig, *, moe_layer: bool, active: bool) -> int:
 
 def count_parameters(m: ModelConfig, *, padded: bool = False) -> ParameterCount:
     """`padded`: the vocabulary as allocated, padded to `make_vocab_size_divisible_by` (never by tp: every layout
-    has the same parameter shapes, DECISIONS.md)."""
+    has the same parameter shapes, docs/decisions.md)."""
     vocab = m.padded_vocab_size() if padded else m.vocab_size
     embedding = vocab * m.hidden_size * (1 if m.tie_embeddings else 2)
     total = active = embedding + m.hidden_size  # + final norm
-    for index in range(m.num_layers):
-        total += _layer(m, moe_layer=m.is_moe_layer(index), active=False)
-        active += _layer(m, moe_layer=m.is_moe_layer(index), active=True)
+    moe_layers = m.moe_layers_in(0, m.num_layers)  # counted, not walked: validate answers at any num_layers
+    for moe_layer, count in ((True, moe_layers), (False, m.num_layers - moe_layers)):
+        if not count:
+            continue
+        total += count * _layer(m, moe_layer=moe_layer, active=False)
+        active += count * _layer(m, moe_layer=moe_layer, active=True)
     mtp_block = _layer(m, moe_layer=m.moe is not None, active=False)
     mtp = m.mtp_layers * (mtp_block + 2 * m.hidden_size * m.hidden_size + 3 * m.hidden_size)
     return ParameterCount(total=total, active=active, embedding=embedding, mtp=mtp)
@@ -316,7 +319,7 @@ def rank_params(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk]) -> Rank
         for _ in range(chunk.mtp):
             add_block(m.moe is not None, 1)
             out.units.append(Unit(mtp_tensors(m, tp=layout.tp, sequence_parallel=sp), dense_shards, 1))
-        # the last stage's own copy of the embedding for MTP (and the tied head) when pp > 1 (DECISIONS.md)
+        # the last stage's own copy of the embedding for MTP (and the tied head) when pp > 1 (docs/decisions.md)
         embedding = chunk.embedding or (layout.pp > 1 and chunk.mtp > 0)
         if embedding or chunk.loss:
             root += root_tensors(m, tp=layout.tp, sequence_parallel=sp, embedding=embedding, head=chunk.loss)

@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moe_train.config.routing_shapes import even_node_tokens, even_share, expert_capacity
+from moe_train.config.routing_shapes import ForcedRouting, expert_capacity
 from moe_train.config.schema import ModelConfig
 from moe_train.kernels import kernels_for
 
@@ -250,16 +250,17 @@ def expert_rows(cfg: ModelConfig, lay: ActivationLayout) -> float:
 
 
 def hierarchical_rows(cfg: ModelConfig, lay: ActivationLayout) -> tuple[int, int]:
-    """(rows sent over the network, pairs on this node) of dispatch_hierarchical.py on node 0's first rank, at
-    even routing: each token once per node it needs (this node included) and the (token, expert) pairs that
-    the rank of this local index on each node sends here, which this rank permutes and later sums per row;
+    """(rows sent over the network, pairs on this node) of dispatch_hierarchical.py on node 0's first rank, under
+    measure's forced routing (the model's router's expected spread over the nodes, `ForcedRouting`): each token
+    once per node it needs (this node included) and the (token, expert) pairs that the rank of this local index
+    on each node sends here, which this rank permutes and later sums per row;
     padded to capacity c: min(T, E/N c) rows to each node and the node's E/N experts N c pairs each."""
     moe, nodes = cfg.moe, lay.ep_nodes
     tokens, capacity = int(lay.moe_tokens), padded_capacity(cfg, lay)
     if capacity is not None:
         return nodes * min(tokens, moe.num_experts // nodes * capacity), moe.num_experts * capacity
-    sent = sum(even_node_tokens(tokens, moe.top_k, moe.num_experts, nodes))
-    return sent, nodes * even_share(tokens * moe.top_k, moe.num_experts, moe.num_experts // nodes)
+    forced = ForcedRouting.of(moe, nodes)  # measure's routing: the model's router's spread over the nodes
+    return sum(forced.domain_tokens(tokens)), nodes * sum(forced.counts(tokens)[: moe.num_experts // nodes])
 
 
 def _moe(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:

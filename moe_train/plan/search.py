@@ -16,7 +16,8 @@ goes through the recipe rules (`check_recipe`) as `--set` overrides would, so ev
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from moe_train.config.hardware import Hardware
 from moe_train.config.rules import check_recipe
@@ -139,8 +140,10 @@ def _apply(recipe: Recipe, overrides: dict) -> Recipe:
 
 
 def search(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None = None, *,
-           top: int = 5) -> tuple[list[Candidate], int, int]:
-    """(the best `top` fitting layouts by tokens/s, layouts valid, layouts valid and fitting).
+           top: int = 5, imbalance: Callable[[Recipe], float] | None = None) -> tuple[list[Candidate], int, int]:
+    """(the best `top` fitting layouts by tokens/s, layouts valid, layouts valid and fitting). `imbalance`:
+    each candidate's measured moe_imbalance (`plan --routing`: the trace's loads on its ep), in place of the
+    assumption's.
 
     Per layout, full recompute is planned first: when even it does not fit, no policy does. Then no
     recompute: when it fits, the selective policies fit too and are slower (recompute only adds work), so they
@@ -156,7 +159,9 @@ def search(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None =
         for index, rc in enumerate(options):
             overrides = {**base, "parallel.recompute": rc}
             candidate = first if index == 0 else _apply(recipe, overrides)
-            plan = estimate(candidate, hardware, assumptions, every_rank=False)
+            planned = assumptions if imbalance is None else replace(assumptions or Assumptions(),
+                                                                     moe_imbalance=imbalance(candidate))
+            plan = estimate(candidate, hardware, planned, every_rank=False)
             if not plan.fits:
                 if index == 0:
                     break

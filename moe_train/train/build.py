@@ -3,11 +3,12 @@
 The trainer (a fresh start, a resume, `checkpoint.init_from`) and `moe-train measure` both build here, so what
 measure counts is what the trainer runs. The model comes from its one constructor, `models.build_model`, on the
 meta device (no memory, whatever its size; `fake`: directly as fake tensors, shapes only), is optionally cut to
-some layers (`measure --layers`), parallelised (`moe_train.parallel.parallelize`) into this rank's chunks (the
-whole model, or its pipeline stages), then given its weights: allocated and initialised by name (`init`, so the
-weights never depend on the device or the layout), or allocated only (`empty`: a checkpoint fills every
-tensor). `convert to-hf` needs none of the training half (checkpoint/ sits below train/): it builds the whole
-model with `models.build_model` on the meta device and materialises it the same way.
+some layers (`measure --layers`), given its expert placement (models/moe/placement.py), parallelised
+(`moe_train.parallel.parallelize`) into this rank's chunks (the whole model, or its pipeline stages), then given
+its weights: allocated and initialised by name (`init`, so the weights never depend on the device or the layout),
+or allocated only (`empty`: a checkpoint fills every tensor). `convert to-hf` needs none of the training half
+(checkpoint/ sits below train/): it builds the whole model with `models.build_model` on the meta device and
+materialises it the same way.
 """
 
 from __future__ import annotations
@@ -17,13 +18,16 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from moe_train.config.placement import recipe_placement
 from moe_train.models import build_model
 from moe_train.models.fp8.select import apply_fp8
 from moe_train.models.init import init_weights, materialize
 from moe_train.models.model import Transformer
+from moe_train.models.moe.placement import apply_placement
 from moe_train.parallel import parallelize
 from moe_train.parallel.pipeline import Pipeline, duplicate_parameters, keep_layers, shared_embedding_group
 from moe_train.train.optimizer import build_optimizer
+from moe_train.train.qk_clip import QKClip
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -39,7 +43,7 @@ class Trainable:
     """This rank's model chunks and what every step takes with them, built once (`build_training`)."""
 
     chunks: list[Transformer]  # the whole model alone, or this rank's pipeline stages in virtual-stage order
-    optimizers: list[torch.optim.Optimizer]  # one AdamW per chunk
+    optimizers: list[torch.optim.Optimizer]  # one per chunk: AdamW or Muon (with QK-clip as its post-step hook)
     pipeline: Pipeline | None  # the schedule over the stages, when pp > 1
     shared_embedding: dist.ProcessGroup | None  # first and last stage, when both hold the embedding
     duplicates: list[torch.nn.Parameter]  # a stage's copy of another's parameter: counted once in the norm
@@ -62,6 +66,7 @@ def build_training(recipe: Recipe, ctx: ParallelContext, *, weights: Weights,
     if layers is not None:
         keep_layers(model, layers=[i for i in layers if i < cfg.num_layers],
                     mtp=[i - cfg.num_layers for i in layers if i >= cfg.num_layers])
+    apply_placement(model, recipe_placement(recipe))
     chunks = parallelize(model, recipe, ctx)
     for chunk in chunks:
         if weights != "fake":
@@ -69,9 +74,14 @@ def build_training(recipe: Recipe, ctx: ParallelContext, *, weights: Weights,
             if weights == "init":
                 init_weights(chunk, seed=recipe.train.seed, init_std=cfg.init_std)
         chunk.train()
+    optimizers = [build_optimizer(chunk, train=recipe.train) for chunk in chunks]
+    muon = recipe.train.muon
+    if recipe.train.optimizer == "muon" and muon.qk_clip is not None:
+        for chunk, optimizer in zip(chunks, optimizers, strict=True):
+            optimizer.register_step_post_hook(QKClip(chunk, threshold=muon.qk_clip, ctx=ctx))
     return Trainable(
         chunks=chunks,
-        optimizers=[build_optimizer(chunk, train=recipe.train) for chunk in chunks],
+        optimizers=optimizers,
         pipeline=Pipeline(chunks, recipe, ctx) if ctx.size("pp") > 1 else None,
         shared_embedding=shared_embedding_group(recipe, ctx),
         duplicates=duplicate_parameters(chunks),

@@ -54,6 +54,7 @@ from moe_train.train.grad_norm import host_norm
 from moe_train.train.hang_report import HangWatch
 from moe_train.train.metrics import MetricsLogger, eval_record, expert_balance, train_record
 from moe_train.train.peak import peak_flops
+from moe_train.train.rank_load import RoutingTrace, rank_figures
 from moe_train.train.schedule import lr_at
 from moe_train.train.step import StepLoss, apply_update, compute_gradients, forward_only, zero_gradients
 from moe_train.train.stops import StopRequests
@@ -98,6 +99,7 @@ class StepResult:
     mtp_loss: float
     grad_norm: float
     moe: dict[str, dict[str, float]] | None
+    moe_ranks: dict[str, dict] | None = None  # per-rank load per MoE layer (rank_load.py)
     rejection: Rejection | None = None  # why the update was not applied (bad_steps.py)
 
     @property
@@ -115,6 +117,7 @@ class StepFigures:
     aux_loss: float  # the weighted balancing loss, averaged over the global batch
     expert_counts: dict[int, torch.Tensor]  # this rank's MoE layers: tokens per expert (device), for the bias
     moe: dict[str, dict[str, float]] | None  # every MoE layer's balance figures (metrics.expert_balance)
+    moe_ranks: dict[str, dict] | None  # every MoE layer's per-rank load (rank_load.rank_figures): layout-dependent
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -218,6 +221,7 @@ class Trainer:
             mtp_loss=figures.mtp_loss,
             grad_norm=grad_norm,
             moe=figures.moe,
+            moe_ranks=figures.moe_ranks,
             rejection=self.bad_steps.admit(loss=total, grad_norm=grad_norm),
         )
         if result.rejection is None:
@@ -238,12 +242,13 @@ class Trainer:
         figures sum over dp and tp; the loss, computed alike by every tp rank of the last stage, is sent by tp
         rank 0 alone."""
         experts = self.recipe.model.moe.num_experts if self.all_moe_layers else 0
-        rows = torch.zeros(len(self.all_moe_layers), experts + 3, dtype=torch.float64, device=self.device)
+        rows = torch.zeros(len(self.all_moe_layers), 2 * experts + 3, dtype=torch.float64, device=self.device)
         for row, index in enumerate(self.all_moe_layers):
             layer = self.moe_layers.get(index)
             if layer is not None:
-                rows[row] = torch.cat([layer.tokens_per_expert.double(), torch.stack([
+                rows[row, :experts + 3] = torch.cat([layer.tokens_per_expert.double(), torch.stack([
                     layer.dropped_assignments, layer.assignments]).double(), layer.router_entropy_sum.view(1)])
+                rows[row, experts + 3:] = self._rows_by_slot(layer)
         aux = torch.stack([layer.aux_loss_value for layer in self.moe_layers.values()]
                           + [chunk.aux_loss_value for chunk in self.chunks]).sum().view(1)
         sends_loss = 1.0 if self.ctx.coord("tp") == 0 else 0.0
@@ -253,18 +258,28 @@ class Trainer:
         lm_sum, mtp_loss, aux_loss = on_host[0].item(), on_host[1].item(), on_host[2].item() * share
         if not self.all_moe_layers:
             return StepFigures(lm_sum=lm_sum, grad_norm=norm, mtp_loss=mtp_loss, aux_loss=aux_loss,
-                               expert_counts={}, moe=None)
+                               expert_counts={}, moe=None, moe_ranks=None)
         per_layer, on_host = figures[3:].view(rows.shape), on_host[3:].view(rows.shape)
         top_k = self.recipe.model.moe.top_k
-        moe = {}
+        moe, moe_ranks = {}, {}
         for row, index in enumerate(self.all_moe_layers):
-            dropped, assignments, entropy = on_host[row, experts:].tolist()
+            dropped, assignments, entropy = on_host[row, experts:experts + 3].tolist()
             moe[str(index)] = expert_balance(on_host[row, :experts], dropped / assignments,
                                              router_entropy=entropy * top_k / assignments)
+            moe_ranks[str(index)] = rank_figures(on_host[row, experts + 3:].tolist(), ep=self.ctx.size("ep"))
         counts = {index: per_layer[row, :experts] for row, index in enumerate(self.all_moe_layers)
                   if index in self.moe_layers}
         return StepFigures(lm_sum=lm_sum, grad_norm=norm, mtp_loss=mtp_loss, aux_loss=aux_loss, expert_counts=counts,
-                           moe=moe)
+                           moe=moe, moe_ranks=moe_ranks)
+
+    def _rows_by_slot(self, layer: MoELayer) -> torch.Tensor:
+        """[E] float64: the rows this rank's experts received at their slots' positions (zeros elsewhere), a
+        share 1/etp of them (etp ranks receive the same rows), for the all-reduce to sum into per-slot loads."""
+        local = layer.dispatcher.num_local_experts
+        out = torch.zeros(layer.moe.num_experts, dtype=torch.float64, device=self.device)
+        first = self.ctx.coord("ep") * local
+        out[first:first + local] = layer.rows_per_local_expert[:local].double() / self.ctx.size("etp")
+        return out
 
     def _update_expert_bias(self, counts: dict[int, torch.Tensor]) -> None:
         """Aux-loss-free balancing from the whole global batch's counts (identical on every rank)."""
@@ -332,12 +347,18 @@ class Trainer:
                 logger.message(f"started from {self.started_from} at step {self.progress.step}")
             if self.device_warning is not None:
                 logger.message(f"warning: {self.device_warning}")
+        self.trace = None
+        if logger is not None and recipe.logging.routing_trace and self.all_moe_layers:
+            self.trace = RoutingTrace(Path(recipe.logging_dir()), start_step=self.progress.step,
+                                      ep=self.ctx.size("ep"))
         try:
             with self.stops:
                 return self._loop(last, logger)
         finally:
             if logger is not None:
                 logger.close()
+            if self.trace is not None:
+                self.trace.close()
 
     def _loop(self, last: int, logger: MetricsLogger | None) -> Summary:
         """What happens per step, in order; each piece is a method of its own below."""
@@ -358,6 +379,8 @@ class Trainer:
             self._advance(step, result)
             tally.timed(step, seconds)
             self._log_step(logger, step, result, seconds, last=last)
+            if self.trace is not None:
+                self.trace.write(step, result.moe, result.moe_ranks)
             if result.rejection is None:
                 tally.applied(result.loss)
             else:
@@ -414,6 +437,7 @@ class Trainer:
                 **memory_figures(self.device),
                 skipped=self.progress.skipped,
                 moe=result.moe,
+                moe_ranks=result.moe_ranks,
                 mtp_loss=_finite_or_none(result.mtp_loss) if self.recipe.model.mtp_layers else None,
             )
         )

@@ -24,7 +24,8 @@ from moe_train.train.wandb_log import WandbLog
 def expert_balance(tokens_per_expert: torch.Tensor, dropped_fraction: float,
                    router_entropy: float | None = None) -> dict[str, Any]:
     """How unevenly one MoE layer's tokens spread over its experts: max/mean, the coefficient of variation, each
-    expert's share of the assignments (`load`, for the report's heatmap) and the router's mean entropy.
+    expert's share of the assignments (`load`, for the report's heatmap) and count (`tokens`, the routing trace's
+    figures) and the router's mean entropy.
 
     1.0 and 0.0 are perfect balance; max/mean is the slowdown of the busiest expert's rank under EP. Entropy is
     in nats, of each token's normalised scores: log(E) when a router cannot tell experts apart, 0 when certain.
@@ -37,6 +38,7 @@ def expert_balance(tokens_per_expert: torch.Tensor, dropped_fraction: float,
         figures["load_max_over_mean"] = load.max().item() / mean
         figures["load_cv"] = load.std(unbiased=False).item() / mean
     figures["load"] = [round(v / total, 6) if total else 0.0 for v in load.tolist()]
+    figures["tokens"] = [round(v) for v in load.tolist()]
     if router_entropy is not None:
         figures["router_entropy"] = router_entropy
     return figures
@@ -57,11 +59,13 @@ def train_record(
     memory_bytes: int,
     skipped: int,
     moe: dict[str, dict[str, float]] | None = None,
+    moe_ranks: dict[str, dict] | None = None,
     mtp_loss: float | None = None,
     memory_reserved_bytes: int | None = None,
 ) -> dict[str, Any]:
     """One `kind: train` line. `tokens` is the cumulative count trained on; `skipped` the cumulative skips;
-    `memory_reserved_bytes` (CUDA only) the allocator's peak reserved bytes of the logging interval."""
+    `memory_reserved_bytes` (CUDA only) the allocator's peak reserved bytes of the logging interval. `moe` holds
+    each MoE layer's layout-independent figures, `moe_ranks` its per-rank load under this launch's layout."""
     record: dict[str, Any] = {
         "kind": "train",
         "step": step,
@@ -83,6 +87,8 @@ def train_record(
         record["mtp_loss"] = mtp_loss
     if moe is not None:
         record["moe"] = moe
+    if moe_ranks is not None:
+        record["moe_ranks"] = moe_ranks
     return record
 
 

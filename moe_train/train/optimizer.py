@@ -1,4 +1,4 @@
-"""AdamW over fp32 master weights, with weight decay only where it regularises.
+"""AdamW over fp32 master weights, with weight decay only where it regularises (or Muon: train/muon.py).
 
 The model's parameters stay fp32 whatever `train.precision` says: bf16 runs compute on FSDP2's bf16 copies, so the
 parameters the optimizer updates are the master weights and no separate copy is needed. Decay applies to
@@ -17,6 +17,7 @@ from torch import nn
 from torch.optim.adamw import adamw
 
 from moe_train.config.schema import TrainConfig
+from moe_train.train.muon import Muon, muon_param_groups
 
 
 def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
@@ -61,11 +62,15 @@ class Bf16MomentAdamW(torch.optim.AdamW):
         return None
 
 
-def build_optimizer(model: nn.Module, *, train: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with the recipe's betas and eps; the learning rate is set every step by the schedule."""
+def build_optimizer(model: nn.Module, *, train: TrainConfig) -> torch.optim.Optimizer:
+    """The recipe's `train.optimizer` over one model chunk: AdamW with the recipe's betas and eps, or Muon
+    (train/muon.py: its matrices orthogonalised, the rest on this AdamW); the learning rate is set every step by
+    the schedule, for every group alike."""
     for name, param in model.named_parameters():
         if param.requires_grad and param.dtype != torch.float32:
             raise ValueError(f"parameter {name} is {param.dtype}: master weights must be fp32")
+    if train.optimizer == "muon":
+        return Muon(muon_param_groups(model, train=train), train=train)
     kind = Bf16MomentAdamW if train.adam_moment_dtype == "bf16" else torch.optim.AdamW
     return kind(
         param_groups(model, weight_decay=train.weight_decay),

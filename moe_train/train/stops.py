@@ -1,6 +1,6 @@
 """Stop requests, agreed on by every rank at a step boundary: a signal to any rank, or the preemption notice.
 
-Two sources (INTERFACES.md, exit codes): SIGINT/SIGTERM delivered to a rank's process (to one rank alone, or to
+Two sources (docs/interfaces.md, exit codes): SIGINT/SIGTERM delivered to a rank's process (to one rank alone, or to
 all by a launcher), and `{run_dir}/PREEMPT`, which the SLURM batch script writes when SLURM announces the end of
 the allocation (torchrun forwards no USR1 to the ranks). One rank reads the notice file, the logging rank (a
 shared file system shows every rank the same file; a stat per step on every rank of a large job is load on the

@@ -266,7 +266,7 @@ def run_all(rank: int, world: int) -> tuple[int, list[str]]:
             close(f"fp32 allgather vs alltoall {name}", getattr(b, name), getattr(a, name), 1e-6)
 
     attempt("fp32 agreement", fp32_agree)
-    if world == 4:  # allgather over ep x etp = 2 x 2 (etp fastest), as DECISIONS.md asks
+    if world == 4:  # allgather over ep x etp = 2 x 2 (etp fastest), as docs/decisions.md asks
         for case in CASES:
             attempt(f"ep2 x etp2 E4 {case} allgather", lambda c=case: check_case(
                 c, "allgather", group=dist.group.WORLD, num_experts=4, dtype=torch.float64, etp=2))

@@ -1,5 +1,5 @@
 """Worker: one overlapped step (parallel.ep_overlap) recorded: every dispatch collective's issue and completion
-(parallel/overlap.py) and every compute phase (a hook on each attention's and expert group's forward and
+(models/moe/collective_turns.py) and every compute phase (a hook on each attention's and expert group's forward and
 backward), with the micro-batch that ran it; and the measured wait and own time per collective kind, overlapped
 and plain."""
 
@@ -16,7 +16,7 @@ from workers.common import finish, start  # noqa: E402
 def main() -> None:
     spec, result_path, rank, world = start()
     from moe_train.config import load_recipe
-    from moe_train.parallel import overlap
+    from moe_train.models.moe import collective_turns as overlap
     from moe_train.train.loop import Trainer
 
     out = {}
@@ -38,7 +38,7 @@ def main() -> None:
         overlap.reset_comm_wait_times()
         with overlap.recording() as events:
             trainer.train_step(2)
-        out[case["id"]] = {"events": [list(event) for event in events], "times": overlap.comm_wait_times()}
+        out[case["id"]] = {"events": [list(event) for event in events], "times": overlap.comm_wait_times(trainer.ctx.group_name)}
     finish(out, result_path, rank)
 
 

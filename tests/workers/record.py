@@ -83,7 +83,8 @@ def whole_grads(trainer, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 
 def record_run(recipe_name: str, overrides: list[str], *, world: int, run_dir: Path, steps: int, ctx=None,
                prepare: Callable | None = None, evaluate: bool = False) -> dict:
-    """{"losses", "grads" (step 1), "state" (after `steps`), "moe" (balance figures per step), "eval" (the
+    """{"losses", "grads" (step 1), "state" (after `steps`), "moe" (balance figures per step), "moe_ranks" (the
+    per-rank load per step), "eval" (the
     validation loss after the last step, when `evaluate`), "meshes" (this rank's parameters' mesh dimensions),
     "fp8_gemms" (this rank's fp8 GEMMs by "kind/product/mode"), "fp8_gathering" (`fp8_gathering`)};
     every rank must call it (the full tensors are gathered collectively). `prepare(trainer)` runs before the
@@ -111,7 +112,7 @@ def record_run(recipe_name: str, overrides: list[str], *, world: int, run_dir: P
 
     for optimizer in trainer.optimizers:
         optimizer.register_step_pre_hook(snapshot)
-    losses, balance = [], []
+    losses, balance, rank_loads = [], [], []
     from moe_train.models.fp8.gemm import count_fp8_gemms
 
     with count_fp8_gemms() as fp8_gemms:
@@ -119,9 +120,11 @@ def record_run(recipe_name: str, overrides: list[str], *, world: int, run_dir: P
             result = trainer.train_step(step)
             losses.append(result.loss)
             balance.append(result.moe)
+            rank_loads.append(result.moe_ranks)
     meshes = {n: list(p.device_mesh.mesh_dim_names) if isinstance(p, DTensor) else None
               for part in trainer.chunks for n, p in part.named_parameters()}
     return {"losses": losses, "grads": whole_grads(trainer, grads), "state": whole_state(trainer), "moe": balance,
+            "moe_ranks": rank_loads,
             "initial": initial, "eval": trainer.evaluate() if evaluate else None, "meshes": meshes,
             "fp8_gemms": {"/".join(key): count for key, count in fp8_gemms.items()},
             "fp8_gathering": fp8_gathering(trainer)}

@@ -7,7 +7,8 @@ compute capability (moe_train/kernels.py, `fp8_kernel`; `runs_real`):
   tensorwise and rowwise on the CPU and on CUDA from sm89, blockwise on sm90, MX on sm100; on CUDA the operands
   are zero-padded to the kernel's multiples first (exact) and the output cut back. It accumulates in fp32 and
   writes the compute dtype. The routed experts' forward and input gradient: `torch._scaled_grouped_mm` with
-  per-row scales (tensorwise, rowwise) on sm90 and sm100;
+  per-row scales (tensorwise, rowwise) on sm90 and sm100, e4m3 operands only (tensorwise's e5m2 output gradient
+  is quantised in e4m3 for it: the kernel table's `fp8_operand_format`);
 - emulated: both operands dequantised to the compute dtype (bf16) and multiplied there: the numerics of the
   quantisation exactly, the speed of bf16 or worse (every recipe and device the table names no kernel for; the
   experts' weight gradient everywhere; a kernel the start-up probe saw fail: `fall_back`).
@@ -46,16 +47,19 @@ from typing import Literal
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from moe_train.kernels import fp8_kernel
+from moe_train.kernels import fp8_kernel, fp8_operand_format
 from moe_train.models.fp8.all_gather import Fp8GatheredWeight
 from moe_train.models.fp8.layouts import kernel_multiples, padded, row_scales, scaled_mm_scales
 from moe_train.models.fp8.scaling import (
+    E5M2,
+    FORMATS,
     GroupQuantised,
     Quantised,
     Recipe,
     Role,
     block_shape,
     dequantised_along_groups,
+    fp8_dtype,
     padded_quantised,
     quantise,
     quantise_along_groups,
@@ -174,9 +178,14 @@ def grouped_product(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
     """rows [N, K] (sorted by expert, expert e's ending at offsets[e]) @ weight [E, out, K]^T per expert ->
     [N, out], each operand in fp8 along K, each expert's matrix quantised on its own: the one place a grouped fp8
     GEMM of the forward and the input gradient runs. Real: `torch._scaled_grouped_mm` with per-row scales (it
-    writes bf16)."""
-    qa = quantise(rows, recipe=recipe, role=roles[0])
-    qb = quantise(weight, recipe=recipe, role=roles[1])  # [E, out, K]: no block spans two experts
+    writes bf16), each operand in a format it takes (the kernel table's `fp8_operand_format`: tensorwise's e5m2
+    output gradient in e4m3)."""
+    def formats(role: Role) -> torch.dtype:
+        recipe_format = "e5m2" if fp8_dtype(recipe, role) == E5M2 else "e4m3"
+        return FORMATS[fp8_operand_format(recipe_format, rows.device.type, grouped=True, real=real)]
+
+    qa = quantise(rows, recipe=recipe, role=roles[0], dtype=formats(roles[0]))
+    qb = quantise(weight, recipe=recipe, role=roles[1], dtype=formats(roles[1]))  # [E, out, K]: no block spans two
     if real:
         out = torch._scaled_grouped_mm(qa.data, qb.data.transpose(-2, -1), row_scales(qa), row_scales(qb),
                                        offsets.to(torch.int32), out_dtype=torch.bfloat16)

@@ -68,6 +68,9 @@ def fp8_dtype(recipe: Recipe, role: Role) -> torch.dtype:
     return E5M2 if recipe == "tensorwise" and role == "grad" else E4M3
 
 
+FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
+
+
 def block_shape(recipe: Recipe, role: Role, shape: tuple[int, ...]) -> tuple[int, int]:
     """(block rows, block columns) of an operand [..., rows, K] under `recipe`."""
     rows, cols = shape[-2:]
@@ -99,13 +102,15 @@ def _scale(amax: torch.Tensor, recipe: Recipe, dtype: torch.dtype) -> torch.Tens
     return amax_to_scale(amax, dtype, round_scales_to_power_of_2=recipe == "rowwise")
 
 
-def quantise(x: torch.Tensor, *, recipe: Recipe, role: Role, amax: torch.Tensor | None = None) -> Quantised:
+def quantise(x: torch.Tensor, *, recipe: Recipe, role: Role, amax: torch.Tensor | None = None,
+             dtype: torch.dtype | None = None) -> Quantised:
     """x [..., rows, K] (K: the product's reduction dimension) in fp8 with the recipe's scales. `amax`: the
     blocks' largest magnitudes when they were taken over more than x (FSDP2's fp8 all-gather quantises each
-    shard with the whole weight's, all_gather.py); None: x's own."""
+    shard with the whole weight's, all_gather.py); None: x's own. `dtype`: the fp8 format, where the kernel
+    takes another than the recipe's role has (gemm.py: the grouped kernel's e4m3); None: `fp8_dtype`."""
     from torchao.float8.float8_utils import to_fp8_saturated
 
-    dtype = fp8_dtype(recipe, role)
+    dtype = dtype or fp8_dtype(recipe, role)
     block_rows, block_cols = block_shape(recipe, role, tuple(x.shape))
     scale = _scale(block_amax(x, block_rows, block_cols) if amax is None else amax, recipe, dtype)
     data = to_fp8_saturated(x.float() * _expand(scale, block_rows, block_cols, x.shape), dtype)

@@ -42,7 +42,7 @@ class AllGatherPlan:
 class AllGatherDispatcher:
     """Expert-parallel dispatch over `group` with all-gather and reduce-scatter; group None: no traffic.
 
-    `sent_bytes` (Counter) accumulates the token payload with DECISIONS.md's convention, per call of size G,
+    `sent_bytes` (Counter) adds the token payload in measure's convention (docs/measure.md), per call of size G,
     hidden H, top-k K, the hidden dtype's itemsize b and T_max the group's largest token count:
     forward "all_gather" += T_max*H*b (this rank's hidden states), "reduce_scatter" += G*T_max*H*4 (the fp32
     per-token sums); backward "reduce_scatter" += G*T_max*H*b (hidden gradients), "all_gather" += T_max*H*4.

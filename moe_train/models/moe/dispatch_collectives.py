@@ -5,10 +5,10 @@ all-to-all with the splits swapped, all-gather's is reduce-scatter (sum) and red
 So gradients reach the hidden states and the routing weights on the ranks that own the tokens.
 
 Bytes are added to a `collections.Counter` under the op's name, in forward and in backward (and again when
-activation checkpointing recomputes a forward), with DECISIONS.md's payload convention: all-to-all counts the
+activation checkpointing recomputes a forward), in measure's convention (docs/measure.md): all-to-all counts the
 rows sent to other ranks, all-gather the local shard, reduce-scatter the input tensor.
 
-Each collective is issued asynchronously and waited on through `run_collective` (parallel/overlap.py): in a
+Each collective is issued asynchronously and waited on through `run_collective` (models/moe/collective_turns.py): in a
 plain step that is issue-then-wait, the blocking call; inside an overlapped pair of micro-batches
 (`parallel.ep_overlap`) the paired micro-batch computes between the issue and the wait. Either way the wait's
 and the collective's own time are booked per kind (`comm_wait_times`).
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from moe_train.parallel.overlap import issued_together, run_collective
+from moe_train.models.moe.collective_turns import issued_together, run_collective
 
 
 def all_to_all_rows(
@@ -67,12 +67,9 @@ def _all_to_all(
 ) -> torch.Tensor:
     rows = rows.contiguous()
     out = rows.new_empty(sum(recv_splits), *rows.shape[1:])
-    run_collective(
-        "all_to_all",
-        lambda: dist.all_to_all_single(
-            out, rows, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group, async_op=True
-        ),
-    )
+    run_collective("all_to_all", lambda: dist.all_to_all_single(
+        out, rows, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group, async_op=True),
+        group=group)
     to_others = sum(send_splits) - send_splits[dist.get_rank(group)]
     sent_bytes["all_to_all"] += to_others * math.prod(rows.shape[1:]) * rows.element_size()
     return out
@@ -81,7 +78,7 @@ def _all_to_all(
 def _all_gather(x: torch.Tensor, group: ProcessGroup, sent_bytes: Counter) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty(dist.get_world_size(group) * x.shape[0], *x.shape[1:])
-    run_collective("all_gather", lambda: dist.all_gather_single(out, x, group=group, async_op=True))
+    run_collective("all_gather", lambda: dist.all_gather_single(out, x, group=group, async_op=True), group=group)
     sent_bytes["all_gather"] += x.numel() * x.element_size()
     return out
 
@@ -89,9 +86,8 @@ def _all_gather(x: torch.Tensor, group: ProcessGroup, sent_bytes: Counter) -> to
 def _reduce_scatter(x: torch.Tensor, group: ProcessGroup, sent_bytes: Counter) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty(x.shape[0] // dist.get_world_size(group), *x.shape[1:])
-    run_collective(
-        "reduce_scatter", lambda: dist.reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    )
+    run_collective("reduce_scatter", lambda: dist.reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group,
+                                                                        async_op=True), group=group)
     sent_bytes["reduce_scatter"] += x.numel() * x.element_size()
     return out
 

@@ -29,11 +29,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_train.config.routing_shapes import even_node_tokens
+from moe_train.config.routing_shapes import ForcedRouting
 from moe_train.models.moe.dispatch_alltoall import AllToAllDispatcher, AllToAllPlan
 from moe_train.models.moe.dispatch_collectives import all_to_all_rows, all_to_all_together
 from moe_train.models.moe.permute import scatter_sum
-from moe_train.models.moe.router import even_counts
 
 
 @dataclass
@@ -70,6 +69,7 @@ class HierarchicalDispatcher:
         self.num_local_experts = self.inner.num_local_experts
         self.node_bytes: Counter[str] = Counter()
         self.metadata_bytes: Counter[str] = Counter()
+        self.forced: ForcedRouting | None = None  # measure's forced routing over the nodes (set_even_routing)
 
     @property
     def sent_bytes(self) -> Counter[str]:
@@ -90,7 +90,7 @@ class HierarchicalDispatcher:
         keep [T, K] drops slots on the source rank.
 
         Every split is a host value: read from the device once (the network counts), or without a read, from
-        forced even routing's `host_counts` (the router's `even_counts`, no keep-mask: `even_node_tokens`
+        forced routing's `host_counts` (the router's `forced.counts`, no keep-mask: `forced.domain_tokens`
         across nodes, each node's share of the counts inside it), or padded to capacity (`pad_to`, the same on
         every rank of the group: the engine's ranks route equal token counts), static whatever the routing:
         to each node the most tokens that can need it, min(T, E/N x pad_to) rows (each of its experts keeps at
@@ -135,9 +135,10 @@ class HierarchicalDispatcher:
         send_counts = needed.sum(dim=0)
         inner: dict = {}
         if host_counts is not None:
-            if keep is not None or list(host_counts) != even_counts(tokens, top_k, self.num_experts):
-                raise ValueError("host_counts: the hierarchical dispatcher takes only forced even routing's counts")
-            send_splits = even_node_tokens(tokens, top_k, self.num_experts, self.nodes)
+            forced = self.forced
+            if keep is not None or forced is None or list(host_counts) != forced.counts(tokens):
+                raise ValueError("host_counts: the hierarchical dispatcher takes only its forced routing's counts")
+            send_splits = forced.domain_tokens(tokens)
             recv_splits = [send_splits[self.node]] * self.nodes  # every rank routes its T tokens the same way
             mine = host_counts[self.node * self.experts_per_node: (self.node + 1) * self.experts_per_node]
             inner["host_counts"] = [self.nodes * count for count in mine]  # every node's rank's slots here

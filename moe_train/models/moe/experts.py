@@ -89,6 +89,7 @@ class GroupedExperts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.use_grouped_mm = True
+        self.expert_ids: tuple[int, ...] | None = None  # the expert each row (slot) holds; None: row e is expert e
         self.fp8: Fp8Gemm | None = None  # set by models/fp8/select.py when the routed experts run in fp8
 
     def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, *, probs: torch.Tensor,

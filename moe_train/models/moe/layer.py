@@ -43,7 +43,7 @@ from moe_train.models.moe.aux_loss import (
 from moe_train.models.moe.capacity import capacity_keep_mask
 from moe_train.models.moe.dispatcher import LocalDispatcher
 from moe_train.models.moe.experts import GroupedExperts
-from moe_train.models.moe.router import Router, count_per_expert, even_counts
+from moe_train.models.moe.router import Router, count_per_expert
 
 SWITCH_LOSSES = ("aux_loss", "global_aux_loss", "all_layers_aux_loss")
 
@@ -105,6 +105,9 @@ class MoELayer(nn.Module):
         self.balance_group: dist.ProcessGroup | None = None  # global_aux_loss: the data-parallel group
         experts = moe.num_experts
         self.register_buffer("tokens_per_expert", torch.zeros(experts, dtype=torch.int64), persistent=False)
+        # Rows this rank's experts received (padding included), in its first num_local_experts entries: the
+        # per-rank load the trainer logs (train/rank_load.py).
+        self.register_buffer("rows_per_local_expert", torch.zeros(experts, dtype=torch.int64), persistent=False)
         self.register_buffer("dropped_assignments", torch.zeros((), dtype=torch.int64), persistent=False)
         self.register_buffer("assignments", torch.zeros((), dtype=torch.int64), persistent=False)
         self.register_buffer("aux_loss_value", torch.zeros((), dtype=torch.float64), persistent=False)
@@ -112,8 +115,8 @@ class MoELayer(nn.Module):
 
     def reset_telemetry(self) -> None:
         """Zero the step's telemetry, the dispatcher's byte counts included (the trainer: once per step)."""
-        for buffer in (self.tokens_per_expert, self.dropped_assignments, self.assignments, self.aux_loss_value,
-                       self.router_entropy_sum):
+        for buffer in (self.tokens_per_expert, self.rows_per_local_expert, self.dropped_assignments,
+                       self.assignments, self.aux_loss_value, self.router_entropy_sum):
             buffer.zero_()
         self.dispatcher.reset_counts()
 
@@ -139,12 +142,12 @@ class MoELayer(nn.Module):
                 capacity=capacity,
                 policy=self.moe.drop_policy,
             )
-        # Forced even routing (measure): every rank's counts follow from the shapes, no device read needed.
+        # Forced routing (measure): every rank's counts follow from the shapes, no device read needed.
         even = self.router.even_routing and keep is None
-        known = even_counts(tokens, top_k, self.moe.num_experts) if even else None
+        known = self.router.forced.counts(tokens) if even else None
         shared = self._start_shared_experts(x)  # before the dispatch: on CUDA it overlaps the all-to-all
         rows, row_probs, rows_per_expert, plan = self.dispatcher.dispatch(
-            x, routing.topk_indices, routing.topk_weights, keep=keep,
+            x, routing.topk_slots, routing.topk_weights, keep=keep,
             pad_to=capacity if self.moe.pad_to_capacity else None, host_counts=known,
         )
         # The capacity bounds each expert's rows where this rank holds every expert (no expert parallelism: the
@@ -160,6 +163,7 @@ class MoELayer(nn.Module):
         if not recomputing:
             with torch.no_grad():
                 self.tokens_per_expert += counts
+                self.rows_per_local_expert[: len(rows_per_expert)] += rows_per_expert
                 self.assignments += tokens * top_k
                 self.router_entropy_sum += router_entropy(routing.scores).double()
                 if keep is not None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moe_train.config.routing_shapes import ForcedRouting
 from moe_train.config.schema import MoEConfig
 from moe_train.models.linear import linear, linear_input_grad, linear_weight_grad
 
@@ -23,8 +24,9 @@ class Routing:
 
     logits: torch.Tensor  # [T, E] fp32, with grad (z-loss)
     scores: torch.Tensor  # [T, E] fp32 softmax probabilities or sigmoid scores, with grad (aux losses)
-    topk_indices: torch.Tensor  # [T, K] int64 chosen experts
+    topk_indices: torch.Tensor  # [T, K] int64 chosen experts (global ids: counts, losses, the bias)
     topk_weights: torch.Tensor  # [T, K] fp32 weights applied to the experts' outputs, with grad
+    topk_slots: torch.Tensor  # [T, K] int64 the slots holding them (what the dispatcher routes by; see placement)
 
 
 class Router(nn.Module):
@@ -33,11 +35,22 @@ class Router(nn.Module):
     `expert_bias` only changes which experts are chosen, never the weights, and never receives a gradient: the
     trainer moves it with `update_expert_bias` after each optimizer step.
 
-    `even_routing` (per router, off in training) replaces the top-k choice by an even round-robin spread:
-    token t goes to experts (t*K + j) mod E, j < K. `moe-train measure` sets it on the model it measures
-    (`Transformer.set_even_routing`): fake tensors carry no values to route on, and an even spread makes the
+    `even_routing` (per router, off in training) replaces the top-k choice by `forced` (config/routing_shapes.py
+    `ForcedRouting`): every expert its even share, and over `even_domains` blocks of experts (the hierarchical
+    dispatcher's nodes) each token spread over as many as the model's router spreads it in expectation; one
+    domain, token t to experts (t*K + j) mod E. `moe-train measure` sets it on the model it measures
+    (`Transformer.set_even_routing`): fake tensors carry no values to route on, and a forced spread makes the
     expert loads and dispatch volumes defined. The weights are still the scores of the chosen experts, so the
     forward and backward run the same operations.
+
+    Placement (`set_placement`, models/moe/placement.py): the expert-parallel slot holding each expert. The
+    router chooses by global expert id (its weight rows, the bias, the balancing losses and the telemetry are by
+    global id) and maps its choices to slots on the way out (`topk_slots`), which is all the dispatchers and the
+    grouped experts ever see. Contiguous (no table): slots are the ids. Under even routing the slots are spread
+    evenly instead (the host-known counts a dispatcher sizes by are per slot) and the ids mapped back from them.
+
+    `logit_bias` (model.moe.router.logit_bias, a test and benchmark knob) is added to the logits: real routing,
+    skewed towards the experts it favours.
     """
 
     def __init__(self, *, hidden_size: int, moe: MoEConfig):
@@ -54,31 +67,63 @@ class Router(nn.Module):
         self.group_top_k = group_top_k
         self.scaling_factor = cfg.topk_scaling_factor
         self.even_routing = False
+        self.forced = ForcedRouting.of(moe)
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
         if cfg.expert_bias:
             # fp32 whatever the model dtype: updates of 1e-3 would vanish in bf16 next to scores near 1.
             self.register_buffer("expert_bias", torch.empty(moe.num_experts, dtype=torch.float32), persistent=True)
         else:
             self.expert_bias = None
+        self.logit_bias = cfg.logit_bias
+        self.placement: tuple[int, ...] | None = None  # the slot of each expert; None: contiguous
+
+    def set_placement(self, slot_of_expert: list[int] | None) -> None:
+        """Route to these slots (None: contiguous). The tables are non-persistent buffers, so they follow the
+        module's device; `reset_placement` refills them after a materialisation zeroes every buffer."""
+        self.placement = None if slot_of_expert is None else tuple(slot_of_expert)
+        for name in ("slot_of_expert", "expert_of_slot"):
+            self._buffers.pop(name, None)
+        if self.placement is not None:
+            device = self.weight.device
+            self.register_buffer("slot_of_expert", torch.empty(self.num_experts, dtype=torch.int64, device=device),
+                                 persistent=False)
+            self.register_buffer("expert_of_slot", torch.empty(self.num_experts, dtype=torch.int64, device=device),
+                                 persistent=False)
+            if device.type != "meta":
+                self.reset_placement()
+
+    @torch.no_grad()
+    def reset_placement(self) -> None:
+        if self.placement is None:
+            return
+        slots = torch.tensor(self.placement, dtype=torch.int64)
+        self.slot_of_expert.copy_(slots)
+        self.expert_of_slot.copy_(torch.argsort(slots))
 
     def forward(self, x: torch.Tensor) -> Routing:
         """x [T, H] -> Routing."""
         logits = _Fp32Logits.apply(x, self.weight)
+        if self.logit_bias is not None:
+            logits = logits + torch.tensor(self.logit_bias, dtype=logits.dtype, device=logits.device)
         scores = logits.softmax(dim=-1) if self.score_function == "softmax" else logits.sigmoid()
         with torch.no_grad():
             if self.even_routing:
-                topk_indices = even_topk_indices(x.shape[0], self.top_k, self.num_experts, device=x.device)
+                forced = forced_topk_indices(x.shape[0], self.forced, device=x.device)
+                topk_slots = forced
+                topk_indices = forced if self.placement is None else self.expert_of_slot[forced]
             else:
                 choice = scores if self.expert_bias is None else scores + self.expert_bias
                 if self.num_groups is not None:
                     choice = self._mask_groups(choice)
                 topk_indices = torch.topk(choice, self.top_k, dim=-1).indices
+                topk_slots = topk_indices if self.placement is None else self.slot_of_expert[topk_indices]
         weights = scores.gather(1, topk_indices)
         if self.normalize_topk:
             # The 1e-20 guards all-zero sigmoid scores (as transformers' DeepSeek-V3); it cannot change a sum >= 1e-12.
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         weights = weights * self.scaling_factor
-        return Routing(logits=logits, scores=scores, topk_indices=topk_indices, topk_weights=weights)
+        return Routing(logits=logits, scores=scores, topk_indices=topk_indices, topk_weights=weights,
+                       topk_slots=topk_slots)
 
     def _mask_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """Keep the group_top_k groups whose two best (biased) scores sum highest; others become -inf.
@@ -119,6 +164,14 @@ def even_topk_indices(tokens: int, top_k: int, num_experts: int, *, device: torc
     (+-1) without reading any tensor value."""
     slots = torch.arange(tokens, device=device).unsqueeze(1) * top_k + torch.arange(top_k, device=device)
     return slots % num_experts
+
+
+def forced_topk_indices(tokens: int, forced: ForcedRouting, *, device: torch.device) -> torch.Tensor:
+    """[T, K] int64 `forced.indices(tokens)`: a host-built constant copied to the device (no value is read
+    back); one domain, the arange form."""
+    if forced.domains == 1:
+        return even_topk_indices(tokens, forced.top_k, forced.num_experts, device=device)
+    return torch.tensor(forced.indices(tokens), dtype=torch.int64, device=device).view(tokens, forced.top_k)
 
 
 def even_counts(tokens: int, top_k: int, num_experts: int) -> list[int]:
