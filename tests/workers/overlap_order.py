@@ -38,7 +38,10 @@ def main() -> None:
         overlap.reset_comm_wait_times()
         with overlap.recording() as events:
             trainer.train_step(2)
-        out[case["id"]] = {"events": [list(event) for event in events], "times": overlap.comm_wait_times(trainer.ctx.group_name)}
+        out[case["id"]] = {
+            "events": [list(event) for event in events],
+            "times": overlap.comm_wait_times(trainer.ctx.group_name),
+        }
     finish(out, result_path, rank)
 
 

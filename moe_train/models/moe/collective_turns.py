@@ -168,5 +168,3 @@ def comm_wait_times(name_group: Callable[[dist.ProcessGroup], str]) -> dict[str,
 def reset_comm_wait_times() -> None:
     with _lock:
         _ledger.clear()
-
-
