@@ -26,6 +26,7 @@ LAYOUTS_2 = {
         "qwen3-moe-tiny",
         [*FP32, "parallel.ep=2", "parallel.recompute.granularity=selective", "parallel.recompute.modules=[moe]"],
     ),
+    "ep2-full-recompute": ("qwen3-moe-tiny", [*FP32, "parallel.ep=2", "parallel.recompute.granularity=full"]),
     "ep2-fp8-rowwise": (
         "qwen3-moe-tiny",
         ["train.micro_batch_size=1", "train.precision=fp8", "train.fp8.recipe=rowwise", "parallel.ep=2"],
@@ -38,6 +39,10 @@ LAYOUTS_4 = {
         [*FP32, "parallel.ep=4", "launch.nodes=2", "model.moe.dispatcher=hierarchical"],
     ),
     "ep2-edp2": ("qwen3-moe-tiny", [*FP32, "parallel.ep=2"]),  # FSDP2 over the experts' edp too
+    "ep2-edp2-selective": (  # FSDP2 (dp 4, the experts' edp 2) + EP2 + selective recompute of the MoE layers
+        "qwen3-moe-tiny",
+        [*FP32, "parallel.ep=2", "parallel.recompute.granularity=selective", "parallel.recompute.modules=[moe]"],
+    ),
 }
 
 

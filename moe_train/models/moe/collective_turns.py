@@ -4,11 +4,12 @@ micro-batches; this is the half the dispatchers call). Every dispatch collective
 hands the baton to the other half and waits on its collective only when the baton comes back. It lives beside
 the dispatchers because a model may not import parallel/: the dispatchers call it, the schedule drives it.
 
-Measured overlap: every collective books, per process group and op, the time the compute thread waited on it
-(`waited_s`) and its own time, issue to completion (`own_s`: gloo's completion callback, or the wait's end);
-`comm_wait_times` reads the ledger by `<group>/<op>` (plan's and measure's names). exposed_fraction = waited /
-own: about 1 for a blocking collective, below 1 where the paired micro-batch's compute ran while it was in
-flight (`moe-train measure` reports it as `exposed_comm`, docs/measure.md).
+Measured overlap: every collective books, per process group and op, the time the compute thread spent on it
+(`waited_s`: in the issuing call and in the wait) and its own time, issue to completion (`own_s`: gloo's
+completion callback, or the wait's end); `comm_wait_times` reads the ledger by `<group>/<op>` (plan's and
+measure's names). exposed_fraction = waited / own: about 1 for a blocking collective, below 1 where the paired
+micro-batch's compute ran while it was in flight (`moe-train measure` reports it as `exposed_comm`,
+docs/measure.md).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class _Issued:
     group: dist.ProcessGroup
     work: dist.Work
     issued: float
+    issue_s: float  # the compute thread's time in the issuing call itself (gloo and the dispatch modes' work)
     done: list[float]  # filled by the work's completion callback (gloo's thread), when it has one
 
 
@@ -115,8 +117,9 @@ def issued_together() -> Iterator[None]:
 
 
 def _issue(kind: str, issue: Callable[[], dist.Work], group: dist.ProcessGroup) -> _Issued:
-    issued = _Issued(kind, group, None, time.perf_counter(), [])
+    issued = _Issued(kind, group, None, time.perf_counter(), 0.0, [])
     issued.work = issue()
+    issued.issue_s = time.perf_counter() - issued.issued
     future = getattr(issued.work, "get_future", None)
     if future is not None and turn_state_pair() is not None:
         with contextlib.suppress(RuntimeError):  # a backend without futures: completion is the wait's end
@@ -140,8 +143,8 @@ def _settle(batch: list[_Issued]) -> None:
         done = min(issued.done[0], end) if issued.done else end
         with _lock:
             entry = _ledger.setdefault((issued.group, issued.kind), [0.0, 0.0, 0])
-            entry[0] += end - start
-            entry[1] += max(done - issued.issued, end - start)
+            entry[0] += issued.issue_s + end - start  # the compute thread's time in the issue and the wait
+            entry[1] += max(done - issued.issued, issued.issue_s + end - start)
             entry[2] += 1
         record("done", issued.kind)
 
@@ -152,8 +155,9 @@ def turn_state_pair() -> tuple[Baton, int] | None:
 
 def comm_wait_times(name_group: Callable[[dist.ProcessGroup], str]) -> dict[str, dict[str, float]]:
     """Per `<group>/<op>` since the last reset (groups named by `name_group`, e.g. ParallelContext.group_name):
-    seconds the compute thread waited (`waited_s`), the collectives' own seconds, issue to completion (`own_s`),
-    their count, and exposed_fraction = waited / own, in [0, 1] (waited is part of own by construction)."""
+    seconds the compute thread spent issuing and waiting (`waited_s`), the collectives' own seconds, issue to
+    completion (`own_s`), their count, and exposed_fraction = waited / own, in [0, 1] (waited is part of own by
+    construction)."""
     totals: dict[str, list[float]] = {}
     with _lock:
         for (group, op), (waited, own, count) in _ledger.items():
