@@ -29,7 +29,7 @@ CONTRACT_KEYS = {
     "grad_bytes", "optimizer_bytes", "flops", "comm_bytes", "peak_memory_bytes",
 }
 EXTRA_KEYS = {"fake", "micro_batches", "tokens", "comm_calls", "activation_bytes_peak", "fp8_gemms",
-              "fp8_gemm_flops", "gathered_param_bytes", "exposed_comm"}
+              "fp8_gemm_flops", "gathered_param_bytes", "exposed_comm", "offloaded_bytes_per_layer"}
 SMALL = ("--set", "model.num_layers=2", "--set", "train.global_batch_size=4",
          "--set", "train.micro_batch_size=2")  # 2 micro-batches of 2
 # deepseek-v3 at full size, in a layout the engine trains today (no pipeline, EP or recompute yet).
