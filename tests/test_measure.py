@@ -59,14 +59,20 @@ def executed_forward_flops_per_token(cfg, seq_length: int) -> float:
     - the output head computes logits over the padded vocabulary (the loss masks the padding), for the main
       head and each MTP depth;
     - MLA zero-pads V to the q/k head size for SDPA, so PV runs over qk_dim columns (in every MLA layer, the
-      MTP block's included)."""
+      MTP block's included);
+    - and less than them: the causal kernel scores (s + 1) / 2 keys a query, where model FLOPs count s (and
+      Megatron-Core's convention s / 2), so the executed quadratic term is the model's less (s - 1) / s of
+      the convention's half."""
     heads = 1 + cfg.mtp_layers
+    keys_scored = (seq_length + 1) / 2
     extra = 2.0 * cfg.hidden_size * (cfg.padded_vocab_size() - cfg.vocab_size) * heads
     if cfg.family == "deepseek_v3":
         qk_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         padded_v = max(qk_dim - cfg.v_head_dim, 0)
-        extra += 2.0 * seq_length * cfg.num_attention_heads * padded_v * (cfg.num_layers + cfg.mtp_layers)
-    return forward_flops_per_token(cfg, seq_length=seq_length) + extra
+        extra += 2.0 * keys_scored * cfg.num_attention_heads * padded_v * (cfg.num_layers + cfg.mtp_layers)
+    model = forward_flops_per_token(cfg, seq_length=seq_length)
+    half_of_the_scores = model - forward_flops_per_token(cfg, seq_length=seq_length, causal=True)
+    return model - half_of_the_scores * (seq_length - 1) / seq_length + extra
 
 
 # deepseek-v3-tiny cut to a dense layer, an MoE layer and its MTP module (index num_layers), one micro-batch.
