@@ -75,8 +75,10 @@ def published() -> None:
     from moe_train.plan.assumptions import Assumptions
     from moe_train.plan.estimate import estimate, plan_json
 
+    # error: of the plan in Megatron-Core's convention (causal attention over half of s x s), as it publishes;
+    # "engine": the plan in the engine's own (full s x s, as torch's flop counter and measure count)
     print(f"\n{'model':15s} {'hardware':8s} {'GPUs':>4s} {'published':>9s} {'plan':>6s} {'error':>7s} "
-          f"{'peak GB':>8s} {'fits':>5s}  step-time parts (s)")
+          f"{'engine':>6s} {'peak GB':>8s} {'fits':>5s}  step-time parts (s) of the slowest pipeline rank")
     for label, assumptions in (("defaults (our engine)", Assumptions()),
                                (f"Megatron-like {MEGATRON_LIKE}", Assumptions(**MEGATRON_LIKE))):
         print(label)
@@ -87,9 +89,12 @@ def published() -> None:
             t = data["time_s"]
             parts = ", ".join(f"{k} {t[k]:.2f}" for k in ("compute", "elementwise", "comm_total", "comm_exposed",
                                                             "moe_sync", "bubble", "optimizer"))
-            error = data["tflops_per_gpu"] / figure - 1
-            print(f"{name:15s} {gpu:8s} {gpus:4d} {figure:9.1f} {data['tflops_per_gpu']:6.1f} {error:+7.1%} "
-                  f"{data['memory_bytes']['total'] / 1e9:8.1f} {str(data['fits']):>5s}  {parts}")
+            megatron = data["tflops_per_gpu_megatron"]
+            error = megatron / figure - 1
+            print(f"{name:15s} {gpu:8s} {gpus:4d} {figure:9.1f} {megatron:6.1f} {error:+7.1%} "
+                  f"{data['tflops_per_gpu']:6.1f} {data['memory_bytes']['total'] / 1e9:8.1f} "
+                  f"{str(data['fits']):>5s}  {parts} (pp rank {data['time_rank']['pp']}; memory: pp rank "
+                  f"{data['rank']['pp']})")
 
 
 def main() -> None:

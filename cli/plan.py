@@ -160,7 +160,8 @@ def plan(
     if as_json:
         data = plan_json(result)
         if routed is not None:
-            data["routing"] = {**routed[0].to_json(), **{f"routed_{k}": v for k, v in _speed(routed[1]).items()}}
+            data["routing"] = {**routed[0].to_json(), "all_to_all_extra_s": routed[2],
+                               **{f"routed_{k}": v for k, v in _speed(routed[1], routed[2]).items()}}
         print(json.dumps(data))
         return
     console = Console(width=None if sys.stdout.isatty() else 140)
@@ -182,52 +183,72 @@ def _trace_or_exit(recipe, run_dir: Path):
     return loads
 
 
-def _routed(recipe, hardware, assumptions: Assumptions, loads):
-    """(the trace's RoutingPlan on the recipe's layout, the plan with its measured moe_imbalance)."""
-    from moe_train.plan.routing import routing_plan
+def _routed(recipe, hardware, assumptions: Assumptions, loads, *, every_rank: bool = True):
+    """(the trace's RoutingPlan on the recipe's layout, the plan with its measured moe_imbalance, the seconds
+    the slowest ranks' all-to-alls add to that plan's step)."""
+    from moe_train.plan.routing import all_to_all_seconds, routing_plan
 
     routing = routing_plan(recipe, loads)
-    return routing, estimate(recipe, hardware, replace(assumptions, moe_imbalance=routing.imbalance))
+    planned = replace(assumptions, moe_imbalance=routing.imbalance)
+    routed = estimate(recipe, hardware, planned, every_rank=every_rank)
+    return routing, routed, all_to_all_seconds(routing, recipe, hardware, planned)
 
 
-def _speed(plan: Plan) -> dict:
-    return {"step_time_s": plan.step_time, "tokens_per_s": plan.tokens_per_s, "mfu": plan.mfu}
+def _speed(plan: Plan, extra_s: float = 0.0) -> dict:
+    """Step time, tokens/s and MFU, with `extra_s` seconds added to the step (the routed all-to-alls')."""
+    step = plan.step_time + extra_s
+    return {"step_time_s": step, "tokens_per_s": plan.tokens_per_s * plan.step_time / step,
+            "mfu": plan.mfu * plan.step_time / step}
 
 
-def _routing_table(balanced: Plan, routing, routed: Plan, *, run_dir: Path) -> Table:
+def _routing_table(balanced: Plan, routing, routed: Plan, extra_s: float, *, run_dir: Path) -> Table:
     table = Table(title=f"measured routing of {run_dir} ({routing.steps} steps) on ep {routing.ep}, "
                         f"{routing.placement} placement", title_justify="left")
-    for column in ("MoE layer", "slowest rank", "expert rows", "even share", "max/mean", "all-to-all GB",
-                   "balanced GB"):
+    for column in ("MoE layer", "slowest rank", "expert rows", "even share", "max/mean", "all-to-all MB max",
+                   "balanced MB"):
         table.add_column(column, justify="right")
     for layer in routing.layers:
         table.add_row(str(layer.layer), str(layer.straggler_rank), f"{layer.rows_max:,.0f}",
-                      f"{layer.rows_mean:,.0f}", f"{layer.imbalance:.3f}", f"{layer.all_to_all_bytes_max / GB:.3f}",
-                      f"{layer.all_to_all_bytes_mean / GB:.3f}")
-    table.caption = (f"moe_imbalance measured {routing.imbalance:.3f}: step {routed.step_time:.2f} s "
-                     f"({routed.tokens_per_s:,.0f} tokens/s, MFU {routed.mfu:.1%}) against {balanced.step_time:.2f} s "
-                     f"balanced ({balanced.tokens_per_s:,.0f} tokens/s); the all-to-all time stays the balanced one")
+                      f"{layer.rows_mean:,.0f}", f"{layer.imbalance:.3f}", f"{layer.all_to_all_bytes_max / 1e6:.3f}",
+                      f"{layer.all_to_all_bytes_balanced / 1e6:.3f}")
+    speed = _speed(routed, extra_s)
+    table.caption = (f"moe_imbalance measured {routing.imbalance:.3f}: slowest rank's step "
+                     f"{speed['step_time_s']:.3f} s ({speed['tokens_per_s']:,.0f} tokens/s, MFU {speed['mfu']:.1%}; "
+                     f"the all-to-alls {extra_s * 1e3:+.3f} ms) against {balanced.step_time:.3f} s balanced "
+                     f"({balanced.tokens_per_s:,.0f} tokens/s)")
     return table
 
 
 def _search(recipe, hardware, assumptions: Assumptions, *, top: int, as_json: bool, loads=None) -> None:
     from moe_train.plan.search import search
 
-    imbalance = None
+    imbalance, routed_speed = None, {}
     if loads is not None:
-        from moe_train.plan.routing import routing_plan
+        from moe_train.plan.routing import all_to_all_seconds, routing_plan
 
-        def imbalance(candidate) -> float:
-            """The trace on the candidate's ep: the recipe's placement where it is for that ep, else contiguous."""
+        def traced(candidate):
+            """The candidate with the recipe's placement where it is for that ep, else contiguous."""
             if candidate.parallel.ep != recipe.parallel.ep:
                 moe = candidate.model.moe.model_copy(update={"placement": "contiguous"})
                 candidate = candidate.model_copy(update={"model": candidate.model.model_copy(update={"moe": moe})})
-            return routing_plan(candidate, loads).imbalance
+            return candidate
 
-    best, valid, fitting = search(recipe, hardware, assumptions, top=top, imbalance=imbalance)
+        def imbalance(candidate) -> float:
+            return routing_plan(traced(candidate), loads).imbalance
+
+    best, valid, fitting = search(recipe, hardware, assumptions, top=top if loads is None else 1 << 30,
+                                  imbalance=imbalance)
+    if loads is not None:  # ranked by the slowest rank's step: the measured imbalance and the routed all-to-alls
+        for c in best:
+            candidate = traced(c.plan.recipe)
+            routing = routing_plan(candidate, loads)
+            extra = all_to_all_seconds(routing, candidate, hardware, c.plan.assumptions)
+            routed_speed[id(c)] = _speed(c.plan, extra)
+        best = sorted(best, key=lambda c: -routed_speed[id(c)]["tokens_per_s"])[:top]
     if as_json:
         print(json.dumps({"valid": valid, "fitting": fitting, "best": [
-            {"overrides": c.overrides, **plan_json(c.plan)} for c in best]}))
+            {"overrides": c.overrides, **plan_json(c.plan),
+             **({"routed": routed_speed[id(c)]} if loads is not None else {})} for c in best]}))
         return
     table = Table(title=f"{recipe.name} on {recipe.world_size} x {hardware.name}: {valid} valid layouts, "
                         f"{fitting} fit; best {len(best)} by estimated throughput"
@@ -236,8 +257,10 @@ def _search(recipe, hardware, assumptions: Assumptions, *, top: int, as_json: bo
         table.add_column(column, justify="left" if column == "layout" else "right")
     for index, c in enumerate(best, 1):
         p = c.plan
-        table.add_row(str(index), _layout_text(p), f"{p.peak / GB:.1f}", f"{p.step_time:.2f}",
-                      f"{p.tokens_per_s:,.0f}", f"{p.tflops_per_gpu:.0f}", f"{p.mfu:.1%}")
+        speed = routed_speed.get(id(c), _speed(p))
+        table.add_row(str(index), _layout_text(p), f"{p.peak / GB:.1f}", f"{speed['step_time_s']:.2f}",
+                      f"{speed['tokens_per_s']:,.0f}", f"{p.tflops_per_gpu * p.step_time / speed['step_time_s']:.0f}",
+                      f"{speed['mfu']:.1%}")
     Console(width=200).print(table)
     if best:
         sets = " ".join(f"--set {shlex.quote(f'{k}={_yaml(v)}')}" for k, v in best[0].overrides.items())

@@ -55,6 +55,18 @@ SHRINK_LAYOUT = shrink("train.global_batch_size=8", "train.lr=1e-3", "train.min_
                        without=("train.micro_batch_size", "train.precision"))
 
 
+# ---------------------------------------------------------------------------------------------- the fast tier
+
+
+def fast_sample(cases: list, every: int) -> list:
+    """`cases` as pytest params, every `every`-th one (the first included) in the fast tier and the others marked
+    slow: a parametrised test of many few-second cases keeps a spread sample in `pytest -m "not slow"`, and the
+    whole suite (CI) still runs each case. A case that is a tuple is unpacked into the test's arguments."""
+    return [pytest.param(*(case if isinstance(case, tuple) else (case,)),
+                         marks=() if number % every == 0 else pytest.mark.slow)
+            for number, case in enumerate(cases)]
+
+
 # ---------------------------------------------------------------------------------------------- a run's output
 
 

@@ -29,7 +29,7 @@ CONTRACT_KEYS = {
     "grad_bytes", "optimizer_bytes", "flops", "comm_bytes", "peak_memory_bytes",
 }
 EXTRA_KEYS = {"fake", "micro_batches", "tokens", "comm_calls", "activation_bytes_peak", "fp8_gemms",
-              "fp8_gemm_flops", "gathered_param_bytes", "exposed_comm"}
+              "fp8_gemm_flops", "gathered_param_bytes", "exposed_comm", "offloaded_bytes_per_layer"}
 SMALL = ("--set", "model.num_layers=2", "--set", "train.global_batch_size=4",
          "--set", "train.micro_batch_size=2")  # 2 micro-batches of 2
 # deepseek-v3 at full size, in a layout the engine trains today (no pipeline, EP or recompute yet).
@@ -137,6 +137,7 @@ def fsdp_shard_elements(model: torch.nn.Module, dp: int) -> int:
     return sum(math.ceil(p.shape[0] / dp) * (p.numel() // p.shape[0]) for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_fake_full_size_deepseek_v3_layers():
     from moe_train.models.model import Transformer
     from moe_train.parallel.pipeline import keep_layers
@@ -209,6 +210,7 @@ def test_derive_takes_affine_figures_on_and_refuses_the_rest():
     assert sample_counts(interleaved, 64) is None and sample_counts(interleaved, 2048) == (24, 32, 40)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", DERIVED)
 def test_a_step_derived_from_a_few_micro_batches_equals_walking_them_all(case, capfd):
     """Under --fake the step is measured at three micro-batch counts and taken on to the recipe's: every key of

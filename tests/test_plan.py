@@ -290,7 +290,11 @@ def test_executed_flops_add_recompute_and_the_cpus_mla_padding_to_model_flops() 
     qwen = plan_json(estimate(load_recipe("qwen3-30b-a3b", ["parallel.recompute.modules=[moe_act,layernorm]",
                                                            unchunked]), h100))
     # no padding, no matmul recomputed (moe_act and layernorm are elementwise): the ranks' sum is the formula
-    assert qwen["executed_flops_per_step"] == pytest.approx(qwen["model_flops_per_step"], rel=1e-9)
+    # with attention as the causal kernel runs it, (s + 1) / 2 keys a query: Megatron-Core's s / 2 plus the
+    # diagonal, one key a query (3 x 2 FLOPs per multiply-add x heads x (qk + v) per token and layer)
+    q = load_recipe("qwen3-30b-a3b").model
+    diagonal = 3 * q.num_attention_heads * 2 * q.attention_head_dim * q.num_layers * 256 * 4096
+    assert qwen["executed_flops_per_step"] == pytest.approx(qwen["megatron_flops_per_step"] + diagonal, rel=1e-9)
     full = plan_json(estimate(load_recipe("qwen3-30b-a3b", ["parallel.recompute.granularity=full", unchunked]),
                               h100))
     assert 0.2 < full["flops"]["recompute"] / full["flops"]["forward"] < 1.0
@@ -302,15 +306,19 @@ def test_executed_flops_add_recompute_and_the_cpus_mla_padding_to_model_flops() 
     # recomputed: gate and up (the down projection runs after the MLP's last saved tensor, so not again)
     dense_mlp = 2 * 2 * m.hidden_size * m.ffn_hidden_size * m.first_k_dense * tokens
     padded_v = 2 * 4096 * m.num_attention_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim - m.v_head_dim)
-    padding = 3 * padded_v * (m.num_layers + m.mtp_layers) * tokens  # forward and backward
+    # forward and backward, over the (s + 1) / 2 keys a causal query is scored against
+    padding = 3 * padded_v * (4096 + 1) / (2 * 4096) * (m.num_layers + m.mtp_layers) * tokens
+    diagonal = 3 * m.num_attention_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * (
+        m.num_layers + m.mtp_layers) * tokens
     # on cuda SDPA takes MLA's v at its own width (the kernel table's mla_value); the CPU's flash kernel pads it
     assert recipe.launch.device == "cuda"
-    assert ds["executed_flops_per_step"] - ds["model_flops_per_step"] == pytest.approx(dense_mlp, rel=1e-6)
+    assert ds["executed_flops_per_step"] - ds["megatron_flops_per_step"] == pytest.approx(dense_mlp + diagonal,
+                                                                                          rel=1e-6)
     cpu_recipe = load_recipe("deepseek-v3", ["parallel.recompute.modules=[mlp]", "train.precision=bf16",
                                              "launch.device=cpu", "launch.gpu=cpu", unchunked])
     on_cpu = plan_json(estimate(cpu_recipe, HARDWARE["b200"]))
-    assert on_cpu["executed_flops_per_step"] - on_cpu["model_flops_per_step"] == \
-        pytest.approx(dense_mlp + padding, rel=1e-6)
+    assert on_cpu["executed_flops_per_step"] - on_cpu["megatron_flops_per_step"] == \
+        pytest.approx(dense_mlp + diagonal + padding, rel=1e-6)
 
 
 def test_the_chunked_loss_recomputes_each_head_gemm_and_keeps_no_logits() -> None:

@@ -2,7 +2,7 @@
 `experts place`, on a router skewed by `model.moe.router.logit_bias` (real routing, biased logits).
 
 The multi-rank cases run one worker job per world size (tests/workers/train_layouts.py): under EP2 and EP4,
-with the alltoall and the hierarchical dispatcher, a placement packed by `experts place` trains what the
+with the alltoall, allgather and hierarchical dispatchers, a placement packed by `experts place` trains what the
 contiguous one does (fp32, every loss within 1e-6, every parameter by global expert id), the per-rank loads
 equal the expert counts summed by the placement, the placement lowers the measured max/mean rank load, and a
 run resumed under a changed placement equals the straight one (its optimizer state read back by expert).
@@ -19,7 +19,7 @@ import torch
 from cli_helpers import assert_bad_input, run_cli
 from multirank import run_ranks
 
-from moe_train.config.placement import PlacementError, contiguous, read_placement
+from moe_train.config.placement import Placement, PlacementError, contiguous, read_placement
 from moe_train.plan.routing import max_over_mean, pack, rank_loads, read_trace
 from moe_train.train.rank_load import rank_figures
 
@@ -198,6 +198,8 @@ def _check_world(tmp_path: Path, skewed_trace: Path, ep: int) -> None:
     cases = [
         _case("alltoall", common),
         _case("alltoall-placed", [*common, placed]),
+        _case("allgather", [*common, "model.moe.dispatcher=allgather"]),
+        _case("allgather-placed", [*common, "model.moe.dispatcher=allgather", placed]),
         _case("hierarchical", [*common, *hierarchical]),
         _case("hierarchical-placed", [*common, *hierarchical, placed]),
         _case("resume-placed", common, stop_at=1, resume_overrides=[placed]),
@@ -205,7 +207,7 @@ def _check_world(tmp_path: Path, skewed_trace: Path, ep: int) -> None:
     saved = run_ranks("train_layouts", ep, {"cases": cases, "run_root": str(tmp_path / "runs")}, tmp_path, timeout=600)
     records = {key: torch.load(path, weights_only=True) for key, path in saved.items()}
     slot_of = {layer: placement.slot_of_expert(layer) for layer in (0, 1)}
-    for dispatcher in ("alltoall", "hierarchical"):
+    for dispatcher in ("alltoall", "allgather", "hierarchical"):
         plain, moved = records[dispatcher], records[f"{dispatcher}-placed"]
         assert moved["losses"] == pytest.approx(plain["losses"], rel=1e-6), dispatcher
         want, got = plain["state"], _by_expert(moved["state"], slot_of)
@@ -278,3 +280,102 @@ def test_placement_on_ep2_trains_the_contiguous_run_and_balances_ranks(tmp_path:
 @pytest.mark.slow
 def test_placement_on_ep4_trains_the_contiguous_run_and_balances_ranks(tmp_path: Path, skewed_trace: Path) -> None:
     _check_world(tmp_path, skewed_trace, 4)
+
+
+# Every token's top 2 are experts 0 and 1 whatever its hidden state (the tiny router's own logits are far under
+# 10), so every rank routes as the whole batch does: the case where the trace's loads fix each rank's traffic.
+FIXED = "model.moe.router.logit_bias=[30,20,0,0,0,0,0,0]"
+
+
+@pytest.mark.slow
+def test_plan_routing_prices_the_all_to_all_bytes_measure_counts_on_ep4(tmp_path: Path) -> None:
+    """One EP4 step per placement under measure's collective counter (CollectiveTraffic), its routing trace
+    written by the engine's writer; plan --routing on that trace and layout predicts every rank's ep all-to-all
+    bytes (the counts exchange, the rows and their fp32 weights, forward and backward) and expert rows exactly,
+    prices the slowest rank's step above the balanced one, and the placement that splits experts 0 and 1 lowers
+    the slowest rank's bytes."""
+    placement_file = tmp_path / "split.json"
+    split = ((0, 2), (1, 3), (4, 5), (6, 7))
+    placement_file.write_text(json.dumps(Placement(num_experts=EXPERTS, ep=4, ranks={0: split, 1: split}).to_json()))
+    layouts = {"contiguous": [], "split": [f"model.moe.placement={placement_file}"]}
+    cases = [
+        {"id": name, "recipe": "qwen3-moe-tiny", "overrides": [*TINY, FIXED, "parallel.ep=4", *extra]}
+        for name, extra in layouts.items()
+    ]
+    measured = run_ranks(
+        "routing_traffic", 4, {"cases": cases, "run_root": str(tmp_path / "runs")}, tmp_path, timeout=600
+    )
+    slowest = {}
+    for name, extra in layouts.items():
+        sets = [
+            f"--set={o}"
+            for o in [
+                *TINY,
+                FIXED,
+                "parallel.ep=4",
+                *extra,
+                "launch.device=cuda",
+                "launch.gpu=h100",
+                "launch.gpus_per_node=4",
+                "train.steps=1",
+            ]
+        ]
+        result = run_cli("plan", "qwen3-moe-tiny", *sets, "--json", "--routing", str(tmp_path / "runs" / name))
+        assert result.code == 0, result.stderr
+        routing = json.loads(result.stdout)["routing"]
+        layers = routing["layers"]
+        for rank, counted in enumerate(measured[name]["comm_bytes"]):
+            predicted = sum(layer["rank_all_to_all_bytes"][rank] for layer in layers.values())
+            assert counted["ep/all_to_all"] == pytest.approx(predicted, rel=1e-12), (name, rank)
+        for layer, figures in measured[name]["moe_ranks"].items():
+            assert layers[layer]["rank_rows"] == pytest.approx(figures["rank_tokens"], rel=1e-12), (name, layer)
+        # the skew costs the slowest rank all-to-all bytes over the balanced routing, and time over the balanced plan
+        assert all(layer["all_to_all_bytes_max"] > layer["all_to_all_bytes_balanced"] for layer in layers.values())
+        assert (
+            routing["all_to_all_extra_s"] > 0
+            and routing["routed_step_time_s"] > json.loads(result.stdout)["step_time_s"]
+        )
+        slowest[name] = max(layer["all_to_all_bytes_max"] for layer in layers.values())
+    assert slowest["split"] < slowest["contiguous"]
+
+
+ALL_ON_TWO = {"0": [256, 256, 0, 0, 0, 0, 0, 0], "1": [256, 256, 0, 0, 0, 0, 0, 0]}
+EP2_H100 = [*TINY, "parallel.ep=2", "launch.device=cuda", "launch.gpu=h100", "launch.gpus_per_node=2"]
+
+
+def test_plan_routing_times_the_slowest_ranks_exchanges(tmp_path: Path) -> None:
+    """At ep 2 a rank sends as many bytes whatever the routing (its tokens out, the other's rows back), but with
+    every token on rank 0's experts each exchange moves all of them one way: twice the balanced exchange, which
+    the routed step pays; an even trace adds nothing."""
+    from moe_train.config import load_recipe
+    from moe_train.config.hardware import hardware_table
+    from moe_train.plan.assumptions import Assumptions
+    from moe_train.plan.routing import all_to_all_seconds, routing_plan
+
+    recipe = load_recipe("qwen3-moe-tiny", EP2_H100)
+    hardware = hardware_table()["h100"]
+    write_trace(tmp_path / "skewed", [ALL_ON_TWO])
+    write_trace(tmp_path / "even", [{"0": [64] * 8, "1": [64] * 8}])
+    skewed = routing_plan(recipe, read_trace(tmp_path / "skewed"))
+    even = routing_plan(recipe, read_trace(tmp_path / "even"))
+    for layer in skewed.layers:
+        assert layer.rank_all_to_all_bytes == pytest.approx([layer.all_to_all_bytes_balanced] * 2)
+        assert max(layer.rank_exchange_bytes) > 1.9 * layer.exchange_bytes_balanced
+    assert all_to_all_seconds(skewed, recipe, hardware, Assumptions()) > 0
+    assert all_to_all_seconds(even, recipe, hardware, Assumptions()) == pytest.approx(0, abs=1e-15)
+
+
+def test_plan_search_routing_ranks_layouts_by_the_routed_step(tmp_path: Path) -> None:
+    write_trace(tmp_path / "skewed", [ALL_ON_TWO])
+    sets = [f"--set={o}" for o in EP2_H100]
+    # the links slowed to a thousandth, so that the routed all-to-alls reorder the layouts
+    slow = ["--assume", "nvlink_efficiency=0.001", "--top", "20"]
+    result = run_cli(
+        "plan", "qwen3-moe-tiny", *sets, *slow, "--search", "--json", "--routing", str(tmp_path / "skewed")
+    )
+    assert result.code == 0, result.stderr
+    best = json.loads(result.stdout)["best"]
+    routed, plain = [b["routed"]["tokens_per_s"] for b in best], [b["tokens_per_s"] for b in best]
+    assert routed == sorted(routed, reverse=True) and plain != sorted(plain, reverse=True)
+    assert all(r <= p * (1 + 1e-12) for r, p in zip(routed, plain, strict=True))
+    assert any(r < p for r, p in zip(routed, plain, strict=True))

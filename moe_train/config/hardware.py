@@ -8,6 +8,7 @@ gives each GPU 25 GB/s is `h100-ib: {extends: h100, network_bytes_per_s: 25.0e9}
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -130,7 +131,15 @@ def load_hardware_file(path: Path, table: dict[str, Hardware]) -> dict[str, Hard
 
 def hardware_table() -> dict[str, Hardware]:
     """The built-in table extended by the hardware files (`hardware_files()`). Raises HardwareError."""
+    files = hardware_files()
+    return dict(_table(tuple((path, path.stat().st_mtime_ns if path.is_file() else None) for path in files)))
+
+
+@functools.lru_cache(maxsize=8)
+def _table(files: tuple[tuple[Path, int | None], ...]) -> tuple[tuple[str, Hardware], ...]:
+    """The table for these files as they were last modified: read once (`plan --search` validates thousands
+    of layouts, each asking for the table)."""
     table = dict(HARDWARE)
-    for path in hardware_files():
+    for path, _ in files:
         table.update(load_hardware_file(path, table))
-    return table
+    return tuple(table.items())

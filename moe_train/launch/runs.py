@@ -51,12 +51,6 @@ def find_runs(root: Path) -> list[Path]:
     return found
 
 
-def last_train_metrics(path: Path) -> tuple[int | None, float | None]:
-    """Step and loss of the last `kind: train` line, reading only the end of a possibly long file."""
-    record = last_train_record(path)
-    return (record.get("step"), record.get("loss")) if record else (None, None)
-
-
 def last_train_record(path: Path) -> dict | None:
     """The last `kind: train` line of metrics.jsonl, reading only the end of a possibly long file."""
     if not path.is_file():

@@ -190,12 +190,17 @@ def _walk(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
     progress.remove()
     peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else live.peak
     per_layer = saved.per_layer()
+    offloaded: dict[str, int] = {}  # the first micro-batch's saves that left the device (parallel/offload.py)
+    for chunk in chunks:
+        pool = getattr(chunk, "offload_pool", None)
+        offloaded.update({str(layer): b for layer, b in pool.offloaded_bytes_per_layer.items()} if pool else {})
     return {
         "world_size": ctx.world_size,
         "rank": ctx.rank,
         "layers": sorted(layers.layers),
         "activation_bytes_per_layer": per_layer,
         "activation_bytes_total": sum(per_layer.values()),
+        "offloaded_bytes_per_layer": offloaded,
         "param_bytes": sum(param_bytes(chunk) for chunk in chunks),
         "grad_bytes": grads.get("bytes", 0),
         "optimizer_bytes": sum(optimizer_bytes(optimizer) for optimizer in trainable.optimizers),

@@ -2,8 +2,10 @@
 
 torch.utils.flop_counter's formulas (those FlopCounterMode uses) count matrix multiplies (mm, addmm, bmm, SDPA
 kernels) at 2 FLOPs per multiply-add. They lack two kernels this engine runs on CPU, registered here:
-- `aten._scaled_dot_product_flash_attention_for_cpu` (and its backward): QK^T and PV over every query/key
-  pair, the causal mask not discounted (as torch counts its CUDA SDPA kernels and as the FLOPs formula does);
+- `aten._scaled_dot_product_flash_attention_for_cpu` (and its backward): QK^T and PV over the query/key pairs
+  the kernel scores: with `is_causal` each query's keys up to its own (s(s+1)/2 pairs, as a causal flash kernel
+  skips the masked blocks; torch's own CUDA formulas count all s x s), with a mask every pair (the kernel scores
+  them all);
   query heads may outnumber key/value heads (GQA), each query head costs the same. Backward counts 2x the
   forward (dQ, dK, dV, dS GEMMs), as torch's `sdpa_backward_flop_count` does; the flash kernel's recomputed
   scores are not counted, the same convention as torch's.
@@ -26,20 +28,27 @@ from moe_train.measure.layers import LayerTracker
 PHASES = ("forward", "backward", "recompute")
 
 
-def _attention_flops(query: torch.Size, key: torch.Size, value: torch.Size) -> int:
+def _attention_flops(query: torch.Size, key: torch.Size, value: torch.Size, causal: bool = False) -> int:
+    """QK^T and PV over the pairs the kernel scores: every pair, or with `is_causal` (queries and keys
+    aligned at the start) each query's keys up to its own, sum over q of min(q + 1, keys)."""
     batch, heads, queries, qk_dim = query
     keys, v_dim = key[-2], value[-1]
-    return 2 * batch * heads * queries * keys * (qk_dim + v_dim)
+    pairs = queries * keys
+    if causal:
+        within = min(queries, keys)
+        pairs = within * (within + 1) // 2 + (queries - within) * keys
+    return 2 * batch * heads * pairs * (qk_dim + v_dim)
 
 
-def sdpa_cpu_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
-    """Forward of the CPU flash kernel (shapes in, FLOPs out)."""
-    return _attention_flops(query, key, value)
+def sdpa_cpu_flops(query, key, value, dropout_p=0.0, is_causal=False, *args, out_val=None, **kwargs) -> int:
+    """Forward of the CPU flash kernel (shapes in, FLOPs out): a causal call skips the masked pairs."""
+    return _attention_flops(query, key, value, bool(is_causal))
 
 
-def sdpa_cpu_backward_flops(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+def sdpa_cpu_backward_flops(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False, *args,
+                            out_val=None, **kwargs) -> int:
     """Backward of the CPU flash kernel: twice the forward."""
-    return 2 * _attention_flops(query, key, value)
+    return 2 * _attention_flops(query, key, value, bool(is_causal))
 
 
 def grouped_mm_flops(mat_a, mat_b, *args, out_val=None, **kwargs) -> int:

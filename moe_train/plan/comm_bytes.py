@@ -202,8 +202,11 @@ class _CachedComm:
 class _ModelComm:
     """The collectives of each piece of the model for one micro-batch on this rank (see the module docstring)."""
 
-    def __init__(self, m: ModelConfig, layout: PlanLayout, lay: ActivationLayout, *, cp_comm: str) -> None:
-        self.m, self.layout = m, layout
+    def __init__(self, m: ModelConfig, layout: PlanLayout, lay: ActivationLayout, *, cp_comm: str,
+                 routing=None) -> None:
+        """`routing`: what gives the all-to-all dispatcher's slots per expert slot, this rank's own first
+        (`counts(tokens)`); measure's forced routing unless `plan --routing` passes a trace's (plan/routing.py)."""
+        self.m, self.layout, self.routing = m, layout, routing
         self.tp, self.cp, self.cp_comm = layout.tp, layout.cp, cp_comm
         self.sp = layout.sequence_parallel and layout.tp > 1
         self.a, self.h = lay.act_bytes, m.hidden_size
@@ -311,7 +314,8 @@ class _ModelComm:
             if ep == 1:
                 return []
             slots, local = tm * k, moe.num_experts // ep
-            mine = sum(ForcedRouting.of(moe).counts(int(tm))[:local])  # this rank's slots on its own experts
+            routing = self.routing or ForcedRouting.of(moe)
+            mine = sum(routing.counts(int(tm))[:local])  # this rank's slots on its own experts
             if self.capacity is not None:  # padded: every expert's capacity rows, whatever was kept
                 slots, mine = moe.num_experts * self.capacity, local * self.capacity
             # the rows go with their fp32 routing weights (forward), and the weights' gradients come back

@@ -26,7 +26,7 @@ from .activation_memory import (
 from .assumptions import Assumptions
 from .comm_bytes import CommBytes, comm_time
 from .flop_count import forward_flops_per_token, layer_flops_by_region
-from .params import RankParams, fp8_gathered_kinds, rank_params
+from .params import RankParams, Tensor, fp8_gathered_kinds, fsdp_rows, rank_params
 from .rank_layout import Chunk, PlanLayout, in_flight, rank_chunks
 from .recompute_policy import RecomputePolicy, recompute_groups
 from .saved_tensors import ActivationLayout, expert_rows, padded_capacity
@@ -155,7 +155,7 @@ def _layer_flops(m: ModelConfig, layout: PlanLayout, moe_layer: bool, a: Assumpt
     tp = layout.tp
     out = {"attention": (regions["attention"] - regions.get("mla_down_proj", 0.0)) / tp,
            "mla_down_proj": regions.get("mla_down_proj", 0.0) / (tp if layout.sequence_parallel else 1),
-           "core_attn": regions["core_attn"] / tp * cp_key_share(layout.cp)}
+           "core_attn": regions["core_attn"] / tp * executed_key_share(layout)}
     if "mla_up_proj" in regions:
         out["mla_up_proj"] = regions["mla_up_proj"] / tp  # part of `attention`
     for name in ("mlp", "router", "shared_experts"):
@@ -170,6 +170,15 @@ def _layer_flops(m: ModelConfig, layout: PlanLayout, moe_layer: bool, a: Assumpt
                     else a.moe_imbalance)
         out["experts"] = regions["experts"] / tp * per_slot
     return out
+
+
+def executed_key_share(layout: PlanLayout) -> float:
+    """The keys each query is scored against as the kernels run them, as a share of the sequence: a causal
+    SDPA call (one rank's whole sequence, no document restarts) skips the masked pairs, (s + 1) / 2s of them
+    kept; a masked call (document restarts) scores every pair; context parallelism's tiles `cp_key_share`."""
+    if layout.cp > 1:
+        return cp_key_share(layout.cp)
+    return (layout.seq_length + 1) / (2 * layout.seq_length) if layout.causal_kernel else 1.0
 
 
 def cp_key_share(cp: int) -> float:
@@ -281,8 +290,9 @@ def _rank_flops(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk], a: Assu
 
 
 def _plan_rank(recipe: Recipe, layout: PlanLayout, assumptions: Assumptions, rank: int, chunks: list[Chunk], *,
-               detail: bool = True) -> RankPlan:
-    """One pipeline rank's memory, FLOPs, communication and host waits; `detail` adds the bytes per layer."""
+               detail: bool = True, comm: bool = True) -> RankPlan:
+    """One pipeline rank's memory, FLOPs, communication and host waits; `detail` adds the bytes per layer;
+    without `comm` no communication (a lower bound of the step time: `plan --search` prunes by it)."""
     model = recipe.model
     shapes = _activation_layout(recipe, layout, assumptions)
     params = rank_params(model, layout, chunks)
@@ -291,17 +301,37 @@ def _plan_rank(recipe: Recipe, layout: PlanLayout, assumptions: Assumptions, ran
     memory = {
         "weights": MASTER_BYTES * params.local,
         "grads": GRAD_BYTES * params.local,
-        "optimizer": ADAM_BYTES[recipe.train.adam_moment_dtype] * params.local,
+        "optimizer": _optimizer_bytes(recipe, params),
         "activations": activations,
         "buffers": _buffer_bytes(recipe, shapes, layout, assumptions, chunks, params, param_bytes, transient),
     }
     memory["total"] = sum(memory.values())
     per_layer = _bytes_per_layer(model, shapes, layout.recompute, chunks) if detail else {}
     flops, split = _rank_flops(model, layout, chunks, assumptions)
-    comm = CommBytes.for_rank(recipe, layout, shapes, chunks, params, param_bytes, assumptions)
-    return RankPlan(rank, params, memory, per_layer, flops, split, comm,
+    counted = (CommBytes.for_rank(recipe, layout, shapes, chunks, params, param_bytes, assumptions) if comm
+               else CommBytes())
+    return RankPlan(rank, params, memory, per_layer, flops, split, counted,
                     _elementwise_bytes(model, shapes, layout, chunks, assumptions),
                     _moe_sync(model, layout, chunks, assumptions))
+
+
+def _muon_trained(tensor: Tensor) -> bool:
+    """Whether train.optimizer muon gives `tensor` to Muon under the default `train.muon.exclude`: every attention,
+    MLP and shared-expert weight and each routed expert's matrices; the embedding, head, router, MTP's eh_proj
+    and every 1-D tensor stay with AdamW (train/muon.py's muon_param_groups)."""
+    return tensor.unit == "experts" or tensor.gemm in ("attention", "mlp", "shared_experts")
+
+
+def _optimizer_bytes(recipe: Recipe, params: RankParams) -> int:
+    """The optimizer state of the rank's FSDP2 shards: AdamW's two moments per element, or under Muon one
+    momentum buffer for Muon's matrices and AdamW's two for the rest, each in train.adam_moment_dtype (AdamW's
+    step scalars, 4 bytes a tensor, are left out)."""
+    moments = ADAM_BYTES[recipe.train.adam_moment_dtype] * params.local
+    if recipe.train.optimizer != "muon":
+        return moments
+    muon = sum(unit.count * fsdp_rows(t.shape[0], unit.shards)[0] * (t.numel // t.shape[0])
+               for unit in params.units for t in unit.tensors if _muon_trained(t))
+    return moments - ADAM_BYTES[recipe.train.adam_moment_dtype] // 2 * muon
 
 
 def _activation_bytes(model: ModelConfig, shapes: ActivationLayout, layout: PlanLayout, rank: int,
@@ -421,9 +451,10 @@ def _candidate_ranks(per_rank: list[list[Chunk]]) -> list[int]:
 
 
 def estimate(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None = None, *,
-             every_rank: bool = True) -> Plan:
+             every_rank: bool = True, comm: bool = True) -> Plan:
     """Plan `recipe` (its layout, batch and precision) on `hardware`. `every_rank` False plans only the
-    pipeline ranks that can be the most loaded (what `--search` needs)."""
+    pipeline ranks that can be the most loaded (what `--search` needs); `comm` False leaves communication out,
+    so the step time is a lower bound (communication only adds to it) and the memory is the plan's."""
     a = assumptions or Assumptions()
     # train.fp8.recipe auto: what this GPU runs (the engine resolves it from the device the same way)
     auto = recipe.train.fp8.recipe == "auto"
@@ -432,7 +463,7 @@ def estimate(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None
     layout = PlanLayout.from_recipe(recipe)
     per_rank = rank_chunks(layout, m)
     indices = range(len(per_rank)) if every_rank else _candidate_ranks(per_rank)
-    ranks = [_plan_rank(recipe, layout, a, r, per_rank[r], detail=every_rank) for r in indices]
+    ranks = [_plan_rank(recipe, layout, a, r, per_rank[r], detail=every_rank, comm=comm) for r in indices]
     tokens = layout.global_batch * layout.seq_length
     model_flops = 3 * forward_flops_per_token(m, seq_length=layout.seq_length) * tokens
     megatron_flops = 3 * forward_flops_per_token(m, seq_length=layout.seq_length, causal=True) * tokens

@@ -214,19 +214,31 @@ class Unit:
     shards: int
     count: int
 
+    @functools.cached_property
+    def _sizes(self) -> tuple[int, int, int]:
+        """(elements at FSDP2 coordinate 0, elements of its padded shard, elements unsharded), once per unit:
+        `plan --search` asks for them thousands of times, and hashing the tensors for a shared cache cost more
+        than the sums."""
+        held = padded = total = 0
+        for t in self.tensors:
+            rows, chunk = fsdp_rows(t.shape[0], self.shards)
+            row = t.numel // t.shape[0]
+            held, padded, total = held + rows * row, padded + chunk * row, total + t.numel
+        return held, padded, total
+
     @property
     def local(self) -> int:
         """Elements the rank at FSDP2 coordinate 0 holds (full chunks: the most loaded)."""
-        return self.count * _unit_sizes(self.tensors, self.shards)[0]
+        return self.count * self._sizes[0]
 
     @property
     def padded_shard(self) -> int:
         """Elements one rank sends in the unit's all-gather (every chunk padded to ceil(dim 0 / shards))."""
-        return _unit_sizes(self.tensors, self.shards)[1]
+        return self._sizes[1]
 
     @property
     def numel(self) -> int:
-        return _unit_sizes(self.tensors, self.shards)[2]
+        return self._sizes[2]
 
     def shard_bytes(self, param_bytes: int, fp8: frozenset[str]) -> int:
         """Bytes one rank sends in the unit's all-gather: its padded shard in the parameter dtype, the weights
@@ -237,17 +249,6 @@ class Unit:
     def fp8_weights(self, fp8: frozenset[str]) -> int:
         """The unit's weights gathered in fp8: one fp32 amax all-reduce each per gather."""
         return sum(t.gemm in fp8 for t in self.tensors)
-
-
-@functools.lru_cache(maxsize=4096)
-def _unit_sizes(tensors: tuple[Tensor, ...], shards: int) -> tuple[int, int, int]:
-    """(elements at FSDP2 coordinate 0, elements of its padded shard, elements unsharded) of one unit."""
-    held = padded = total = 0
-    for t in tensors:
-        rows, chunk = fsdp_rows(t.shape[0], shards)
-        row = t.numel // t.shape[0]
-        held, padded, total = held + rows * row, padded + chunk * row, total + t.numel
-    return held, padded, total
 
 
 @dataclass

@@ -45,6 +45,7 @@ class PlanLayout(MeshShape):
     ep_split: tuple[int, int] = (1, 1)  # (epnode, eplocal) of the hierarchical dispatcher; else (1, ep)
     device: str = "cpu"  # launch.device: the kernel table's row (moe_train/kernels.py) the ranks run
     fp8_modules: tuple[str, ...] = ()  # the GEMM kinds in fp8 (train.fp8.modules under precision fp8)
+    causal_kernel: bool = True  # attention runs SDPA with is_causal (no document restarts: data.reset_at_eod)
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> PlanLayout:
@@ -60,6 +61,7 @@ class PlanLayout(MeshShape):
                       and recipe.model.moe.dispatcher == "hierarchical" else (1, p.ep)),
             device=recipe.launch.device,
             fp8_modules=tuple(sorted(set(t.fp8.modules))) if t.precision == "fp8" else (),
+            causal_kernel=not recipe.data.reset_at_eod,
         )
 
     @property

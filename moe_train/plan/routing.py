@@ -135,15 +135,41 @@ def place(loads: ExpertLoads, *, ep: int) -> tuple[Placement, list[PackedLayer]]
 
 
 @dataclass(frozen=True)
+class TracedRouting:
+    """A trace's routing in the form plan/comm_bytes.py's dispatch model reads measure's forced routing
+    (`counts`): a micro-batch's slots on each expert slot of the layout, this rank's own slots first. Every rank
+    is taken to route as the whole batch did (the trace holds no sources), which is exact when they do."""
+
+    shares: tuple[float, ...]  # per slot, from this rank's own on: the share of the layer's routed slots
+    top_k: int
+
+    def counts(self, tokens: int) -> list[float]:
+        return [tokens * self.top_k * share for share in self.shares]
+
+
+@dataclass(frozen=True)
 class LayerRouting:
     """One MoE layer of the planned layout under the trace's loads, per expert-parallel rank and step."""
 
     layer: int
-    straggler_rank: int
-    rows_max: float  # expert GEMM rows of the most loaded rank
+    rank_rows: list[float]  # expert GEMM rows each ep rank receives
     rows_mean: float  # the even share (what forced even routing gives every rank)
-    all_to_all_bytes_max: float  # token bytes the most loaded rank sends to other ranks
-    all_to_all_bytes_mean: float
+    rank_all_to_all_bytes: list[float]  # all-to-all bytes each ep rank sends (as measure counts them)
+    all_to_all_bytes_balanced: float  # under measure's forced (even) routing
+    rank_exchange_bytes: list[float]  # the bytes that time each rank's all-to-alls (`routing_plan`)
+    exchange_bytes_balanced: float
+
+    @property
+    def straggler_rank(self) -> int:
+        return max(range(len(self.rank_rows)), key=lambda r: (self.rank_rows[r], -r))
+
+    @property
+    def rows_max(self) -> float:
+        return self.rank_rows[self.straggler_rank]
+
+    @property
+    def all_to_all_bytes_max(self) -> float:
+        return max(self.rank_all_to_all_bytes)
 
     @property
     def imbalance(self) -> float:
@@ -174,8 +200,12 @@ class RoutingPlan:
                     "straggler_rank": x.straggler_rank,
                     "rows_max": x.rows_max,
                     "rows_mean": x.rows_mean,
+                    "rank_rows": x.rank_rows,
                     "all_to_all_bytes_max": x.all_to_all_bytes_max,
-                    "all_to_all_bytes_mean": x.all_to_all_bytes_mean,
+                    "all_to_all_bytes_balanced": x.all_to_all_bytes_balanced,
+                    "rank_all_to_all_bytes": x.rank_all_to_all_bytes,
+                    "rank_exchange_bytes": x.rank_exchange_bytes,
+                    "exchange_bytes_balanced": x.exchange_bytes_balanced,
                 }
                 for x in self.layers
             },
@@ -186,12 +216,16 @@ def routing_plan(recipe, loads: ExpertLoads) -> RoutingPlan:
     """The trace's loads on the recipe's layout: its ep and its placement (the file, or contiguous), whatever
     ep recorded the trace. A rank's rows are its experts' share of the trace's tokens times what the layout
     sends its ep group per step (each rank routes its micro-batches' tokens, top_k slots each; etp ranks
-    receive every row of their ep rank). The all-to-all bytes count the rows as the dispatcher moves them, the
-    hidden state in the activation dtype, forward and backward: a rank sends its own tokens' slots (the even
-    share: every rank routes as many tokens) and returns its experts' rows, and of either (ep - 1) / ep cross
-    to another rank (tokens come from every rank alike: the trace holds no sources)."""
+    receive every row of their ep rank). Its all-to-all bytes are plan/comm_bytes.py's dispatch model (the
+    counts exchange, the rows in the activation dtype and their fp32 weights, forward and backward, again in a
+    recompute that reruns the layer) fed the trace's shares in place of measure's forced routing; the
+    all-gather dispatcher's traffic does not depend on the routing, and the hierarchical one's needs each
+    token's spread over nodes, which the trace does not hold: both stay the balanced model's."""
     from moe_train.config.placement import recipe_placement
 
+    from .assumptions import Assumptions
+    from .comm_bytes import _ModelComm
+    from .estimate import _activation_layout
     from .rank_layout import PlanLayout
 
     m, layout = recipe.model, PlanLayout.from_recipe(recipe)
@@ -205,23 +239,68 @@ def routing_plan(recipe, loads: ExpertLoads) -> RoutingPlan:
         placement = contiguous(num_experts=m.moe.num_experts, ep=layout.ep, layers=sorted(loads.tokens))
     tokens_per_rank = layout.micro_batches * layout.micro_batch * layout.seq_length / layout.cp / layout.tp
     mean = tokens_per_rank * m.moe.top_k * layout.etp
-    row_bytes = m.hidden_size * (4 if recipe.train.precision == "fp32" else 2)
-    crossing = (layout.ep - 1) / layout.ep
+    lay = _activation_layout(recipe, layout, Assumptions())
+    policy = layout.recompute
+    passes = layout.micro_batches * (2 if policy.granularity == "full" or "moe" in policy.modules else 1)
+
+    def traffic(routing) -> tuple[float, float]:
+        """(the all-to-all bytes one rank sends per step in one MoE layer under `routing`, the bytes that time
+        them). An exchange lasts as long as the larger of what a rank sends and receives in it; every rank
+        routing alike, what it receives in the dispatch is what it sends back in the combine and the reverse,
+        so both row exchanges take its larger payload of the two (the counts and weights as sent)."""
+        comm = _ModelComm(m, layout, lay, cp_comm=recipe.parallel.cp_exchange(m.family), routing=routing)
+        sent = timed = 0.0
+        for direction, times in (("forward", passes), ("backward", layout.micro_batches)):
+            payloads = sorted(c[2] for c in comm._dispatch(direction) if c[1] == "all_to_all")
+            sent += times * sum(payloads)
+            if len(payloads) >= 2:  # the two row exchanges are the two largest (a row outweighs its weight)
+                payloads[-2] = payloads[-1]
+            timed += times * sum(payloads)
+        return sent, timed
+
+    traced = m.moe.dispatcher == "alltoall"
+    balanced = traffic(None)
     layers = []
     for layer in sorted(i for i in loads.tokens if m.is_moe_layer(i)):
         tokens = loads.tokens[layer]
         total = sum(tokens) or 1
-        shares = rank_loads([t / total for t in tokens], placement.ranks[layer])
-        straggler = max(range(layout.ep), key=lambda r: (shares[r], -r))
-        rows_max = shares[straggler] * layout.ep * mean
+        ranks = placement.ranks[layer]
+        shares = rank_loads([t / total for t in tokens], ranks)
+        rank_traffic = []
+        for r in range(layout.ep):
+            order = [e for rank in (*ranks[r:], *ranks[:r]) for e in rank]  # the slots, this rank's first
+            routing = TracedRouting(tuple(tokens[e] / total for e in order), m.moe.top_k)
+            rank_traffic.append(traffic(routing) if traced else balanced)
         layers.append(
             LayerRouting(
                 layer,
-                straggler,
-                rows_max,
+                [s * layout.ep * mean for s in shares],
                 mean,
-                2 * (mean + rows_max) * crossing * row_bytes,
-                4 * mean * crossing * row_bytes,
+                [sent for sent, _ in rank_traffic],
+                balanced[0],
+                [timed for _, timed in rank_traffic],
+                balanced[1],
             )
         )
     return RoutingPlan(ep=layout.ep, placement=recipe.model.moe.placement, steps=loads.steps, layers=layers)
+
+
+def all_to_all_seconds(routing: RoutingPlan, recipe, hardware, assumptions) -> float:
+    """Seconds per step the traced all-to-alls add to the balanced plan's exposed communication: per layer its
+    slowest rank's (every rank waits for it at the combine), on the plan's links (plan/comm_bytes.py
+    `comm_time`), less the part `ep_overlap` hides, minus what the balanced routing's bytes already cost."""
+    from .comm_bytes import CommBytes, comm_time
+    from .rank_layout import PlanLayout
+
+    layout = PlanLayout.from_recipe(recipe)
+
+    def exposed(payload: float) -> float:
+        counter = CommBytes()
+        counter.add("ep", "all_to_all", payload, layout.ep)
+        times = comm_time(counter, layout, hardware, assumptions)
+        return sum(times["total"].values()) - sum(times["hideable"].values())
+
+    return sum(
+        max(exposed(b) for b in layer.rank_exchange_bytes) - exposed(layer.exchange_bytes_balanced)
+        for layer in routing.layers
+    )

@@ -147,8 +147,10 @@ def search(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None =
 
     Per layout, full recompute is planned first: when even it does not fit, no policy does. Then no
     recompute: when it fits, the selective policies fit too and are slower (recompute only adds work), so they
-    are counted without being planned."""
-    fitting: list[Candidate] = []
+    are counted without being planned. Each is planned first without communication (the memory is the plan's,
+    the step time a lower bound); only those whose bound can still enter the best `top` are planned whole,
+    the most promising first (every layout's full plan made the search of deepseek-v3 on 1,024 GPUs 14 s)."""
+    bounds: list[tuple[float, int, dict, Recipe, Assumptions | None]] = []
     valid = fits = 0
     options = _recompute_options(recipe)
     for base in layouts(recipe, nvlink_domain=hardware.nvlink_domain):
@@ -161,15 +163,22 @@ def search(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None =
             candidate = first if index == 0 else _apply(recipe, overrides)
             planned = assumptions if imbalance is None else replace(assumptions or Assumptions(),
                                                                      moe_imbalance=imbalance(candidate))
-            plan = estimate(candidate, hardware, planned, every_rank=False)
-            if not plan.fits:
+            bound = estimate(candidate, hardware, planned, every_rank=False, comm=False)
+            if not bound.fits:
                 if index == 0:
                     break
                 continue
             fits += 1
-            fitting.append(Candidate(overrides, plan))
+            bounds.append((bound.step_time, len(bounds), overrides, candidate, planned))
             if rc["granularity"] == "none":
                 fits += len(options) - index - 1
                 break
-    fitting.sort(key=lambda c: -c.plan.tokens_per_s)
-    return fitting[:top], valid, fits
+    bounds.sort(key=lambda item: item[:2])
+    best: list[Candidate] = []
+    for lower, _, overrides, candidate, planned in bounds:
+        if len(best) == top and lower >= best[-1].plan.step_time:
+            break  # this bound and every later one: slower than the best `top` already planned whole
+        best.append(Candidate(overrides, estimate(candidate, hardware, planned, every_rank=False)))
+        best.sort(key=lambda c: c.plan.step_time)
+        del best[top:]
+    return best, valid, fits

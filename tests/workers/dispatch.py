@@ -3,7 +3,8 @@
 Each case builds the tokens and routing of every rank of the expert group from one seed, so a rank can compute
 the single-process reference (LocalDispatcher on the union of the group's tokens) on its own and compare its
 slice: outputs, gradients of hidden states, routing weights and its local experts' weights, and the bytes the
-dispatcher counted. Rank 0 writes {"checks": n, "failures": ["rank R: case: message", ...]} for all ranks.
+dispatcher sent, forward and backward, as measure's CollectiveTraffic counts them, against what the routing
+implies. Rank 0 writes {"checks": n, "failures": ["rank R: case: message", ...]} for all ranks.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.distributed as dist  # noqa: E402
 from workers.common import finish, start  # noqa: E402
 
 from moe_train.config.routing_shapes import expert_capacity  # noqa: E402
+from moe_train.measure.traffic import CollectiveTraffic  # noqa: E402
 from moe_train.models.moe.capacity import capacity_keep_mask  # noqa: E402
 from moe_train.models.moe.dispatcher import LocalDispatcher, dispatcher_for  # noqa: E402
 from moe_train.models.moe.router import even_counts, even_topk_indices  # noqa: E402
@@ -117,27 +119,30 @@ class Result:
     grad_hidden: torch.Tensor
     grad_weights: torch.Tensor
     grad_experts: torch.Tensor
-    bytes_forward: dict[str, int]
-    bytes_total: dict[str, int]
-    metadata_total: dict[str, int]
+    forward_bytes: dict[str, int]  # "<group>/<op>" -> bytes this rank sent (measure's convention), zeros left out
+    backward_bytes: dict[str, int]
 
 
-def run(dispatcher, shard: Shard, experts: torch.Tensor, first: int, columns: slice = slice(None)) -> Result:
+def sent(traffic: CollectiveTraffic) -> dict[str, int]:
+    return {key: sent for key, sent in traffic.bytes.items() if sent}
+
+
+def run(dispatcher, shard: Shard, experts: torch.Tensor, first: int, columns: slice = slice(None),
+        name_group: Callable[[dist.ProcessGroup], str] = lambda group: "ep") -> Result:
     hidden = shard.hidden.clone().requires_grad_()
     weights = shard.weights.clone().requires_grad_()
     experts = experts.clone().requires_grad_()
-    dispatcher.sent_bytes.clear()
-    rows, probs, counts, plan = dispatcher.dispatch(hidden, shard.indices, weights, keep=shard.keep,
-                                                    pad_to=shard.pad_to, host_counts=shard.host_counts)
-    assert rows.shape[0] == int(counts.sum()), "rows and tokens_per_local_expert disagree"
-    assert counts.shape == (dispatcher.num_local_experts,) and counts.dtype == torch.int64
-    assert probs.shape == (rows.shape[0],), "a routing weight per row"
-    # the experts apply each row's weight (a row-parallel shard's partial sum too: the weight is linear)
-    out = dispatcher.combine(apply_experts(rows, counts, experts, first, columns) * probs.unsqueeze(-1), plan)
-    forward = dict(dispatcher.sent_bytes)
-    (out * shard.cotangent).sum().backward()
-    metadata = dict(getattr(dispatcher, "metadata_bytes", {}))
-    return Result(out.detach(), hidden.grad, weights.grad, experts.grad, forward, dict(dispatcher.sent_bytes), metadata)
+    with CollectiveTraffic(name_group) as forward:
+        rows, probs, counts, plan = dispatcher.dispatch(hidden, shard.indices, weights, keep=shard.keep,
+                                                        pad_to=shard.pad_to, host_counts=shard.host_counts)
+        assert rows.shape[0] == int(counts.sum()), "rows and tokens_per_local_expert disagree"
+        assert counts.shape == (dispatcher.num_local_experts,) and counts.dtype == torch.int64
+        assert probs.shape == (rows.shape[0],), "a routing weight per row"
+        # the experts apply each row's weight (a row-parallel shard's partial sum too: the weight is linear)
+        out = dispatcher.combine(apply_experts(rows, counts, experts, first, columns) * probs.unsqueeze(-1), plan)
+    with CollectiveTraffic(name_group) as backward:
+        (out * shard.cotangent).sum().backward()
+    return Result(out.detach(), hidden.grad, weights.grad, experts.grad, sent(forward), sent(backward))
 
 
 def reference(shards: list[Shard], experts: torch.Tensor, num_experts: int) -> list[Result]:
@@ -153,7 +158,7 @@ def reference(shards: list[Shard], experts: torch.Tensor, num_experts: int) -> l
     whole = run(LocalDispatcher(num_experts=num_experts), union, experts, 0)
     sizes = [len(s.hidden) for s in shards]
     return [
-        Result(out, grad_hidden, grad_weights, whole.grad_experts, {}, {}, {})
+        Result(out, grad_hidden, grad_weights, whole.grad_experts, {}, {})
         for out, grad_hidden, grad_weights in zip(
             whole.out.split(sizes), whole.grad_hidden.split(sizes), whole.grad_weights.split(sizes), strict=True
         )
@@ -176,15 +181,27 @@ def rows_between(shards: list[Shard], local: int, source: int, destination: int)
     return int(((kept // local) == destination).sum())
 
 
-def expected_bytes(kind: str, shards: list[Shard], me: int, local: int, itemsize: int) -> dict[str, int]:
-    """The exact token bytes the routing implies for group rank `me` (forward only; backward doubles them)."""
+def expected_bytes(kind: str, shards: list[Shard], me: int, local: int, etp: int, itemsize: int
+                   ) -> tuple[dict[str, int], dict[str, int]]:
+    """(forward, backward) bytes by "ep/<op>" that the routing implies for group rank `me`: the token rows, and beside
+    them the routing (row counts, expert ids, weights and the weights' gradients)."""
     size = len(shards)
+    row = HIDDEN * itemsize
     if kind == "alltoall":
         sent = sum(rows_between(shards, local, me, other) for other in range(size) if other != me)
         received = sum(rows_between(shards, local, other, me) for other in range(size) if other != me)
-        return {"all_to_all": (sent + received) * HIDDEN * itemsize}
-    max_tokens = max(len(s.hidden) for s in shards)
-    return {"all_gather": max_tokens * HIDDEN * itemsize, "reduce_scatter": size * max_tokens * HIDDEN * itemsize}
+        # dispatch sends `sent` rows with their weights and combine returns `received`; backward the reverse
+        counts = (size - 1) * local * 8
+        forward = {"all_to_all": (sent + received) * row + counts + sent * itemsize}
+        backward = {"all_to_all": (sent + received) * row + received * itemsize}
+    else:
+        max_tokens, top_k = max(len(s.hidden) for s in shards), shards[0].indices.shape[1]
+        # sizes [tokens, padding, slots per expert holder] (one read per dispatch), expert ids and weights
+        routing = 8 * (2 + size // etp) + max_tokens * top_k * (8 + itemsize)
+        forward = {"all_gather": max_tokens * row + routing, "reduce_scatter": size * max_tokens * row}
+        backward = {"all_gather": max_tokens * row,
+                    "reduce_scatter": size * max_tokens * row + size * max_tokens * top_k * itemsize}
+    return tuple({f"ep/{op}": n for op, n in bytes_by_op.items() if n} for bytes_by_op in (forward, backward))
 
 
 def check_case(case: str, kind: str, *, group, num_experts: int, dtype: torch.dtype, etp: int = 1) -> Result:
@@ -208,23 +225,9 @@ def check_case(case: str, kind: str, *, group, num_experts: int, dtype: torch.dt
     close("routing weight grad", got.grad_weights, want.grad_weights, tol)
     mine = slice(first, first + dispatcher.num_local_experts)
     close("local expert grad", got.grad_experts[mine, :, columns], want.grad_experts[mine, :, columns], tol)
-    itemsize = dtype.itemsize
-    forward = expected_bytes(kind, shards, me, local, itemsize)
-    assert got.bytes_forward == forward, f"forward bytes {got.bytes_forward} != {forward}"
-    assert got.bytes_total == {op: 2 * n for op, n in forward.items()}, f"bytes {got.bytes_total} != 2 x {forward}"
-    if kind == "alltoall":
-        # the row counts, and each row's routing weight with it (forward) and its gradient back (backward)
-        rows = sum(rows_between(shards, local, me, other) + rows_between(shards, local, other, me)
-                   for other in range(size) if other != me)
-        metadata = {"all_to_all": (size - 1) * dispatcher.num_local_experts * 8 + rows * itemsize}
-    else:
-        max_tokens, top_k = max(len(s.hidden) for s in shards), shards[0].indices.shape[1]
-        metadata = {
-            # sizes [tokens, padding, slots per expert holder] (issue 21: one read per dispatch)
-            "all_gather": 8 * (2 + size // etp) + max_tokens * top_k * (8 + itemsize),
-            "reduce_scatter": size * max_tokens * top_k * itemsize,
-        }
-    assert got.metadata_total == metadata, f"metadata bytes {got.metadata_total} != {metadata}"
+    forward, backward = expected_bytes(kind, shards, me, local, etp, dtype.itemsize)
+    assert got.forward_bytes == forward, f"forward bytes {got.forward_bytes} != {forward}"
+    assert got.backward_bytes == backward, f"backward bytes {got.backward_bytes} != {backward}"
     return got
 
 

@@ -3,8 +3,9 @@ single-process reference and the all-to-all dispatcher over the same 4 ranks: ev
 tests/workers/dispatch.py in fp64 (1e-12) and one in fp32 (1e-6), outputs, gradients of the hidden states, the
 routing weights and the local experts (the capacity cases padded to capacity too, against the all-to-all
 dispatcher padded; the even case with its splits computed on the host from forced even routing's counts); and
-the bytes crossing nodes, counted by the dispatcher, equal to what the routing (padded: the capacity) implies,
-with the all-to-all dispatcher's (pairs to ranks on the other node) beside them.
+the bytes crossing nodes, counted by measure's CollectiveTraffic on the node group, equal to what the routing
+(padded: the capacity) implies, with the all-to-all dispatcher's rows (pairs to ranks on the other node) beside
+them.
 Rank 0 writes {"checks": [n per rank], "failures": [...], "network": {case: [[hierarchical, alltoall] per rank]}}.
 """
 
@@ -27,10 +28,11 @@ from moe_train.models.moe.router import even_topk_indices  # noqa: E402
 LOCAL = 2  # ranks per emulated node
 
 
-def network_rows(shards, me: int, num_experts: int, kind: str) -> int:
-    """Rows rank `me` sends to the other node per forward, as the routing implies: hierarchical, each token once
-    per other node it needs, plus the partial sums it returns to the ranks of its local index there; alltoall,
-    each (token, expert) pair held on the other node, plus the outputs of pairs it returns there."""
+def network_rows(shards, me: int, num_experts: int, kind: str) -> tuple[int, int]:
+    """(rows sent, rows returned): what rank `me` sends to the other node per forward, as the routing implies:
+    hierarchical, each token once per other node it needs, and the partial sums it returns to the ranks of its
+    local index there; alltoall, each (token, expert) pair held on the other node, and the outputs of pairs it
+    returns there."""
     size = len(shards)
     per_rank = num_experts // size
     node_of_rank = [rank // LOCAL for rank in range(size)]
@@ -58,7 +60,17 @@ def network_rows(shards, me: int, num_experts: int, kind: str) -> int:
         returned = sum(per_rank * shards[rank].pad_to if shards[rank].pad_to is not None
                        else int(((kept(rank) >= 0) & (kept(rank) // per_rank == me)).sum())
                        for rank in range(size) if node_of_rank[rank] != mine)
-    return sent + returned
+    return sent, returned
+
+
+def node_bytes(shards, me: int, num_experts: int, itemsize: int) -> int:
+    """Bytes the hierarchical dispatcher sends over the network, forward and backward: each token row out and
+    its partial sum back, both ways (2 x rows); with each sent row its K expert ids (int64) and weights, the
+    weights' gradients coming back; and, unpadded, the row counts exchanged with the other node."""
+    sent, returned = network_rows(shards, me, num_experts, "hierarchical")
+    top_k = shards[me].indices.shape[1]
+    counts = 8 * (len(shards) // LOCAL - 1) if shards[me].pad_to is None else 0
+    return 2 * (sent + returned) * HIDDEN * itemsize + sent * top_k * 8 + (sent + returned) * top_k * itemsize + counts
 
 
 def main() -> None:
@@ -84,7 +96,9 @@ def main() -> None:
             # is held by test_hierarchical_plan's real 4-rank measure: here the even pattern exchanges its counts
             shards = [replace(shard, host_counts=None) for shard in shards]
             flat = dispatcher_for("alltoall", num_experts=num_experts, group=dist.group.WORLD)
-            got, a2a = run(hier, shards[rank], experts, first), run(flat, shards[rank], experts, first)
+            got = run(hier, shards[rank], experts, first,
+                      name_group=lambda group: "node" if group.group_name == node_group.group_name else "local")
+            a2a = run(flat, shards[rank], experts, first)
             want = reference(shards, experts, num_experts)[rank]
             mine = slice(first, first + hier.num_local_experts)
             for name, value, expected in (("output", got.out, want.out),
@@ -94,12 +108,12 @@ def main() -> None:
                 close(name, value, expected, tol)
             for name in ("out", "grad_hidden", "grad_weights"):
                 close(f"vs alltoall {name}", getattr(got, name), getattr(a2a, name), tol)
-            itemsize = dtype.itemsize
-            rows = network_rows(shards, rank, num_experts, "hierarchical")
-            assert hier.node_bytes == ({"all_to_all": 2 * rows * HIDDEN * itemsize} if rows else {}), (
-                f"network bytes {dict(hier.node_bytes)} != 2 x {rows} rows")
+            crossed = got.forward_bytes.get("node/all_to_all", 0) + got.backward_bytes.get("node/all_to_all", 0)
+            expected = node_bytes(shards, rank, num_experts, dtype.itemsize)
+            assert crossed == expected, f"network bytes {crossed} != {expected} (the routing's)"
             # per rank either may send more (a rank forwards its node's share); the test compares the totals
-            network[label] = [rows, network_rows(shards, rank, num_experts, "alltoall")]
+            network[label] = [sum(network_rows(shards, rank, num_experts, "hierarchical")),
+                              sum(network_rows(shards, rank, num_experts, "alltoall"))]
         except AssertionError as error:
             failures.append(f"rank {rank}: {label}: {error}")
 

@@ -14,7 +14,6 @@ the caller knows every rank's routing counts on the host (`host_counts`, as the 
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,13 +41,12 @@ class AllGatherPlan:
 class AllGatherDispatcher:
     """Expert-parallel dispatch over `group` with all-gather and reduce-scatter; group None: no traffic.
 
-    `sent_bytes` (Counter) adds the token payload in measure's convention (docs/measure.md), per call of size G,
-    hidden H, top-k K, the hidden dtype's itemsize b and T_max the group's largest token count:
-    forward "all_gather" += T_max*H*b (this rank's hidden states), "reduce_scatter" += G*T_max*H*4 (the fp32
-    per-token sums); backward "reduce_scatter" += G*T_max*H*b (hidden gradients), "all_gather" += T_max*H*4.
-    `metadata_bytes["all_gather"]` counts the routing: 16 (token count, pad_to) + T_max*K*8 (expert ids) +
-    T_max*K*4 (fp32 weights) per dispatch; backward adds `metadata_bytes["reduce_scatter"]` G*T_max*K*4
-    (weight gradients). Both restart at zero on `reset_counts` (the layer's `reset_telemetry`, once per step).
+    Per call, of group size G, hidden H, top-k K, the hidden dtype's itemsize b and T_max the group's largest
+    token count, it sends: forward, an all-gather of T_max*H*b (this rank's hidden states) and a reduce-scatter
+    of G*T_max*H*4 (the fp32 per-token sums); backward, a reduce-scatter of G*T_max*H*b (hidden gradients) and an
+    all-gather of T_max*H*4; the routing: all-gathers of 16 (token count, pad_to) + T_max*K*8 (expert ids) +
+    T_max*K*4 (fp32 weights), and in backward a reduce-scatter of G*T_max*K*4 (weight gradients). `measure`
+    counts them (docs/measure.md).
 
     With expert tensor parallelism, pass the ep x etp group (etp fastest) and `expert_tp_size`: the etp ranks
     of one ep coordinate get the same rows, their experts return partial sums (row-parallel down projection),
@@ -59,8 +57,6 @@ class AllGatherDispatcher:
         self.shard = ExpertShard.of(num_experts=num_experts, group=group, expert_tp_size=expert_tp_size)
         self.num_experts = num_experts
         self.num_local_experts = self.shard.num_local_experts
-        self.sent_bytes: Counter[str] = Counter()
-        self.metadata_bytes: Counter[str] = Counter()
 
     def dispatch(
         self,
@@ -101,11 +97,11 @@ class AllGatherDispatcher:
             mine = host_counts[shard.first_expert: shard.first_expert + self.num_local_experts]
             local_slots_count = shard.size * sum(mine)
         routing = F.pad(routing, (0, 0, 0, max_tokens - tokens), value=-1)
-        routing = all_gather_rows(routing, group=shard.group, sent_bytes=self.metadata_bytes)
+        routing = all_gather_rows(routing, group=shard.group)
         hidden = F.pad(hidden, (0, 0, 0, max_tokens - tokens))
-        hidden = all_gather_rows(hidden, group=shard.group, sent_bytes=self.sent_bytes)
+        hidden = all_gather_rows(hidden, group=shard.group)
         weights = F.pad(topk_weights, (0, 0, 0, max_tokens - tokens))
-        weights = all_gather_rows(weights, group=shard.group, sent_bytes=self.metadata_bytes)
+        weights = all_gather_rows(weights, group=shard.group)
         local = routing - shard.first_expert
         is_local = (local >= 0) & (local < self.num_local_experts)
         rows, probs, counts, permutation = permute(
@@ -131,7 +127,7 @@ class AllGatherDispatcher:
         row = routing.new_full((2 + holders,), tokens, dtype=torch.int64)
         row[1] = pad_to or 0
         row[2:] = count_per_expert(owner, holders + 1)[:holders]
-        return all_gather_rows(row.unsqueeze(0), group=shard.group, sent_bytes=self.metadata_bytes)
+        return all_gather_rows(row.unsqueeze(0), group=shard.group)
 
     def combine(self, expert_out: torch.Tensor, plan: AllGatherPlan) -> torch.Tensor:
         """expert_out [N, H] (rows as dispatch returned them, weighted by the experts) -> [T, H] fp32 on the
@@ -146,8 +142,4 @@ class AllGatherDispatcher:
             plan.local_slots // plan.permutation.top_k,
             shard.size * plan.max_tokens,
         )
-        return reduce_scatter_rows(per_token, group=shard.group, sent_bytes=self.sent_bytes)[: plan.num_tokens]
-
-    def reset_counts(self) -> None:
-        self.sent_bytes.clear()
-        self.metadata_bytes.clear()
+        return reduce_scatter_rows(per_token, group=shard.group)[: plan.num_tokens]

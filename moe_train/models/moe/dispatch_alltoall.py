@@ -17,7 +17,6 @@ nothing is read back (`moe-train measure --fake` runs on tensors without values)
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,19 +42,16 @@ class AllToAllPlan:
 class AllToAllDispatcher:
     """Expert-parallel dispatch over `group` with all_to_all_single (uneven splits); group None: no traffic.
 
-    `sent_bytes` (Counter) accumulates token rows sent to OTHER ranks x hidden x itemsize under "all_to_all",
-    forward and backward: dispatch sends the rows, combine sends the expert outputs back, backward sends their
-    gradients the other way. `metadata_bytes["all_to_all"]` counts the row-count exchange ((size-1) x
-    E_local x 8 per dispatch) and the rows' routing weights (4 bytes a row sent to another rank; backward their
-    gradients). Both restart at zero on `reset_counts` (the layer's `reset_telemetry`, once per step).
+    Dispatch sends the token rows to the experts' ranks, combine sends the expert outputs back, backward sends
+    their gradients the other way; beside them go the row-count exchange ((size-1) x E_local x 8 bytes per
+    dispatch) and the rows' routing weights (4 bytes a row; backward their gradients). `measure` counts them
+    (docs/measure.md).
     """
 
     def __init__(self, *, num_experts: int, group: dist.ProcessGroup | None = None):
         self.shard = ExpertShard.of(num_experts=num_experts, group=group)
         self.num_experts = num_experts
         self.num_local_experts = self.shard.num_local_experts
-        self.sent_bytes: Counter[str] = Counter()
-        self.metadata_bytes: Counter[str] = Counter()
 
     def dispatch(
         self,
@@ -93,7 +89,6 @@ class AllToAllDispatcher:
         # received[s, j]: rows source rank s sends for this rank's local expert j.
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=shard.group)
-        self.metadata_bytes["all_to_all"] += (shard.size - 1) * self.num_local_experts * counts.element_size()
         received = received.view(shard.size, self.num_local_experts)
         kept = None
         if pad_to is not None:  # the splits follow from the shapes: nothing to read
@@ -111,7 +106,6 @@ class AllToAllDispatcher:
         )
         arrived, probs = all_to_all_together(  # one wait for both, forward and backward (ep_overlap)
             [rows, probs], send_splits=send_splits, recv_splits=recv_splits, group=shard.group,
-            sent_bytes=[self.sent_bytes, self.metadata_bytes],
         )
         if self.num_local_experts == 1:
             local_order = None  # one local expert: source-major order already is expert-major
@@ -139,14 +133,6 @@ class AllToAllDispatcher:
                 source_major[plan.local_order] = torch.arange(len(plan.local_order), device=expert_out.device)
                 expert_out = expert_out.index_select(0, source_major)
             expert_out = all_to_all_rows(
-                expert_out,
-                send_splits=plan.recv_splits,
-                recv_splits=plan.send_splits,
-                group=self.shard.group,
-                sent_bytes=self.sent_bytes,
+                expert_out, send_splits=plan.recv_splits, recv_splits=plan.send_splits, group=self.shard.group
             )
         return expert_out
-
-    def reset_counts(self) -> None:
-        self.sent_bytes.clear()
-        self.metadata_bytes.clear()

@@ -22,7 +22,6 @@ capacity alone (static sizes across nodes and inside one, what CUDA graphs and D
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,10 +49,9 @@ class HierarchicalDispatcher:
     """Expert-parallel dispatch over `node_group` (epnode: the ranks with this rank's local index, one per node)
     and `local_group` (eplocal: this node's ranks of the expert group); either None where it has one rank.
 
-    `node_bytes` counts the token rows sent over the network (to other nodes) under "all_to_all", forward and
-    backward: dispatch sends each token once per other node it needs, combine sends each node's partial sums
-    back; `inner.sent_bytes` the pairs sent inside the node. `sent_bytes` is their sum; `metadata_bytes` the row
-    counts, the expert ids and the routing weights sent over the network (`inner.metadata_bytes` inside it).
+    Over the network, dispatch sends each token once per other node it needs and combine sends each node's
+    partial sums back (with the row counts, expert ids and routing weights beside them); inside the node the
+    all-to-all dispatcher sends the pairs. `measure` counts both, by group (docs/measure.md).
     """
 
     def __init__(self, *, num_experts: int, node_group: dist.ProcessGroup | None,
@@ -67,13 +65,7 @@ class HierarchicalDispatcher:
         self.inner = AllToAllDispatcher(num_experts=self.experts_per_node, group=local_group)
         self.num_experts = num_experts
         self.num_local_experts = self.inner.num_local_experts
-        self.node_bytes: Counter[str] = Counter()
-        self.metadata_bytes: Counter[str] = Counter()
         self.forced: ForcedRouting | None = None  # measure's forced routing over the nodes (set_even_routing)
-
-    @property
-    def sent_bytes(self) -> Counter[str]:
-        return self.node_bytes + self.inner.sent_bytes
 
     def dispatch(
         self,
@@ -123,7 +115,6 @@ class HierarchicalDispatcher:
         if self.node_group is not None:
             rows, ids, weights = all_to_all_together(  # one wait for the three, forward and backward (ep_overlap)
                 [rows, ids, weights], send_splits=send_splits, recv_splits=recv_splits, group=self.node_group,
-                sent_bytes=[self.node_bytes, self.metadata_bytes, self.metadata_bytes],
             )
         out, probs, counts, plan = self.inner.dispatch(rows, ids.clamp(min=0), weights, keep=ids >= 0, **inner)
         return out, probs, counts, HierarchicalPlan(token_ids, send_splits, recv_splits, plan, tokens)
@@ -145,7 +136,6 @@ class HierarchicalDispatcher:
         if self.node_group is not None:
             recv_counts = torch.empty_like(send_counts)
             dist.all_to_all_single(recv_counts, send_counts, group=self.node_group)
-            self.metadata_bytes["all_to_all"] += (self.nodes - 1) * send_counts.element_size()
             if host_counts is None:
                 send_splits, recv_splits = torch.stack([send_counts, recv_counts]).tolist()  # the one read here
         elif host_counts is None:
@@ -158,8 +148,7 @@ class HierarchicalDispatcher:
         partial = self._node_sums(expert_out, plan.inner, sum(plan.recv_splits))  # per network row, in fp32
         if self.node_group is not None:
             partial = all_to_all_rows(partial.to(expert_out.dtype), send_splits=plan.recv_splits,
-                                      recv_splits=plan.send_splits, group=self.node_group,
-                                      sent_bytes=self.node_bytes)
+                                      recv_splits=plan.send_splits, group=self.node_group)
         return scatter_sum(partial, plan.token_ids, plan.num_tokens)
 
     def _node_sums(self, expert_out: torch.Tensor, inner: AllToAllPlan, network_rows: int) -> torch.Tensor:
@@ -174,8 +163,3 @@ class HierarchicalDispatcher:
         kept = torch.nonzero_static(perm.slot_rows < perm.num_rows, size=perm.num_rows).squeeze(1)
         return scatter_sum(rows.index_select(0, perm.slot_rows.index_select(0, kept)), kept // perm.top_k,
                            network_rows)
-
-    def reset_counts(self) -> None:
-        self.node_bytes.clear()
-        self.inner.reset_counts()
-        self.metadata_bytes.clear()

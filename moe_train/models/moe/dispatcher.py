@@ -19,7 +19,6 @@ the same on every rank) for the alltoall and hierarchical dispatchers, whatever 
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -33,12 +32,10 @@ from moe_train.models.moe.permute import Permutation, permute, slot_sum, unpermu
 
 
 class TokenDispatcher(Protocol):
-    """What the MoE layer calls; `sent_bytes` is the token traffic this rank sent, per collective op, since the
-    last `reset_counts` (the layer's `reset_telemetry`, once per step)."""
+    """What the MoE layer calls (the traffic it causes is counted by `measure`, docs/measure.md)."""
 
     num_experts: int
     num_local_experts: int
-    sent_bytes: Counter[str]
 
     def dispatch(
         self,
@@ -53,8 +50,6 @@ class TokenDispatcher(Protocol):
 
     def combine(self, expert_out: torch.Tensor, plan: Any) -> torch.Tensor: ...
 
-    def reset_counts(self) -> None: ...
-
 
 class LocalDispatcher:
     """Permutes token slots into expert-major order and back, on one process (see permute.py)."""
@@ -62,7 +57,6 @@ class LocalDispatcher:
     def __init__(self, *, num_experts: int):
         self.num_experts = num_experts
         self.num_local_experts = num_experts
-        self.sent_bytes: Counter[str] = Counter()  # stays empty: nothing is sent
 
     def dispatch(
         self,
@@ -85,9 +79,6 @@ class LocalDispatcher:
     def combine(self, expert_out: torch.Tensor, plan: Permutation) -> torch.Tensor:
         """expert_out [N, H] (weighted by the experts) -> [T, H] fp32: each token's sum of its experts' outputs."""
         return slot_sum(unpermute(expert_out, plan), plan.top_k)
-
-    def reset_counts(self) -> None:
-        self.sent_bytes.clear()
 
 
 DISPATCHERS = {"alltoall": AllToAllDispatcher, "allgather": AllGatherDispatcher,

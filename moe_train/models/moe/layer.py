@@ -114,11 +114,10 @@ class MoELayer(nn.Module):
         self.register_buffer("router_entropy_sum", torch.zeros((), dtype=torch.float64), persistent=False)
 
     def reset_telemetry(self) -> None:
-        """Zero the step's telemetry, the dispatcher's byte counts included (the trainer: once per step)."""
+        """Zero the step's telemetry (the trainer: once per step)."""
         for buffer in (self.tokens_per_expert, self.rows_per_local_expert, self.dropped_assignments,
                        self.assignments, self.aux_loss_value, self.router_entropy_sum):
             buffer.zero_()
-        self.dispatcher.reset_counts()
 
     def forward(self, hidden: torch.Tensor, records: RoutingRecords | None = None) -> torch.Tensor:
         """hidden [b, s, h] -> [b, s, h]. `records` collects this forward's routing for all_layers_aux_loss."""

@@ -1,0 +1,65 @@
+"""`plan --search` of deepseek-v3 on 1,024 B200s (128 nodes), in-process, this tree against a git ref (default
+main) side by side, interleaved so drifting load hits both alike; prints each median and the ratio. Target:
+under 2 s on a quiet login node (14 s before the search pruned by a lower bound, 3.5 s before cp, etp and the
+dispatchers joined the search).
+
+Run: python bench/bench_plan_search.py [--ref main] [--repeats N] [--nodes 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMED = """
+import sys, time
+from moe_train.config import load_recipe
+from moe_train.config.hardware import hardware_table
+from moe_train.plan.search import search
+recipe = load_recipe("deepseek-v3", ["launch.nodes={nodes}"])
+start = time.perf_counter()
+best, valid, fits = search(recipe, hardware_table()[recipe.launch.gpu])
+print(time.perf_counter() - start, valid, fits, round(best[0].plan.tokens_per_s))
+"""
+
+
+def run(tree: Path, nodes: int) -> tuple[float, str]:
+    out = subprocess.run([sys.executable, "-c", TIMED.format(nodes=nodes)], capture_output=True, text=True,
+                         cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)})
+    if out.returncode:
+        raise SystemExit(f"{tree}: {out.stderr.strip().splitlines()[-1]}")
+    seconds, *rest = out.stdout.split()
+    return float(seconds), " ".join(rest)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--ref", default="main")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--nodes", type=int, default=128)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "archive", args.ref], cwd=ROOT, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        trees = {args.ref: Path(tmp), "this tree": ROOT}
+        times: dict[str, list[float]] = {name: [] for name in trees}
+        found = {}
+        for _ in range(args.repeats):
+            for name, tree in trees.items():
+                seconds, found[name] = run(tree, args.nodes)
+                times[name].append(seconds)
+    for name, values in times.items():
+        print(f"{name:10s} median {statistics.median(values):7.2f} s  (min {min(values):.2f}; valid, fitting, "
+              f"best tokens/s: {found[name]})")
+    print(f"ratio {statistics.median(times['this tree']) / statistics.median(times[args.ref]):.2f} "
+          f"(this tree / {args.ref})")
+
+
+if __name__ == "__main__":
+    main()
