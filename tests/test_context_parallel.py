@@ -275,8 +275,10 @@ def test_32k_recipes_fit_their_cluster(name: str, gpu: str, cp: int, comm: str) 
 
 @pytest.mark.slow
 def test_search_considers_cp() -> None:
-    """At 32K the 30B model's best layouts on its 32 H100s are context-parallel (planned: CP8 ~126K tokens/s,
-    the best cp = 1 layout, TP4 + SP, ~96K), and the best are valid recipes."""
+    """At 32K the 30B model's layouts on its 32 H100s include context-parallel ones near the top, and the best
+    are valid recipes. Since plan counts attention as the causal kernel runs it ((s+1)/2 keys a query, half the
+    s x s it counted before), TP4 + SP with cp = 1 ranks first (~160K tokens/s planned) and CP8 third (~145K):
+    CP's advantage at 32K was the quadratic term it no longer doubles."""
     from moe_train.config import load_recipe
     from moe_train.config.hardware import HARDWARE
     from moe_train.plan.search import search
@@ -285,9 +287,9 @@ def test_search_considers_cp() -> None:
     every, valid, fits = search(recipe, HARDWARE["h100"], top=10_000)
     assert every and len(every) <= fits <= valid
     assert {c.overrides["parallel.cp"] for c in every} >= {1, 2, 4, 8}
-    assert all(candidate.overrides["parallel.cp"] > 1 for candidate in every[:5])
-    best_without = next(c for c in every if c.overrides["parallel.cp"] == 1)
-    assert best_without.plan.tokens_per_s < 0.9 * every[0].plan.tokens_per_s
+    assert any(candidate.overrides["parallel.cp"] > 1 for candidate in every[:5])
+    best_with = next(c for c in every if c.overrides["parallel.cp"] > 1)
+    assert best_with.plan.tokens_per_s > 0.85 * every[0].plan.tokens_per_s
     for candidate in every[:3]:
         sets = [f"{k}={'null' if v is None else v}" for k, v in candidate.overrides.items()
                 if k != "parallel.recompute"]
