@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import BF16_TOLERANCE, GPU, SHRINK_LAYOUT, assert_same_run, plan_against_measure
+from helpers import BF16_TOLERANCE, GPU, SHRINK_LAYOUT, assert_same_run, fast_sample, plan_against_measure
 
 from moe_train.config import load_recipe
 from moe_train.config.loss_chunks import AUTO_CHUNK_TOKENS, loss_chunk_tokens
@@ -77,7 +77,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("name", "extra", "small"), CASES, ids=[f"{c[0]}-{'-'.join(c[1])}" for c in CASES])
+@pytest.mark.parametrize(("name", "extra", "small"), fast_sample(CASES, 2),
+                         ids=[f"{c[0]}-{'-'.join(c[1])}" for c in CASES])
 def test_measure_shows_the_logits_gone_as_plan_says(name, extra, small):
     """measure --fake, unchunked and chunked: per-layer bytes, FLOPs (+ one head GEMM per head, recompute) and
     collectives equal the plan's; the head's saved bytes (measure's `other`) fall by what the plan's head

@@ -68,6 +68,7 @@ def _assert_compiled_once(graphs: list[int], expected: int | None) -> int:
     return made
 
 
+@pytest.mark.slow
 def test_compiled_blocks_train_as_eager_on_each_family(tmp_path, aot_eager):
     for name, recompute, graphs in FAMILIES:
         overrides = [*FP32, *recompute]
@@ -115,6 +116,7 @@ def _saved_for_backward(name: str, overrides: list[str]) -> tuple[int, int]:
         shutdown(ctx)
 
 
+@pytest.mark.slow
 def test_compiled_recomputation_saves_what_eager_saves(aot_eager):
     """Full recomputation around compiled blocks keeps each group's input alone, as eager does (exactly); the
     `moe` policy, rerun around the (then eager) MoE layer, keeps less than the compiled model without it.
@@ -127,6 +129,7 @@ def test_compiled_recomputation_saves_what_eager_saves(aot_eager):
     assert full_eager[1] < moe[1] < none[1] <= none_eager[1]
 
 
+@pytest.mark.slow
 def test_inductor_compiles_a_block_as_eager_trains_it(tmp_path):
     """The default backend (inductor's C++ code on the CPU) on one family: losses, gradients and parameters as
     eager within the layout tolerance (fused kernels round differently)."""

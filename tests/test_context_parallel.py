@@ -16,6 +16,7 @@ from helpers import (
     SHRINK_LAYOUT,
     assert_same_run,
     case,
+    fast_sample,
     plan_against_measure,
 )
 from multirank import run_ranks
@@ -201,7 +202,7 @@ PLAN_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("name", "world", "extra"), PLAN_CASES, ids=[f"{n}-{w}-{i}" for i, (n, w, _) in
+@pytest.mark.parametrize(("name", "world", "extra"), fast_sample(PLAN_CASES, 3), ids=[f"{n}-{w}-{i}" for i, (n, w, _) in
                                                                        enumerate(PLAN_CASES)])
 def test_plan_equals_measure_under_cp(name: str, world: int, extra: list[str], no_process_group) -> None:
     """measure --fake of one CP rank (cp/send, cp/recv or cp/all_gather, cp/reduce_scatter, the token groups'
@@ -216,6 +217,7 @@ def test_plan_equals_measure_under_cp(name: str, world: int, extra: list[str], n
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_qwen3_30b_layer_at_32k_keeps_half_the_bytes_at_cp2(no_process_group) -> None:
     """A full-size Qwen3-30B-A3B MoE layer at s = 32768 (bf16, EP8), measured with --fake on one rank: at cp = 2
     it saves 0.45-0.55x the activation bytes of cp = 1, with either exchange (the all-gather regathers K/V in
@@ -271,6 +273,7 @@ def test_32k_recipes_fit_their_cluster(name: str, gpu: str, cp: int, comm: str) 
     assert estimate(recipe, HARDWARE[gpu]).fits
 
 
+@pytest.mark.slow
 def test_search_considers_cp() -> None:
     """At 32K the 30B model's best layouts on its 32 H100s are context-parallel (planned: CP8 ~126K tokens/s,
     the best cp = 1 layout, TP4 + SP, ~96K), and the best are valid recipes."""

@@ -79,6 +79,7 @@ def test_world_size_mismatch_fails_fast_on_every_rank(tmp_path):
     assert "Traceback" not in "\n".join(line for line in result.stderr.splitlines() if "moe-train entry" in line)
 
 
+@pytest.mark.slow
 def test_single_process_preflight_without_a_launcher(tmp_path):
     recipe = load_recipe("qwen3-tiny", [f"run_dir={tmp_path / 'r'}"])
     run_dir = prepare_run_dir(recipe)
@@ -89,6 +90,7 @@ def test_single_process_preflight_without_a_launcher(tmp_path):
     assert "rank 0/1" in result.stdout and ROW.search(result.stdout).group(4).startswith("pp 0 dp 0 cp 0 tp 0")
 
 
+@pytest.mark.slow
 def test_training_an_unsupported_recipe_exits_2(tmp_path):
     recipe = load_recipe("qwen3-tiny", [f"run_dir={tmp_path / 'r'}", "parallel.pp=2", "launch.gpus_per_node=2",
                                         "parallel.pp_schedule=zero_bubble"])

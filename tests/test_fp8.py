@@ -193,6 +193,7 @@ def qwen_runs(tmp_path_factory) -> dict:
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_qwen3_moe_fp8_trains_like_bf16(qwen_runs, recipe):
     (bf16, none), _ = qwen_runs["bf16"]
@@ -205,6 +206,7 @@ def test_qwen3_moe_fp8_trains_like_bf16(qwen_runs, recipe):
 ONE_MOE_LAYER = ("model.first_k_dense=0", "model.mtp_layers=0")
 
 
+@pytest.mark.slow
 def test_deepseek_v3_blockwise_emulated_trains_like_bf16(tmp_path):
     bf16, _ = _train("deepseek-v3-tiny", tmp_path / "bf16", *ONE_MOE_LAYER, "train.precision=bf16")
     fp8, tally = _train("deepseek-v3-tiny", tmp_path / "fp8", *ONE_MOE_LAYER, "train.precision=fp8",
@@ -212,6 +214,7 @@ def test_deepseek_v3_blockwise_emulated_trains_like_bf16(tmp_path):
     _assert_trains_like(fp8, bf16, tally, "blockwise")
 
 
+@pytest.mark.slow
 def test_fp8_checkpoint_exports_to_hf_and_continues_in_bf16(qwen_runs, tmp_path):
     """The checkpoint holds fp32 master weights: transformers loads its export, and a bf16 run resumes it."""
     import transformers
@@ -273,6 +276,7 @@ def test_grouped_weight_gradient_scales_each_experts_tokens_alone(recipe):
         torch.testing.assert_close(got[expert], want, rtol=1e-5, atol=1e-5, msg=f"expert {expert}")
 
 
+@pytest.mark.slow
 def test_plan_holds_fp8_to_measure_exactly(no_process_group):
     """fp8 saves what bf16 saves (the high-precision operands), adds no collective and counts the same FLOPs, so
     plan (which prices fp8's memory and traffic as bf16's) equals measure exactly: deepseek-v3-tiny at TP2 with
@@ -298,6 +302,7 @@ def test_plan_holds_fp8_to_measure_exactly(no_process_group):
     assert 0 < report["fp8_gemm_flops"] < report["flops"]["total"]
 
 
+@pytest.mark.slow
 def test_plan_prices_only_the_fp8_modules_flops_at_the_fp8_speed(no_process_group):
     """plan's fp8_gemm_flops follows train.fp8.modules, equal to measure's under recomputation (selective, whose
     reruns count again) and with the head in fp8 through the chunked loss (whose backward recomputes each chunk's
@@ -456,6 +461,7 @@ GATHER = "train.fp8.fp8_all_gather=true"
 PER_STEP_HEAD = ["parallel.param_gather=per_step", "train.fp8.modules=[attention,experts,head]"]
 
 
+@pytest.mark.slow
 def test_plan_holds_the_fp8_all_gather_to_measure_exactly(no_process_group):
     """FSDP2 DP2 in fp8 (qwen3-moe-tiny, fake ranks), with and without the fp8 gather, per micro-batch and per
     step with the head in fp8: every figure of plan equals measure's, the all-gather bytes and the fp8 weights'

@@ -58,6 +58,7 @@ def _dp2(*extra: str):
                                           "launch.gpus_per_node=2", *extra], check_files=False)
 
 
+@pytest.mark.slow
 def test_measure_counts_the_cadences_plan_predicts(no_process_group) -> None:
     """DP2 bf16, 4 micro-batches per rank, 4 FSDP2 units (two blocks, their experts with them, the root):
     per micro-batch each unit is gathered for forward and again for backward (8 gathers a unit), per step once;

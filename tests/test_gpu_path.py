@@ -219,6 +219,7 @@ def _saved_per_layer(cfg, positions: torch.Tensor | None, seq: int) -> dict[str,
     return tracker.per_layer()
 
 
+@pytest.mark.slow
 def test_two_packed_documents_save_what_one_document_saves() -> None:
     """qwen3-tiny at s = 2,048: every layer saves the same bytes with two packed documents as with one; the one
     additive mask, shared by all layers, is the only addition (the boolean mask cost 1.62x: SDPA converted it to
@@ -247,6 +248,7 @@ def test_additive_mask_gives_the_boolean_masks_outputs_bit_for_bit(monkeypatch: 
             assert torch.equal(logits, model(tokens, positions)), name
 
 
+@pytest.mark.slow
 def test_measure_fake_feeds_packed_positions_when_reset_at_eod() -> None:
     sets = ["model.num_layers=2", "train.seq_length=256", "train.global_batch_size=2", "train.micro_batch_size=1"]
     plain = measure(load_recipe("qwen3-tiny", sets), Target(fake=True))

@@ -72,6 +72,7 @@ FULL_SIZE = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("no_process_group")
 def test_full_size_hierarchical_and_padded_layers_plan_exactly_what_measure_fake_counts() -> None:
     """measure --fake on full-size DeepSeek-V3 and Qwen3-30B-A3B layers: saved tensors (the hierarchical
@@ -134,6 +135,7 @@ def test_emulated_nodes_and_refusals() -> None:
         load_recipe("qwen3-moe-tiny", ["model.moe.dispatcher=hierarchical", "model.moe.pad_to_capacity=true"])
 
 
+@pytest.mark.slow
 def test_search_weighs_both_dispatchers_where_ep_spans_nvlink_domains() -> None:
     """DeepSeek-V3 on 256 B200s (8 a NVLink domain): every layout whose ep group spans domains is planned with
     both dispatchers, and at EP32 (4 nodes) the hierarchical one is faster, layout for layout, and is the pick;

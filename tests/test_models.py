@@ -56,6 +56,7 @@ def test_init_depends_only_on_seed_and_name():
     assert abs(std - QWEN3.init_std) < 0.1 * QWEN3.init_std
 
 
+@pytest.mark.slow
 def test_init_is_stable_across_processes():
     """No Python hash() anywhere: another interpreter with another hash seed draws the same weights."""
     code = (

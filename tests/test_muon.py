@@ -164,3 +164,41 @@ def test_muon_fields_are_checked() -> None:
         _tiny(["train.optimizer=muon", "train.muon.momentum=1.5"])
     with pytest.raises(RecipeError, match="train.optimizer"):
         _tiny(["train.optimizer=sgd"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3-moe-tiny", "deepseek-v3-tiny"])
+def test_plan_counts_muon_optimizer_state_as_measured(name: str, no_process_group) -> None:
+    """plan's optimizer bytes under train.optimizer muon equal measure's, less AdamW's 4-byte step scalars (which
+    plan leaves out, as it does for AdamW alone): one momentum buffer per Muon element, two moments per AdamW
+    one, fp32 and bf16 moments."""
+    from helpers import shrink
+
+    from moe_train.config.hardware import HARDWARE
+    from moe_train.measure.driver import Target, measure
+    from moe_train.plan.estimate import estimate, plan_json
+
+    for dtype in ("fp32", "bf16"):
+        overrides = shrink(
+            "model.num_layers=2",
+            "train.global_batch_size=2",
+            "train.steps=2",
+            "train.precision=fp32",
+            "train.optimizer=muon",
+            f"train.adam_moment_dtype={dtype}",
+            without=("train.precision",),
+        )
+        if name == "deepseek-v3-tiny":
+            overrides = [*overrides, "model.first_k_dense=1"]
+        recipe = load_recipe(name, overrides)
+        report = measure(recipe, Target())
+        planned = plan_json(estimate(recipe, HARDWARE["h100"]))["memory_bytes"]["optimizer"]
+        model = build_model(recipe.model)
+        muon, *adamw = muon_param_groups(model, train=recipe.train)
+        adamw_tensors = sum(len(group["params"]) for group in adamw)
+        moment = 4 if dtype == "fp32" else 2
+        muon_elements = sum(p.numel() for p in muon["params"])
+        adamw_elements = sum(p.numel() for group in adamw for p in group["params"])
+        assert muon_elements > 0 and adamw_elements > 0
+        assert report["optimizer_bytes"] == moment * (muon_elements + 2 * adamw_elements) + 4 * adamw_tensors
+        assert planned == report["optimizer_bytes"] - 4 * adamw_tensors, (name, dtype)

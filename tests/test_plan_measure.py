@@ -16,6 +16,7 @@ import pytest
 from helpers import (
     GPU,
     assert_same_step,
+    fast_sample,
     full_size_recipe,
     plan_against_measure,
     recompute,
@@ -54,7 +55,7 @@ def tiny_cases() -> list[tuple[str, int, bool, str, str]]:
     return cases
 
 
-@pytest.mark.parametrize(("name", "tp", "sp", "policy", "precision"), tiny_cases(),
+@pytest.mark.parametrize(("name", "tp", "sp", "policy", "precision"), fast_sample(tiny_cases(), 24),
                          ids=[f"{n}-tp{t}{'sp' if s else ''}-{p}-{d}" for n, t, s, p, d in tiny_cases()])
 def test_tiny_layouts_and_recompute_policies_plan_exactly_what_measure_counts(name, tp, sp, policy, precision):
     """Each layer's saved bytes under the policy, the recompute FLOPs and every collective's bytes: exact."""
@@ -63,7 +64,7 @@ def test_tiny_layouts_and_recompute_policies_plan_exactly_what_measure_counts(na
     assert plan_against_measure(recipe, report, tolerance=1e-9) == []
 
 
-@pytest.mark.parametrize("policy", ["moe", "full-uniform-1"])
+@pytest.mark.parametrize("policy", fast_sample(["moe", "full-uniform-1"], 2))
 def test_recomputed_moe_layer_reruns_its_shared_experts_whole(policy):
     """The shared experts run before the dispatch, so the routed experts and the combine save after them: a
     recomputed MoE layer re-runs the shared down projection and its tensor-parallel reduce-scatter even when no
@@ -73,7 +74,7 @@ def test_recomputed_moe_layer_reruns_its_shared_experts_whole(policy):
     assert plan_against_measure(recipe, measure(recipe, Target(fake=True)), tolerance=1e-9) == []
 
 
-@pytest.mark.parametrize(("name", "precision"), [("qwen3-tiny", "fp32"), ("deepseek-v3-tiny", "bf16")])
+@pytest.mark.parametrize(("name", "precision"), fast_sample([("qwen3-tiny", "fp32"), ("deepseek-v3-tiny", "bf16")], 2))
 def test_packed_documents_plan_the_mask_measure_saves(name, precision):
     """data.reset_at_eod (measure --fake feeds packed positions): every layer exactly as measured, and what the
     packed step saves beyond the plain one (the one fp32 document mask every layer keeps, the rotary tables and
@@ -321,6 +322,7 @@ def test_the_full_size_sample_covers_every_pair():
         assert not missing, (i, j, missing)
 
 
+@pytest.mark.slow
 def test_full_size_layers_plan_what_measure_counts():
     """Full-size single layers through --fake against the plan: within 3% (in practice exact), in one process."""
     start = time.monotonic()
@@ -334,6 +336,7 @@ def test_full_size_layers_plan_what_measure_counts():
     assert time.monotonic() - start < 240
 
 
+@pytest.mark.slow
 def test_tensor_and_sequence_parallelism_with_recompute_store_what_the_paper_says():
     """Korthikanti et al. (2022) on full-size layers, measured: a DeepSeek-V3 MoE layer at TP=8 + SP +
     selective(core_attn, layernorm) stores at least 5x fewer activation bytes than at TP=1 without recompute;

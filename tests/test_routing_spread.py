@@ -79,6 +79,7 @@ def test_forced_pattern_realises_the_expectation_with_even_loads(tokens):
     assert ForcedRouting(top_k=8, num_experts=256).indices(3)[1] == tuple(range(8, 16))
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("no_process_group")
 def test_spread_bytes_plan_exactly_what_measure_fake_counts():
     """deepseek-v3-tiny (16 experts in 4 groups, 2 kept, top-4) at EP8 over 4 emulated nodes, hierarchical:

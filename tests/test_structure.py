@@ -16,6 +16,7 @@ The layering (docs/architecture.md), each rule a test below:
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import textwrap
@@ -229,3 +230,15 @@ def test_no_tracked_file_names_a_document_outside_the_repository():
     cited = [f"{name}: {outside}" for name in files if (ROOT / name).is_file()
              for outside in OUTSIDE if outside in (ROOT / name).read_text(errors="replace")]
     assert cited == []
+
+
+# A merge's conflict markers, committed by mistake, once sat in docs/interfaces.md for a whole stop.
+CONFLICT_MARKER = re.compile(r"^(<{7} |={7}$|>{7} )", re.MULTILINE)
+
+
+def test_no_tracked_file_holds_a_merge_conflict_marker():
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    files = [name for name in listed.decode().split("\0") if name and (ROOT / name).is_file()]
+    assert len(files) > 100
+    marked = [name for name in files if CONFLICT_MARKER.search((ROOT / name).read_text(errors="replace"))]
+    assert marked == []

@@ -63,6 +63,7 @@ def test_failing_sbatch_is_one_line_and_leaves_no_run_folder(tmp_path: Path, mon
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_hanging_sbatch_is_killed_with_what_it_started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pid_file = tmp_path / "sleeper.pid"
     stand_in(tmp_path / "bin", f"sleep 60 &\necho $! > '{pid_file}'\nwait")

@@ -306,19 +306,55 @@ def _overlap(r: Recipe) -> list[Problem]:
     return out
 
 
-def _recompute(r: Recipe) -> list[Problem]:
-    rc, m, out = r.parallel.recompute, r.model, []
-    if rc.granularity != "selective":
-        return out
-    for module in rc.modules:
+def _module_problems(field: str, modules: tuple[str, ...], m) -> list[Problem]:
+    """The recompute policy's module names that this model does not have (recompute and offload share them)."""
+    out = []
+    for module in modules:
         if module == "mla_up_proj" and m.family != "deepseek_v3":
-            out.append(_p("parallel.recompute.modules", "mla_up_proj needs multi-head latent attention (deepseek_v3)"))
+            out.append(_p(field, "mla_up_proj needs multi-head latent attention (deepseek_v3)"))
         if module in ("moe_act", "moe") and m.moe is None:
-            out.append(_p("parallel.recompute.modules", f"{module} needs a MoE model (model.moe)"))
+            out.append(_p(field, f"{module} needs a MoE model (model.moe)"))
         if module == "shared_experts" and (m.moe is None or m.moe.shared_expert_ffn_hidden_size == 0):
-            out.append(_p("parallel.recompute.modules", "shared_experts needs model.moe.shared_expert_ffn_hidden_size"))
+            out.append(_p(field, "shared_experts needs model.moe.shared_expert_ffn_hidden_size"))
         if module == "mlp" and m.moe is not None and m.first_k_dense == 0:
-            out.append(_p("parallel.recompute.modules", "mlp recomputes dense MLPs, and this model has none; use moe"))
+            out.append(_p(field, "mlp recomputes dense MLPs, and this model has none; use moe"))
+    return out
+
+
+def _recompute(r: Recipe) -> list[Problem]:
+    rc = r.parallel.recompute
+    if rc.granularity != "selective":
+        return []
+    return _module_problems("parallel.recompute.modules", rc.modules, r.model)
+
+
+# Regions that hold others (parallel/recompute.py wraps the outer one only): the whole MoE layer its experts'
+# activation and shared experts, MLA's up projections and attention its core attention.
+INNER_REGIONS = {"moe": ("moe_act", "shared_experts"), "mla_up_proj": ("core_attn",)}
+
+
+def _overlapping(a: str, b: str) -> bool:
+    return a == b or b in INNER_REGIONS.get(a, ()) or a in INNER_REGIONS.get(b, ())
+
+
+def _offload(r: Recipe) -> list[Problem]:
+    modules, rc, field = r.parallel.offload.modules, r.parallel.recompute, "parallel.offload.modules"
+    if not modules:
+        return []
+    out = _module_problems(field, modules, r.model)
+    if rc.granularity == "full":
+        out.append(_p(field, "full recompute reruns every region of the stack, so none can be offloaded: set "
+                      "parallel.recompute.granularity none or selective"))
+    elif rc.granularity == "selective":
+        for module in modules:
+            for recomputed in rc.modules:
+                if _overlapping(module, recomputed):
+                    what = "is" if module == recomputed else "overlaps"
+                    out.append(_p(field, f"{module} {what} recomputed ({recomputed} in parallel.recompute.modules): "
+                                  "a region is recomputed or offloaded, not both"))
+    if r.parallel.ep_overlap:
+        out.append(_p(field, "with parallel.ep_overlap is not built yet (the overlapped pairs' forward and backward "
+                      "threads are untested with the offload pool)"))
     return out
 
 
@@ -558,6 +594,7 @@ RULES: tuple[Rule, ...] = (
     Rule(_pipeline, reads=("model", "parallel")),
     Rule(_overlap, reads=("model", "parallel")),
     Rule(_recompute, reads=("model", "parallel")),
+    Rule(_offload, reads=("model", "parallel")),
     Rule(_batch, reads=("train", "parallel", "launch")),
     Rule(_train, reads=("train", "data")),
     Rule(_fp8, reads=("model", "parallel", "train", "launch")),

@@ -172,6 +172,13 @@ class RecomputeConfig(Section):
     num_layers: StrictInt = Field(1, ge=1, description="Full recompute: layers per chunk (uniform) or count (block).")
 
 
+class OffloadConfig(Section):
+    modules: tuple[RecomputeModule, ...] = Field(
+        (), description="Activation offloading: the regions (the recompute policy's module names) whose saved "
+        "tensors go to host memory after their layer's forward and come back ahead of its backward "
+        "(parallel/offload.py). A region is recomputed or offloaded, not both. Does not change a run's numbers.")
+
+
 class ParallelConfig(Section):
     tp: StrictInt = Field(1, ge=1)
     pp: StrictInt = Field(1, ge=1)
@@ -203,6 +210,7 @@ class ParallelConfig(Section):
         "backward (Megatron-Core's --delay-wgrad-compute). Not built yet: validate refuses true."
     )
     recompute: RecomputeConfig = RecomputeConfig()
+    offload: OffloadConfig = OffloadConfig()
     reshard_after_forward: bool | None = Field(
         None, description="FSDP2: free gathered parameters after each forward (less memory, one more all-gather "
         "per micro-batch). null: yes without pipeline parallelism, no with it (a stage's micro-batches interleave "

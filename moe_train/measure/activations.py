@@ -84,6 +84,12 @@ def _views_a_parameter(tensor: torch.Tensor) -> bool:
     return False
 
 
+def is_weight(tensor: torch.Tensor) -> bool:
+    """A parameter, or a parameter seen through views: memory that saving it for backward does not add (the
+    offload pool, parallel/offload.py, leaves these on the device too)."""
+    return _is_parameter(tensor) or _views_a_parameter(tensor)
+
+
 @dataclass
 class _Saved:
     bytes: int

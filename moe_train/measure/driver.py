@@ -28,6 +28,7 @@ from moe_train.measure.memory import LiveBytes, gathered_param_bytes, grad_bytes
 from moe_train.measure.targets import as_fake_runs
 from moe_train.measure.traffic import CollectiveTraffic
 from moe_train.models.fp8.gemm import count_fp8_flops, count_fp8_gemms
+from moe_train.models.moe.collective_turns import comm_wait_times, reset_comm_wait_times
 from moe_train.parallel.bootstrap import bootstrap, shutdown
 from moe_train.parallel.context import ParallelContext
 from moe_train.train.batch import Batch, rank_batch
@@ -173,6 +174,7 @@ def _walk(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
     gc.collect()
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
+    reset_comm_wait_times()
     with contextlib.ExitStack() as stack:
         stack.enter_context(unmeasured_pipeline_warmup(fake=target.fake))
         for context in (local_dtensor_ops(), live, comm, flops, saved):
@@ -188,12 +190,17 @@ def _walk(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
     progress.remove()
     peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else live.peak
     per_layer = saved.per_layer()
+    offloaded: dict[str, int] = {}  # the first micro-batch's saves that left the device (parallel/offload.py)
+    for chunk in chunks:
+        pool = getattr(chunk, "offload_pool", None)
+        offloaded.update({str(layer): b for layer, b in pool.offloaded_bytes_per_layer.items()} if pool else {})
     return {
         "world_size": ctx.world_size,
         "rank": ctx.rank,
         "layers": sorted(layers.layers),
         "activation_bytes_per_layer": per_layer,
         "activation_bytes_total": sum(per_layer.values()),
+        "offloaded_bytes_per_layer": offloaded,
         "param_bytes": sum(param_bytes(chunk) for chunk in chunks),
         "grad_bytes": grads.get("bytes", 0),
         "optimizer_bytes": sum(optimizer_bytes(optimizer) for optimizer in trainable.optimizers),
@@ -212,7 +219,16 @@ def _walk(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
         "fp8_gemm_flops": sum(fp8_flops.values()),
         # every FSDP2 unit's gathered parameters (fp8-gathered weights at 1 byte): plan's params.gathered_bytes
         "gathered_param_bytes": sum(gathered_param_bytes(chunk) for chunk in chunks),
+        # per <group>/<op> of the dispatchers' collectives: the compute thread's wait against the collective's
+        # own time, issue to completion (docs/measure.md); real runs only (fake tensors take no time)
+        "exposed_comm": {} if target.fake else exposed_comm(ctx),
     }
+
+
+def exposed_comm(ctx: ParallelContext) -> dict[str, dict[str, float]]:
+    """The step's ledger of dispatch collectives (models/moe/collective_turns.py) in the report's keys."""
+    keys = ("own_s", "waited_s", "exposed_fraction")
+    return {kind: {key: times[key] for key in keys} for kind, times in comm_wait_times(ctx.group_name).items()}
 
 
 def measure(recipe: Recipe, target: Target) -> dict:

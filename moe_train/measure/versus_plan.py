@@ -39,6 +39,10 @@ def against(plan: dict, report: dict) -> list[Figure]:
     for layer in sorted((set(planned_layers) | set(measured_layers)) - {"other"}, key=int):
         figures.append(Figure(name=f"activations/{layer}", planned=planned_layers.get(layer, 0),
                               measured=measured_layers.get(layer, 0)))
+    planned_off, measured_off = plan.get("offloaded_bytes_per_layer", {}), report.get("offloaded_bytes_per_layer", {})
+    for layer in sorted(set(planned_off) | set(measured_off), key=int):
+        figures.append(Figure(name=f"offloaded/{layer}", planned=planned_off.get(layer, 0),
+                              measured=measured_off.get(layer, 0)))
     for phase in ("forward", "backward", "recompute", "total"):
         figures.append(Figure(name=f"flops/{phase}", planned=plan["flops"][phase], measured=report["flops"][phase]))
     figures.append(Figure(name="flops/fp8", planned=plan["fp8_gemm_flops"], measured=report["fp8_gemm_flops"]))

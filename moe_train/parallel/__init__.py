@@ -6,8 +6,9 @@ own file and a no-op where its dimension is 1. The order matters: a pipeline spl
 rank holds (one model chunk per virtual stage, each then parallelised as a whole model is); tensor parallelism
 turns their weights into sharded DTensors; context parallelism makes attention span the cp ranks' shards of
 each sequence (and sets the MoE layers' token groups, over cp and tp); expert parallelism hands MoE layers their
-dispatcher; recomputation wraps regions of the (now parallel) modules; regional compilation compiles each block
-with them (train.compile, parallel/compile.py); FSDP2 shards what remains over the data-parallel dimensions
+dispatcher; recomputation wraps regions of the (now parallel) modules, and offloading others
+(parallel/offload.py); regional compilation compiles each block with them (train.compile,
+parallel/compile.py); FSDP2 shards what remains over the data-parallel dimensions
 (dp x cp for dense parameters) last, around everything else (each chunk its own root). Steps not built yet are
 refused by `moe_train.config.support` before a model is built.
 """
@@ -30,6 +31,7 @@ def parallelize(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> lis
     from moe_train.parallel.context_parallel import apply_context_parallel
     from moe_train.parallel.data_parallel import apply_fsdp
     from moe_train.parallel.expert import apply_expert_parallel
+    from moe_train.parallel.offload import apply_offload
     from moe_train.parallel.pipeline import split_model
     from moe_train.parallel.recompute import apply_recompute
     from moe_train.parallel.tensor import apply_tensor_parallel
@@ -41,6 +43,7 @@ def parallelize(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> lis
         apply_context_parallel(chunk, recipe, ctx)
         apply_expert_parallel(chunk, recipe, ctx)
         apply_recompute(chunk, recipe)
+        apply_offload(chunk, recipe, ctx.device)
         apply_compile(chunk, recipe, ctx.device)
         apply_fsdp(chunk, recipe, ctx)
     return chunks

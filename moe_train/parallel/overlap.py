@@ -32,10 +32,14 @@ models/moe/collective_turns.py, which the dispatchers call (a model never import
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 
-from moe_train.models.moe.collective_turns import Baton, record, turn_state
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+
+from moe_train.models.moe.collective_turns import Baton, turn_state
 
 
 def run_pair(
@@ -46,22 +50,34 @@ def run_pair(
     baton = Baton()
     results: dict[int, object] = {}
     errors: list[BaseException] = []
+    # torch keeps dispatch modes and saved-tensor hooks per thread: the forward half runs under the caller's, so
+    # what watches the step (measure's FLOP, traffic, live-bytes and saved-tensor counters) sees both halves
+    modes = _get_current_dispatch_mode_stack()
+    saved_hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
 
-    def half(side: int, body: Callable[[], object], micro: int) -> None:
-        turn_state.pair, turn_state.micro_batch = (baton, side), micro
+    def half(side: int, body: Callable[[], object], micro: int, partner: int) -> None:
+        turn_state.pair, turn_state.micro_batch, turn_state.partner = (baton, side), micro, partner
         try:
             baton.wait_turn(side)
-            record("start", "compute")
-            results[side] = body()
+            with contextlib.ExitStack() as inherited:
+                if side == 1:
+                    for mode in modes:  # pushed, not entered again: a mode's __enter__ may patch globals once
+                        _push_mode(mode)
+                        inherited.callback(_pop_mode)
+                    if saved_hooks is not None:
+                        inherited.enter_context(torch.autograd.graph.saved_tensors_hooks(*saved_hooks))
+                results[side] = body()
         except BaseException as error:  # noqa: BLE001 -- re-raised on the calling thread below
             errors.append(error)
         finally:
-            turn_state.pair = turn_state.micro_batch = None
+            turn_state.pair = turn_state.micro_batch = turn_state.partner = None
             baton.finish(side)
 
-    helper = threading.Thread(target=half, args=(1, forward, forward_micro_batch), name="ep-overlap-forward")
+    helper = threading.Thread(
+        target=half, args=(1, forward, forward_micro_batch, backward_micro_batch), name="ep-overlap-forward"
+    )
     helper.start()
-    half(0, backward, backward_micro_batch)
+    half(0, backward, backward_micro_batch, forward_micro_batch)
     helper.join()
     if errors:
         raise errors[0]

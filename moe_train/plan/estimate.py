@@ -26,7 +26,7 @@ from .activation_memory import (
 from .assumptions import Assumptions
 from .comm_bytes import CommBytes, comm_time
 from .flop_count import forward_flops_per_token, layer_flops_by_region
-from .params import RankParams, fp8_gathered_kinds, rank_params
+from .params import RankParams, Tensor, fp8_gathered_kinds, fsdp_rows, rank_params
 from .rank_layout import Chunk, PlanLayout, in_flight, rank_chunks
 from .recompute_policy import RecomputePolicy, recompute_groups
 from .saved_tensors import ActivationLayout, expert_rows, padded_capacity
@@ -301,7 +301,7 @@ def _plan_rank(recipe: Recipe, layout: PlanLayout, assumptions: Assumptions, ran
     memory = {
         "weights": MASTER_BYTES * params.local,
         "grads": GRAD_BYTES * params.local,
-        "optimizer": ADAM_BYTES[recipe.train.adam_moment_dtype] * params.local,
+        "optimizer": _optimizer_bytes(recipe, params),
         "activations": activations,
         "buffers": _buffer_bytes(recipe, shapes, layout, assumptions, chunks, params, param_bytes, transient),
     }
@@ -313,6 +313,25 @@ def _plan_rank(recipe: Recipe, layout: PlanLayout, assumptions: Assumptions, ran
     return RankPlan(rank, params, memory, per_layer, flops, split, counted,
                     _elementwise_bytes(model, shapes, layout, chunks, assumptions),
                     _moe_sync(model, layout, chunks, assumptions))
+
+
+def _muon_trained(tensor: Tensor) -> bool:
+    """Whether train.optimizer muon gives `tensor` to Muon under the default `train.muon.exclude`: every attention,
+    MLP and shared-expert weight and each routed expert's matrices; the embedding, head, router, MTP's eh_proj
+    and every 1-D tensor stay with AdamW (train/muon.py's muon_param_groups)."""
+    return tensor.unit == "experts" or tensor.gemm in ("attention", "mlp", "shared_experts")
+
+
+def _optimizer_bytes(recipe: Recipe, params: RankParams) -> int:
+    """The optimizer state of the rank's FSDP2 shards: AdamW's two moments per element, or under Muon one
+    momentum buffer for Muon's matrices and AdamW's two for the rest, each in train.adam_moment_dtype (AdamW's
+    step scalars, 4 bytes a tensor, are left out)."""
+    moments = ADAM_BYTES[recipe.train.adam_moment_dtype] * params.local
+    if recipe.train.optimizer != "muon":
+        return moments
+    muon = sum(unit.count * fsdp_rows(t.shape[0], unit.shards)[0] * (t.numel // t.shape[0])
+               for unit in params.units for t in unit.tensors if _muon_trained(t))
+    return moments - ADAM_BYTES[recipe.train.adam_moment_dtype] // 2 * muon
 
 
 def _activation_bytes(model: ModelConfig, shapes: ActivationLayout, layout: PlanLayout, rank: int,

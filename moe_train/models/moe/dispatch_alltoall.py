@@ -23,8 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe_train.models.moe.collective_turns import issued_together
-from moe_train.models.moe.dispatch_collectives import all_to_all_rows
+from moe_train.models.moe.dispatch_collectives import all_to_all_rows, all_to_all_together
 from moe_train.models.moe.expert_group import ExpertShard
 from moe_train.models.moe.permute import Permutation, permute, slot_sum, unpermute
 from moe_train.models.moe.router import count_per_expert
@@ -105,9 +104,9 @@ class AllToAllDispatcher:
         rows, probs, _, permutation = permute(
             hidden, topk_indices, topk_weights, num_experts=self.num_experts, keep=keep, pad_to=pad_to, kept=kept
         )
-        with issued_together():  # one wait for both (the paired micro-batch computes in between: ep_overlap)
-            arrived = all_to_all_rows(rows, send_splits=send_splits, recv_splits=recv_splits, group=shard.group)
-            probs = all_to_all_rows(probs, send_splits=send_splits, recv_splits=recv_splits, group=shard.group)
+        arrived, probs = all_to_all_together(  # one wait for both, forward and backward (ep_overlap)
+            [rows, probs], send_splits=send_splits, recv_splits=recv_splits, group=shard.group,
+        )
         if self.num_local_experts == 1:
             local_order = None  # one local expert: source-major order already is expert-major
         else:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from moe_train.models.moe.collective_turns import run_collective
+from moe_train.models.moe.collective_turns import issued_together, run_collective
 
 
 def all_to_all_rows(
@@ -29,6 +29,19 @@ def all_to_all_rows(
 ) -> torch.Tensor:
     """rows [sum(send_splits), H] -> [sum(recv_splits), H]: block r of the input goes to rank r of the group."""
     return _AllToAll.apply(rows, send_splits, recv_splits, group)
+
+
+def all_to_all_together(
+    tensors: list[torch.Tensor],
+    *,
+    send_splits: list[int],
+    recv_splits: list[int],
+    group: ProcessGroup,
+) -> list[torch.Tensor]:
+    """Several row tensors with the same splits (a dispatch's rows, their expert ids, their routing weights),
+    issued together and waited on together, in forward and in backward: one wait, so
+    under `parallel.ep_overlap` the paired micro-batch's compute runs beside all of them at once."""
+    return list(_AllToAllTogether.apply(send_splits, recv_splits, group, *tensors))
 
 
 def all_gather_rows(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
@@ -46,14 +59,15 @@ def _all_to_all(rows: torch.Tensor, send_splits: list[int], recv_splits: list[in
     rows = rows.contiguous()
     out = rows.new_empty(sum(recv_splits), *rows.shape[1:])
     run_collective("all_to_all", lambda: dist.all_to_all_single(
-        out, rows, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group, async_op=True))
+        out, rows, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group, async_op=True),
+        group=group)
     return out
 
 
 def _all_gather(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty(dist.get_world_size(group) * x.shape[0], *x.shape[1:])
-    run_collective("all_gather", lambda: dist.all_gather_single(out, x, group=group, async_op=True))
+    run_collective("all_gather", lambda: dist.all_gather_single(out, x, group=group, async_op=True), group=group)
     return out
 
 
@@ -61,7 +75,7 @@ def _reduce_scatter(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty(x.shape[0] // dist.get_world_size(group), *x.shape[1:])
     run_collective("reduce_scatter", lambda: dist.reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group,
-                                                                        async_op=True))
+                                                                        async_op=True), group=group)
     return out
 
 
@@ -75,6 +89,24 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         send_splits, recv_splits = ctx.splits
         return _all_to_all(grad, recv_splits, send_splits, ctx.group), None, None, None
+
+
+class _AllToAllTogether(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, send_splits, recv_splits, group, *tensors):
+        ctx.splits, ctx.group = (send_splits, recv_splits), group
+        ctx.set_materialize_grads(False)  # an output without a gradient sends nothing back, as on its own
+        with issued_together():
+            outs = [_all_to_all(t, send_splits, recv_splits, group) for t in tensors]
+        ctx.mark_non_differentiable(*[out for out in outs if not out.is_floating_point()])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        send_splits, recv_splits = ctx.splits
+        with issued_together():  # which outputs have gradients is the graph's, the same on every rank
+            back = [None if grad is None else _all_to_all(grad, recv_splits, send_splits, ctx.group) for grad in grads]
+        return None, None, None, *back
 
 
 class _AllGather(torch.autograd.Function):

@@ -29,9 +29,8 @@ import torch
 import torch.distributed as dist
 
 from moe_train.config.routing_shapes import ForcedRouting
-from moe_train.models.moe.collective_turns import issued_together
 from moe_train.models.moe.dispatch_alltoall import AllToAllDispatcher, AllToAllPlan
-from moe_train.models.moe.dispatch_collectives import all_to_all_rows
+from moe_train.models.moe.dispatch_collectives import all_to_all_rows, all_to_all_together
 from moe_train.models.moe.permute import scatter_sum
 
 
@@ -114,11 +113,9 @@ class HierarchicalDispatcher:
         rows = hidden.index_select(0, token_ids)
         weights = topk_weights.index_select(0, token_ids)  # the rows' index: one storage
         if self.node_group is not None:
-            with issued_together():  # one wait for the three (ep_overlap: the paired micro-batch computes between)
-                rows = all_to_all_rows(rows, send_splits=send_splits, recv_splits=recv_splits, group=self.node_group)
-                ids = all_to_all_rows(ids, send_splits=send_splits, recv_splits=recv_splits, group=self.node_group)
-                weights = all_to_all_rows(weights, send_splits=send_splits, recv_splits=recv_splits,
-                                          group=self.node_group)
+            rows, ids, weights = all_to_all_together(  # one wait for the three, forward and backward (ep_overlap)
+                [rows, ids, weights], send_splits=send_splits, recv_splits=recv_splits, group=self.node_group,
+            )
         out, probs, counts, plan = self.inner.dispatch(rows, ids.clamp(min=0), weights, keep=ids >= 0, **inner)
         return out, probs, counts, HierarchicalPlan(token_ids, send_splits, recv_splits, plan, tokens)
 
