@@ -63,38 +63,44 @@ def timings(repeats: int) -> None:
         print(f"{name:40s} {median:9.3f} {min(times):7.3f} {median / baseline:9.1f}")
 
 
-# What Megatron-Core does and our engine does not: the all-to-all overlapped with another micro-batch's compute
-# (a what-if: the engine's own ep_overlap is 0). Gathering parameters once per step is the recipes' own
-# `parallel.param_gather: per_step` now, in both columns.
-MEGATRON_LIKE = {"ep_overlap": 0.8}
+# The recipe's parallel.ep_overlap (docs/parallel.md, "Overlapped micro-batches"): the plan prices what its
+# pairs of micro-batches hide (plan/overlap.py); validate refuses it with pipelining (pp > 1), and so does plan.
+EP_OVERLAP = ["parallel.ep_overlap=true"]
 
 
 def published() -> None:
     from moe_train.config import load_recipe
     from moe_train.config.hardware import hardware_table
-    from moe_train.plan.assumptions import Assumptions
     from moe_train.plan.estimate import estimate, plan_json
 
     # error: of the plan in Megatron-Core's convention (causal attention over half of s x s), as it publishes;
     # "engine": the plan in the engine's own (full s x s, as torch's flop counter and measure count)
     print(f"\n{'model':15s} {'hardware':8s} {'GPUs':>4s} {'published':>9s} {'plan':>6s} {'error':>7s} "
           f"{'engine':>6s} {'peak GB':>8s} {'fits':>5s}  step-time parts (s) of the slowest pipeline rank")
-    for label, assumptions in (("defaults (our engine)", Assumptions()),
-                               (f"Megatron-like {MEGATRON_LIKE}", Assumptions(**MEGATRON_LIKE))):
+    from moe_train.config import RecipeError
+
+    for label, extra in (("parallel.ep_overlap false (the plain step)", []),
+                         ("parallel.ep_overlap true (overlapped pairs of micro-batches)", EP_OVERLAP)):
         print(label)
         for name, gpu, gpus, figure, overrides in PUBLISHED:
-            recipe = load_recipe(name, overrides)
+            try:
+                recipe = load_recipe(name, [*overrides, *extra], check_files=False)
+            except RecipeError as error:  # plan refuses what validate refuses (exit 2)
+                print(f"{name:15s} {gpu:8s} {gpus:4d} {figure:9.1f}  refused: {error}")
+                continue
             assert recipe.world_size == gpus, (name, recipe.world_size)
-            data = plan_json(estimate(recipe, hardware_table()[recipe.launch.gpu], assumptions))
+            data = plan_json(estimate(recipe, hardware_table()[recipe.launch.gpu]))
             t = data["time_s"]
             parts = ", ".join(f"{k} {t[k]:.2f}" for k in ("compute", "elementwise", "comm_total", "comm_exposed",
-                                                            "moe_sync", "bubble", "optimizer"))
+                                                            "ep_comm_hidden", "moe_sync", "bubble", "optimizer"))
+            exposed = ", ".join(f"{k} {c['exposed_fraction']:.2f} of {c['own_s']:.2f} s"
+                                for k, c in data["exposed_comm"].items())
             megatron = data["tflops_per_gpu_megatron"]
             error = megatron / figure - 1
             print(f"{name:15s} {gpu:8s} {gpus:4d} {figure:9.1f} {megatron:6.1f} {error:+7.1%} "
                   f"{data['tflops_per_gpu']:6.1f} {data['memory_bytes']['total'] / 1e9:8.1f} "
                   f"{str(data['fits']):>5s}  {parts} (pp rank {data['time_rank']['pp']}; memory: pp rank "
-                  f"{data['rank']['pp']})")
+                  f"{data['rank']['pp']}); EP comm exposed: {exposed}")
 
 
 def main() -> None:

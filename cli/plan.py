@@ -86,6 +86,11 @@ def _table(plan: Plan) -> Table:
                                f"{t['elementwise']:.2f} + exposed comm {t['comm_exposed']:.2f} + MoE syncs "
                                f"{t['moe_sync']:.2f} + bubble "
                                f"{t['bubble']:.2f} + optimizer {t['optimizer']:.2f}")
+    if plan.recipe.parallel.ep_overlap:
+        shown = ", ".join(f"{key} {c['exposed_fraction']:.2f} of {c['own_s']:.2f} s"
+                          for key, c in data["exposed_comm"].items())
+        table.add_row("ep_overlap", f"the overlapped pairs hide {t['ep_comm_hidden']:.2f} s of EP comm; exposed: "
+                                    f"{shown or 'none'}")
     table.add_row("throughput", f"{data['tokens_per_s']:,.0f} tokens/s, {data['tflops_per_gpu']:.0f} TFLOP/s per GPU "
                                 f"({data['tflops_per_gpu_megatron']:.0f} in Megatron-Core's convention, causal "
                                 f"attention over half of s x s), MFU {data['mfu']:.1%}")
@@ -191,7 +196,7 @@ def _routed(recipe, hardware, assumptions: Assumptions, loads, *, every_rank: bo
     routing = routing_plan(recipe, loads)
     planned = replace(assumptions, moe_imbalance=routing.imbalance)
     routed = estimate(recipe, hardware, planned, every_rank=every_rank)
-    return routing, routed, all_to_all_seconds(routing, recipe, hardware, planned)
+    return routing, routed, all_to_all_seconds(routing, recipe, hardware, planned, routed.ep_phases)
 
 
 def _speed(plan: Plan, extra_s: float = 0.0) -> dict:
@@ -242,7 +247,7 @@ def _search(recipe, hardware, assumptions: Assumptions, *, top: int, as_json: bo
         for c in best:
             candidate = traced(c.plan.recipe)
             routing = routing_plan(candidate, loads)
-            extra = all_to_all_seconds(routing, candidate, hardware, c.plan.assumptions)
+            extra = all_to_all_seconds(routing, candidate, hardware, c.plan.assumptions, c.plan.ep_phases)
             routed_speed[id(c)] = _speed(c.plan, extra)
         best = sorted(best, key=lambda c: -routed_speed[id(c)]["tokens_per_s"])[:top]
     if as_json:

@@ -40,9 +40,6 @@ class Assumptions:
     """Achieved fraction of the per-GPU network bandwidth (InfiniBand/RoCE) across nodes."""
     tp_overlap: float = 0.0
     """TP/SP collectives sit on the critical path (no comm-GEMM overlap assumed)."""
-    ep_overlap: float = 0.0
-    """Part of the MoE all-to-all hidden behind compute. Our dispatcher runs in line with the layer (0);
-    Megatron-Core overlaps it with another micro-batch's compute when asked (1F1B all-to-all overlap)."""
     dp_overlap: float = 0.9
     """FSDP all-gathers and reduce-scatters are prefetched and overlap compute except at the step's edges."""
     pp_overlap: float = 1.0

@@ -159,6 +159,21 @@ class CommBytes:
         return out
 
 
+def dispatch_forward(recipe: Recipe, layout: PlanLayout, lay: ActivationLayout, chunks: list[Chunk]) -> CommBytes:
+    """The dispatchers' collectives of the rank's MoE layers (MTP's MoE blocks too) in the micro-batches'
+    forwards, not recomputed: what ep_overlap's pairs hide behind a backward (plan/overlap.py); the rest of
+    those keys' bytes ran in the backwards."""
+    out, m = CommBytes(), recipe.model
+    if m.moe is None:
+        return out
+    model = _ModelComm(m, layout, lay, cp_comm=recipe.parallel.cp_exchange(m.family))
+    sizes = {"ep": layout.ep, "ep_etp": layout.ep * layout.etp, "epnode": layout.ep_split[0],
+             "eplocal": layout.ep_split[1]}
+    layers = sum(chunk.moe_layers + chunk.mtp for chunk in chunks)
+    out.add_pass(model._dispatch("forward"), sizes, layout.micro_batches * layers)
+    return out
+
+
 class _CachedComm:
     """`_ModelComm`'s passes, each summed by `(group, op)` (bus bytes are linear in the payload) and kept across
     plans: `plan --search` plans hundreds of layouts whose layers are alike."""
@@ -512,12 +527,13 @@ def _fsdp(out: CommBytes, recipe: Recipe, layout: PlanLayout, params: RankParams
 
 
 def comm_time(counter: CommBytes, layout: PlanLayout, hw: Hardware, a: Assumptions) -> dict[str, dict]:
-    """Seconds per key on its link (bus bytes over the achieved bandwidth), and the part that overlap could
-    hide behind compute (the caller caps the hidden total at the compute there is to hide behind)."""
-    overlap = {"tp": a.tp_overlap, "ep": a.ep_overlap, "etp": a.ep_overlap, "ep_etp": a.ep_overlap,
-               "dp": a.dp_overlap, "dp_cp": a.dp_overlap, "edp": a.dp_overlap, "pp": a.pp_overlap,
-               "dpr": a.dp_overlap, "dps": a.dp_overlap, "dps_cp": a.dp_overlap, "edps": a.dp_overlap,
-               "epnode": a.ep_overlap, "eplocal": a.ep_overlap}
+    """Seconds per key on its link (bus bytes over the achieved bandwidth), and the part that the assumed
+    overlap fractions could hide behind compute (the caller caps the hidden total at the compute there is to
+    hide behind). The expert-parallel groups have none here: what `parallel.ep_overlap` hides follows from the
+    schedule (plan/overlap.py)."""
+    overlap = {"tp": a.tp_overlap, "dp": a.dp_overlap, "dp_cp": a.dp_overlap, "edp": a.dp_overlap,
+               "pp": a.pp_overlap, "dpr": a.dp_overlap, "dps": a.dp_overlap, "dps_cp": a.dp_overlap,
+               "edps": a.dp_overlap}
     nvlink = hw.nvlink_bytes_per_s * a.nvlink_efficiency
     network = hw.network_bytes_per_s * a.network_efficiency
     total, hideable = {}, {}

@@ -24,8 +24,9 @@ from .activation_memory import (
     other_activation_bytes,
 )
 from .assumptions import Assumptions
-from .comm_bytes import CommBytes, comm_time
+from .comm_bytes import CommBytes, comm_time, dispatch_forward
 from .flop_count import forward_flops_per_token, layer_flops_by_region
+from .overlap import ExposedComm, PairedPhases, exposed_comm
 from .params import RankParams, Tensor, fp8_gathered_kinds, fsdp_rows, rank_params
 from .rank_layout import Chunk, PlanLayout, in_flight, rank_chunks
 from .recompute_policy import RecomputePolicy, recompute_groups
@@ -43,6 +44,18 @@ ADAM_BYTES = {"fp32": 8, "bf16": 4}  # m and v, by train.adam_moment_dtype
 # ------------------------------------------------------------------------------------------------ plan
 
 
+@dataclass(frozen=True)
+class MoeLayerWork:
+    """One MoE layer's executed FLOPs by kind of kernel (`_kernel`) in one micro-batch's forward and in its
+    backward (with what recomputation reruns there), its memory-bound bytes over both, and how many such
+    layers the rank runs (MTP's MoE blocks too)."""
+
+    forward: dict[str, float]
+    backward: dict[str, float]
+    elementwise_bytes: float
+    count: int
+
+
 @dataclass
 class RankPlan:
     rank: int
@@ -54,6 +67,10 @@ class RankPlan:
     comm: CommBytes
     elementwise_bytes: float
     moe_sync: float  # seconds per step the host waits on MoE token counts
+    # the dispatchers' bytes of the forwards (the rest of their keys' bytes ran in the backwards), and one MoE
+    # layer's work in one micro-batch: what ep_overlap's pairs hide behind (plan/overlap.py)
+    dispatch_forward: CommBytes = field(default_factory=CommBytes)
+    moe_layer: MoeLayerWork | None = None
 
 
 @dataclass
@@ -69,6 +86,9 @@ class Plan:
     megatron_flops_per_step: float  # model FLOPs with causal attention over half of s x s (Megatron-Core's)
     time: dict[str, float] = field(default_factory=dict)
     time_rank: int = 0  # the pipeline rank whose step time is the step's (the slowest; `worst` is the fullest)
+    # the time rank's dispatcher collectives per <group>/<op>: own seconds and what ep_overlap hides
+    exposed_comm: dict[str, ExposedComm] = field(default_factory=dict)
+    ep_phases: PairedPhases | None = None  # what the time rank's MoE layers hide their EP comm behind
     fp8_auto: bool = False  # train.fp8.recipe was auto (`recipe` holds what it resolved to on this GPU)
 
     @property
@@ -310,9 +330,42 @@ def _plan_rank(recipe: Recipe, layout: PlanLayout, assumptions: Assumptions, ran
     flops, split = _rank_flops(model, layout, chunks, assumptions)
     counted = (CommBytes.for_rank(recipe, layout, shapes, chunks, params, param_bytes, assumptions) if comm
                else CommBytes())
+    forward = dispatch_forward(recipe, layout, shapes, chunks) if comm else CommBytes()
+    moe_layer = _moe_layer_work(model, layout, shapes, chunks, assumptions) if comm else None
     return RankPlan(rank, params, memory, per_layer, flops, split, counted,
                     _elementwise_bytes(model, shapes, layout, chunks, assumptions),
-                    _moe_sync(model, layout, chunks, assumptions))
+                    _moe_sync(model, layout, chunks, assumptions), forward, moe_layer)
+
+
+def _moe_layer_work(model: ModelConfig, layout: PlanLayout, shapes: ActivationLayout, chunks: list[Chunk],
+                    a: Assumptions) -> MoeLayerWork | None:
+    """One MoE layer's work in one micro-batch, as `_rank_flops` and `_elementwise_bytes` count it for the
+    step: forward, then backward (2x forward, context-parallel attention 2.5x) with the layer's recomputation
+    (selective: its regions; full: its forward again)."""
+    count = sum(c.moe_layers + c.mtp for c in chunks)
+    if model.moe is None or count == 0:
+        return None
+    tokens = layout.micro_batch * layout.seq_length / layout.cp
+    regions = _layer_flops(model, layout, True, a)
+    policy = layout.recompute
+    if policy.granularity == "selective":
+        rerun = _selective_recompute(model, regions, set(policy.modules), True, layout.fp8_modules)
+    else:
+        rerun = {k: v for k, v in regions.items() if k != "mla_up_proj"} if policy.granularity == "full" else {}
+    forward: dict[str, float] = {}
+    backward: dict[str, float] = {}
+    for name, value in regions.items():
+        if name != "mla_up_proj":  # part of `attention` in the forward
+            kernel = _kernel(name, layout.fp8_modules)
+            forward[kernel] = forward.get(kernel, 0.0) + value * tokens
+    extra = CP_ATTENTION_BACKWARD - 2 if layout.cp > 1 else 0.0
+    for kernel, value in forward.items():
+        backward[kernel] = (2 + (extra if kernel == "attention" else 0.0)) * value
+    for name, value in rerun.items():
+        kernel = _kernel(name, layout.fp8_modules)
+        backward[kernel] = backward.get(kernel, 0.0) + value * tokens
+    saved = layer_activation_bytes(model, shapes, layer_index=model.num_layers)
+    return MoeLayerWork(forward, backward, a.elementwise_traffic_per_saved_byte * saved, count)
 
 
 def _muon_trained(tensor: Tensor) -> bool:
@@ -421,25 +474,58 @@ def _moe_sync(model: ModelConfig, layout: PlanLayout, chunks: list[Chunk], assum
     return assumptions.moe_sync_s * moe_layers * moe_forwards * layout.micro_batches
 
 
-def _time(plan_rank: RankPlan, layout: PlanLayout, hw: Hardware, a: Assumptions,
-          local_params: float) -> dict[str, float]:
+def _compute_seconds(split: dict[str, float], hw: Hardware, a: Assumptions) -> float:
+    """Seconds of FLOPs by kind of kernel at the kinds' achieved efficiencies (fp8 GEMMs at the fp8 speed-up)."""
     fp8_peak = hw.bf16_flops * a.fp8_gemm_speedup
-    split = plan_rank.flops_split
-    compute = ((split["gemm"] / hw.bf16_flops + split["fp8_gemm"] / fp8_peak) / a.gemm_efficiency
-               + (split["grouped_gemm"] / hw.bf16_flops + split["fp8_grouped_gemm"] / fp8_peak)
-               / a.grouped_gemm_efficiency
-               + split["attention"] / (hw.bf16_flops * a.attention_efficiency))
+    return ((split.get("gemm", 0.0) / hw.bf16_flops + split.get("fp8_gemm", 0.0) / fp8_peak) / a.gemm_efficiency
+            + (split.get("grouped_gemm", 0.0) / hw.bf16_flops + split.get("fp8_grouped_gemm", 0.0) / fp8_peak)
+            / a.grouped_gemm_efficiency
+            + split.get("attention", 0.0) / (hw.bf16_flops * a.attention_efficiency))
+
+
+def paired_phases(recipe: Recipe, layout: PlanLayout, work: MoeLayerWork | None, hw: Hardware,
+                  a: Assumptions) -> PairedPhases | None:
+    """What one MoE layer's EP communication hides behind under the recipe's `parallel.ep_overlap`: one MoE
+    layer's compute and memory-bound seconds in a micro-batch's forward (a third of its memory-bound traffic:
+    each saved byte written and read forward, its gradient and the re-reads backward) and backward."""
+    if work is None:
+        return None
+    elementwise = work.elementwise_bytes / hw.hbm_bytes_per_s
+    return PairedPhases(micro_batches=layout.micro_batches, overlapped=recipe.parallel.ep_overlap,
+                        forward_compute_s=_compute_seconds(work.forward, hw, a) + elementwise / 3,
+                        backward_compute_s=_compute_seconds(work.backward, hw, a) + 2 * elementwise / 3)
+
+
+def _exposed_comm(plan_rank: RankPlan, phases: PairedPhases | None, layout: PlanLayout, hw: Hardware,
+                  a: Assumptions, seconds: dict[str, float]) -> dict[str, ExposedComm]:
+    """The rank's dispatcher collectives per <group>/<op> (the keys of its forwards' dispatch bytes): their own
+    seconds per step (`seconds`: comm_time's) and the part ep_overlap's pairs hide (plan/overlap.py)."""
+    if phases is None or plan_rank.moe_layer is None or not plan_rank.dispatch_forward.bus:
+        return {}
+    forward = comm_time(plan_rank.dispatch_forward, layout, hw, a)["total"]
+    own = {key: seconds[key] for key in forward}
+    return exposed_comm(own, forward, phases, layers=plan_rank.moe_layer.count)
+
+
+def _time(plan_rank: RankPlan, layout: PlanLayout, hw: Hardware, a: Assumptions, local_params: float,
+          phases: PairedPhases | None = None) -> tuple[dict[str, float], dict[str, ExposedComm]]:
+    """The step time's parts, and the dispatcher collectives' own and hidden seconds."""
+    compute = _compute_seconds(plan_rank.flops_split, hw, a)
     elementwise = plan_rank.elementwise_bytes / hw.hbm_bytes_per_s
     comm = comm_time(plan_rank.comm, layout, hw, a)
     comm_total = sum(comm["total"].values())
-    # communication hides behind compute at most: the overlap fractions cannot hide more than there is
-    exposed = comm_total - min(sum(comm["hideable"].values()), compute + elementwise)
+    dispatch = _exposed_comm(plan_rank, phases, layout, hw, a, comm["total"])
+    # ep_overlap hides the dispatchers' collectives behind the paired micro-batch's compute, at most that
+    # compute (plan/overlap.py); the assumed overlap fractions hide the other collectives (their own streams:
+    # FSDP2's, the pipeline's) behind the rank's compute, at most all of it (docs/plan.md, "Step time")
+    ep_hidden = sum(c.hidden_s for c in dispatch.values())
+    exposed = comm_total - ep_hidden - min(sum(comm["hideable"].values()), compute + elementwise)
     busy = compute + elementwise + exposed + plan_rank.moe_sync
     bubble = busy * (layout.pp - 1) / (layout.vpp * layout.micro_batches) if layout.pp > 1 else 0.0
     optimizer = a.optimizer_bytes_per_param * local_params / hw.hbm_bytes_per_s
     return {"compute": compute, "elementwise": elementwise, "comm_exposed": exposed, "comm_total": comm_total,
-            "moe_sync": plan_rank.moe_sync, "bubble": bubble, "optimizer": optimizer,
-            "step": busy + bubble + optimizer}
+            "ep_comm_hidden": ep_hidden, "moe_sync": plan_rank.moe_sync, "bubble": bubble,
+            "optimizer": optimizer, "step": busy + bubble + optimizer}, dispatch
 
 
 def _candidate_ranks(per_rank: list[list[Chunk]]) -> list[int]:
@@ -472,11 +558,13 @@ def estimate(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None
         executed = sum(r.flops["total"] for r in ranks) * layout.ranks_per_stage
     else:  # the planned ranks stand for all (search ranks layouts; it does not report executed FLOPs)
         executed = sum(r.flops["total"] for r in ranks) * layout.pp / len(ranks) * layout.ranks_per_stage
-    times = [_time(r, layout, hardware, a, r.params.local) for r in ranks]
+    phases = [paired_phases(recipe, layout, r.moe_layer, hardware, a) for r in ranks]
+    times = [_time(r, layout, hardware, a, r.params.local, p) for r, p in zip(ranks, phases, strict=True)]
     worst = max(ranks, key=lambda r: r.memory["total"])
-    slowest = max(range(len(ranks)), key=lambda i: times[i]["step"])
+    slowest = max(range(len(ranks)), key=lambda i: times[i][0]["step"])
     return Plan(recipe, hardware, layout, a, ranks, worst, model_flops, executed, megatron_flops,
-                time=times[slowest], time_rank=ranks[slowest].rank, fp8_auto=auto)
+                time=times[slowest][0], time_rank=ranks[slowest].rank, fp8_auto=auto,
+                exposed_comm=times[slowest][1], ep_phases=phases[slowest])
 
 
 def _gathered_bytes(recipe: Recipe, layout: PlanLayout, rank: RankPlan) -> int:
@@ -541,6 +629,8 @@ def plan_json(plan: Plan, *, pipeline_rank: int | None = None) -> dict:
                    "recompute_modules": list(layout.recompute.modules)},
         "step_time_s": plan.step_time,
         "time_s": plan.time,
+        # the time rank's dispatcher collectives: own seconds, what ep_overlap hides (measure's exposed_comm keys)
+        "exposed_comm": {key: c.to_json() for key, c in plan.exposed_comm.items()},
         "time_rank": {"pp": plan.time_rank, "dp": 0, "cp": 0, "tp": 0},
         "tokens_per_s": plan.tokens_per_s,
         "tflops_per_gpu": plan.tflops_per_gpu,

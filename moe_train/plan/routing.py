@@ -158,6 +158,9 @@ class LayerRouting:
     all_to_all_bytes_balanced: float  # under measure's forced (even) routing
     rank_exchange_bytes: list[float]  # the bytes that time each rank's all-to-alls (`routing_plan`)
     exchange_bytes_balanced: float
+    # of them, the forwards' (the rest ran in the backwards): what ep_overlap hides behind which (plan/overlap.py)
+    rank_exchange_forward_bytes: list[float]
+    exchange_forward_bytes_balanced: float
 
     @property
     def straggler_rank(self) -> int:
@@ -243,20 +246,23 @@ def routing_plan(recipe, loads: ExpertLoads) -> RoutingPlan:
     policy = layout.recompute
     passes = layout.micro_batches * (2 if policy.granularity == "full" or "moe" in policy.modules else 1)
 
-    def traffic(routing) -> tuple[float, float]:
+    def traffic(routing) -> tuple[float, float, float]:
         """(the all-to-all bytes one rank sends per step in one MoE layer under `routing`, the bytes that time
-        them). An exchange lasts as long as the larger of what a rank sends and receives in it; every rank
-        routing alike, what it receives in the dispatch is what it sends back in the combine and the reverse,
-        so both row exchanges take its larger payload of the two (the counts and weights as sent)."""
+        them, of those the forwards'). An exchange lasts as long as the larger of what a rank sends and
+        receives in it; every rank routing alike, what it receives in the dispatch is what it sends back in the
+        combine and the reverse, so both row exchanges take its larger payload of the two (the counts and
+        weights as sent). A recompute's exchanges run in the backward."""
         comm = _ModelComm(m, layout, lay, cp_comm=recipe.parallel.cp_exchange(m.family), routing=routing)
-        sent = timed = 0.0
+        sent = timed = forward = 0.0
         for direction, times in (("forward", passes), ("backward", layout.micro_batches)):
             payloads = sorted(c[2] for c in comm._dispatch(direction) if c[1] == "all_to_all")
             sent += times * sum(payloads)
             if len(payloads) >= 2:  # the two row exchanges are the two largest (a row outweighs its weight)
                 payloads[-2] = payloads[-1]
             timed += times * sum(payloads)
-        return sent, timed
+            if direction == "forward":
+                forward = layout.micro_batches * sum(payloads)
+        return sent, timed, forward
 
     traced = m.moe.dispatcher == "alltoall"
     balanced = traffic(None)
@@ -276,31 +282,39 @@ def routing_plan(recipe, loads: ExpertLoads) -> RoutingPlan:
                 layer,
                 [s * layout.ep * mean for s in shares],
                 mean,
-                [sent for sent, _ in rank_traffic],
+                [sent for sent, _, _ in rank_traffic],
                 balanced[0],
-                [timed for _, timed in rank_traffic],
+                [timed for _, timed, _ in rank_traffic],
                 balanced[1],
+                [forward for _, _, forward in rank_traffic],
+                balanced[2],
             )
         )
     return RoutingPlan(ep=layout.ep, placement=recipe.model.moe.placement, steps=loads.steps, layers=layers)
 
 
-def all_to_all_seconds(routing: RoutingPlan, recipe, hardware, assumptions) -> float:
+def all_to_all_seconds(routing: RoutingPlan, recipe, hardware, assumptions, phases=None) -> float:
     """Seconds per step the traced all-to-alls add to the balanced plan's exposed communication: per layer its
     slowest rank's (every rank waits for it at the combine), on the plan's links (plan/comm_bytes.py
-    `comm_time`), less the part `ep_overlap` hides, minus what the balanced routing's bytes already cost."""
+    `comm_time`), less the part the recipe's `parallel.ep_overlap` hides behind the paired micro-batch's
+    compute (`phases`: the plan's `ep_phases`, plan/overlap.py; None or not overlapped: nothing hides), minus
+    what the balanced routing's bytes already cost."""
     from .comm_bytes import CommBytes, comm_time
     from .rank_layout import PlanLayout
 
     layout = PlanLayout.from_recipe(recipe)
 
-    def exposed(payload: float) -> float:
+    def exposed(payload: float, forward: float) -> float:
         counter = CommBytes()
         counter.add("ep", "all_to_all", payload, layout.ep)
-        times = comm_time(counter, layout, hardware, assumptions)
-        return sum(times["total"].values()) - sum(times["hideable"].values())
+        seconds = sum(comm_time(counter, layout, hardware, assumptions)["total"].values())
+        if phases is None or payload <= 0:
+            return seconds
+        forward_s = seconds * forward / payload
+        return seconds - phases.hidden_s(forward_s, seconds - forward_s)
 
     return sum(
-        max(exposed(b) for b in layer.rank_exchange_bytes) - exposed(layer.exchange_bytes_balanced)
+        max(exposed(b, f) for b, f in zip(layer.rank_exchange_bytes, layer.rank_exchange_forward_bytes, strict=True))
+        - exposed(layer.exchange_bytes_balanced, layer.exchange_forward_bytes_balanced)
         for layer in routing.layers
     )

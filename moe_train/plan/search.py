@@ -115,6 +115,11 @@ def layouts(recipe: Recipe, *, nvlink_domain: int | None = None) -> list[dict]:
             # the recipe's FSDP2 cadence where it can run: pipeline schedules reduce once per step
             "parallel.grad_reduce": recipe.parallel.grad_reduce if pp == 1 else "per_step",
         }
+        if recipe.parallel.ep_overlap:
+            # the recipe's overlapped micro-batches where the engine builds them (pp 1, EP communication to
+            # hide: config/rules.py), at the FSDP2 cadence the recipe resolves to with them
+            base["parallel.ep_overlap"] = pp == 1 and ep * etp > 1
+            base["parallel.param_gather"] = recipe.parallel.param_gather or "per_step"
         if m.moe is None:
             out.append(base)
             continue
@@ -140,10 +145,12 @@ def _apply(recipe: Recipe, overrides: dict) -> Recipe:
 
 
 def search(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None = None, *,
-           top: int = 5, imbalance: Callable[[Recipe], float] | None = None) -> tuple[list[Candidate], int, int]:
+           top: int = 5, imbalance: Callable[[Recipe], float] | None = None,
+           prune: bool = True) -> tuple[list[Candidate], int, int]:
     """(the best `top` fitting layouts by tokens/s, layouts valid, layouts valid and fitting). `imbalance`:
     each candidate's measured moe_imbalance (`plan --routing`: the trace's loads on its ep), in place of the
-    assumption's.
+    assumption's. `prune` False plans every fitting layout and policy whole (what the pruned search is held
+    to: tests/test_plan_overlap.py).
 
     Per layout, full recompute is planned first: when even it does not fit, no policy does. Then no
     recompute: when it fits, the selective policies fit too and are slower (recompute only adds work), so they
@@ -165,18 +172,18 @@ def search(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None =
                                                                      moe_imbalance=imbalance(candidate))
             bound = estimate(candidate, hardware, planned, every_rank=False, comm=False)
             if not bound.fits:
-                if index == 0:
+                if index == 0 and prune:  # the leanest policy: when it does not fit, none does
                     break
                 continue
             fits += 1
             bounds.append((bound.step_time, len(bounds), overrides, candidate, planned))
-            if rc["granularity"] == "none":
+            if rc["granularity"] == "none" and prune:
                 fits += len(options) - index - 1
                 break
     bounds.sort(key=lambda item: item[:2])
     best: list[Candidate] = []
     for lower, _, overrides, candidate, planned in bounds:
-        if len(best) == top and lower >= best[-1].plan.step_time:
+        if prune and len(best) == top and lower >= best[-1].plan.step_time:
             break  # this bound and every later one: slower than the best `top` already planned whole
         best.append(Candidate(overrides, estimate(candidate, hardware, planned, every_rank=False)))
         best.sort(key=lambda c: c.plan.step_time)

@@ -1,0 +1,91 @@
+"""What `parallel.ep_overlap` hides of the expert-parallel communication, from the schedule's structure.
+
+The engine's overlapped step (parallel/overlap.py, pp = 1) runs M micro-batches as F0 alone (warm-up), the pairs
+(B_i, F_i+1) for i = 0 .. M-2, then B_M-1 alone (cool-down). Inside a pair the two halves take turns at every
+dispatcher collective: a collective one half issues runs while the other half computes up to its own next
+collective, so a layer's dispatch and combine of F_i+1 run beside B_i's compute of a layer and the reverse.
+
+The model: each MoE layer's EP communication of one phase (a micro-batch's forward, or its backward with what
+recomputation reruns in it) hides behind the paired micro-batch's compute of the same kind of layer, at most
+that compute: min(comm of the phase, the partner's compute). F0 and B_M-1 have no partner and hide nothing, so
+at most (M - 1) / M of the EP communication hides; nothing hides at M = 1 or without ep_overlap. It is an upper
+bound of what the baton achieves: the engine cuts a layer at its collectives, so a dispatch hides behind one
+segment of the partner's layer (its attention and router, or its experts) and a combine behind another, and a
+half that ends first leaves the other's last collectives exposed; the model does not split the layer into
+those segments. All MoE layers of a rank are alike (forced even routing), so one layer's figures stand for all.
+
+No torch: the planner runs on the login node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The groups the dispatchers' collectives run over (plan/comm_bytes.py's and measure's `<group>/<op>` keys):
+# all-to-all and all-gather over ep, the all-gather dispatcher's over ep x etp, the hierarchical one's two stages
+EP_GROUPS = ("ep", "ep_etp", "epnode", "eplocal")
+
+
+@dataclass(frozen=True)
+class ExposedComm:
+    """One collective kind's EP communication per step: its own time and the part the pairs hide (the plan's
+    counterpart of measure's `exposed_comm` entry, where the exposed part is measured as `waited_s`)."""
+
+    own_s: float
+    hidden_s: float
+
+    @property
+    def exposed_fraction(self) -> float:
+        """(own - hidden) / own: 1 for the plain step, at least 1 / M under ep_overlap."""
+        return 1.0 - self.hidden_s / self.own_s if self.own_s > 0 else 1.0
+
+    def to_json(self) -> dict[str, float]:
+        return {"own_s": self.own_s, "hidden_s": self.hidden_s, "exposed_fraction": self.exposed_fraction}
+
+
+@dataclass(frozen=True)
+class PairedPhases:
+    """What one MoE layer's EP communication can hide behind in a step: the micro-batches, whether they run in
+    overlapped pairs, and one MoE layer's compute seconds for one micro-batch forward and backward (the
+    backward with what recomputation reruns in it)."""
+
+    micro_batches: int
+    overlapped: bool
+    forward_compute_s: float
+    backward_compute_s: float
+
+    @property
+    def pairs(self) -> int:
+        """Pairs of the step: M - 1 forwards (F1 .. F_M-1) and as many backwards (B0 .. B_M-2) have a partner."""
+        return self.micro_batches - 1 if self.overlapped else 0
+
+    def hidden_shares(self, forward_s: float, backward_s: float) -> tuple[float, float]:
+        """(share of `forward_s`, share of `backward_s` hidden): one layer's EP seconds per step in the forward
+        phases and in the backward phases, over all M micro-batches. A forward's communication hides behind the
+        partner's backward compute and the reverse, at most that compute, in the pairs only."""
+        m = self.micro_batches
+        if self.pairs == 0:
+            return 0.0, 0.0
+
+        def share(comm: float, partner: float) -> float:
+            per_phase = comm / m
+            return self.pairs * min(per_phase, partner) / comm if comm > 0 else 0.0
+
+        return share(forward_s, self.backward_compute_s), share(backward_s, self.forward_compute_s)
+
+    def hidden_s(self, forward_s: float, backward_s: float) -> float:
+        """Seconds hidden of one layer's EP communication per step (forward and backward phases' seconds)."""
+        f, b = self.hidden_shares(forward_s, backward_s)
+        return f * forward_s + b * backward_s
+
+
+def exposed_comm(own_s: dict[str, float], forward_s: dict[str, float], phases: PairedPhases, *,
+                 layers: int) -> dict[str, ExposedComm]:
+    """Per `<group>/<op>` of the dispatchers' collectives: the step's own seconds (`own_s`, forward and backward
+    phases together), of which `forward_s` ran in the forwards, over `layers` alike MoE layers. Each phase's
+    hidden share applies to every collective kind of the phase in proportion to its seconds."""
+    forward = sum(forward_s.get(k, 0.0) for k in own_s)
+    backward = sum(own_s.values()) - forward
+    f, b = phases.hidden_shares(forward / max(layers, 1), backward / max(layers, 1))
+    return {key: ExposedComm(own, f * forward_s.get(key, 0.0) + b * (own - forward_s.get(key, 0.0)))
+            for key, own in sorted(own_s.items())}
