@@ -209,7 +209,6 @@ def test_search_keeps_ep_overlap_where_the_engine_builds_it() -> None:
             assert c.plan.step_time < alone.step_time
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("name", "sets"), [
     (QWEN, ["launch.nodes=1", "train.global_batch_size=64"]),
     (QWEN, ["launch.nodes=1", "train.global_batch_size=64", OVERLAP]),
