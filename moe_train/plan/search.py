@@ -117,9 +117,8 @@ def layouts(recipe: Recipe, *, nvlink_domain: int | None = None) -> list[dict]:
         }
         if recipe.parallel.ep_overlap:
             # the recipe's overlapped micro-batches where the engine builds them (pp 1, EP communication to
-            # hide: config/rules.py), at the FSDP2 cadence the recipe resolves to with them
+            # hide: config/rules.py); FSDP2's cadence follows (param_gather null: per step when overlapped)
             base["parallel.ep_overlap"] = pp == 1 and ep * etp > 1
-            base["parallel.param_gather"] = recipe.parallel.param_gather or "per_step"
         if m.moe is None:
             out.append(base)
             continue
