@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# One intra-op thread in the test process and the processes it starts, as each rank takes (parallel/bootstrap.py),
+# set before any test module imports torch: the suite runs on 2 cores shared with other jobs, where torch's
+# default of a thread per core oversubscribes them; the fast tier took 3x the CPU time and up to 6x the wall time
+# that way under load (docs/testing.md, issue 31). A caller's own OMP_NUM_THREADS is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture

@@ -52,6 +52,7 @@ def sync_run(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_async_saves_equal_sync_saves_and_resume_the_same(tmp_path: Path, sync_run: Path) -> None:
     runs = {"sync": sync_run, "async": tmp_path / "async"}
     result = run_cli("run", "qwen3-moe-tiny", *sets(*SHRINK_CLI, *STEPS, "checkpoint.async_save=true",

@@ -205,6 +205,10 @@ REFUSED = [
     *[(name, ["model.num_layers=1000000000000"], "model.num_layers", "10000") for name in builtin_recipes()],
     ("deepseek-v3", ["model.moe.num_experts=1000000000000"], "model.moe.num_experts", "65536"),
     ("deepseek-v3-tiny", ["model.mtp_layers=1000000000000"], "model.mtp_layers", "10000"),
+    ("qwen3-moe-tiny", ["launch.nodes=1000000000000"], "launch.nodes", "100000"),
+    ("qwen3-moe-tiny", ["launch.nodes=100001"], "launch.nodes", "100000"),
+    ("qwen3-moe-tiny", ["launch.gpus_per_node=1000000000000"], "launch.gpus_per_node", "1024"),
+    ("qwen3-moe-tiny", ["launch.gpus_per_node=1025"], "launch.gpus_per_node", "1024"),
     # timedelta overflows at bootstrap
     ("qwen3-tiny", ["launch.startup_timeout_minutes=.inf"], "launch.startup_timeout_minutes", "finite"),
     ("qwen3-tiny", ["launch.timeout_minutes=.inf"], "launch.timeout_minutes", "finite"),
@@ -236,6 +240,17 @@ REFUSED = [
 @pytest.mark.parametrize(("name", "overrides", "field", "fragment"), REFUSED, ids=[f"{c[0]}:{c[2]}" for c in REFUSED])
 def test_refused_with_the_field_named(name, overrides, field, fragment):
     _refused(name, overrides, field, fragment)
+
+
+def test_the_largest_cluster_the_schema_admits_loads():
+    """The bounds refuse only what no hardware holds: 100,000 nodes of 1,024 ranks still validate, fast."""
+    started = time.perf_counter()
+    recipe = load_recipe(
+        "qwen3-moe-tiny",
+        ["launch.nodes=100000", "launch.gpus_per_node=1024", f"train.global_batch_size={8 * 100_000 * 1024 * 2}"],
+    )
+    assert time.perf_counter() - started < CASE_SECONDS
+    assert recipe.world_size == 100_000 * 1024
 
 
 def test_hierarchical_nodes_that_hold_whole_ep_groups_load():
@@ -317,6 +332,7 @@ def test_prepare_refuses_an_empty_parquet_and_validate_a_0_document_dataset(tmp_
         ("validate", "deepseek-v3", "--set", "model.kv_lora_rank=null"),
         ("validate", "qwen3-8b", "--set", "model.num_layers=1000000000000"),
         ("validate", "deepseek-v3", "--set", "model.moe.num_experts=1000000000000"),
+        ("validate", "qwen3-moe-tiny", "--set", "launch.nodes=1000000000000"),
         ("validate", "qwen3-tiny", "--set", "launch.startup_timeout_minutes=.inf"),
         ("validate", "qwen3-moe-tiny", "--set", "parallel.cp=true"),
         ("plan", "deepseek-v3", "--gpu", "h100", "--set", "train.fp8.recipe=mxfp8"),

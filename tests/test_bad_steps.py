@@ -63,6 +63,7 @@ def test_a_spike_is_skipped_and_counted_and_applies_nothing(tmp_path: Path) -> N
     assert lines[5]["loss"] < lines[3]["loss"] * 1.5  # step 5 trained on from step 3's model
 
 
+@pytest.mark.slow
 def test_on_loss_spike_stop_raises_without_checkpointing_the_spike(tmp_path: Path) -> None:
     t = trainer("qwen3-tiny", tmp_path, "train.steps=5", *SPIKE, "train.on_loss_spike=stop", "checkpoint.interval=1")
     spike(t, 4)

@@ -78,6 +78,7 @@ def test_compiled_blocks_train_as_eager_on_each_family(tmp_path, aot_eager):
         _assert_compiled_once(compiled["graphs"], graphs)
 
 
+@pytest.mark.slow
 def test_graphs_are_per_block_kind_not_per_layer(tmp_path, aot_eager):
     """Four dense blocks make the graphs two make: each kind compiles once and every block of it reuses it."""
     two = _compiled_run("qwen3-tiny", FP32, tmp_path / "two")

@@ -202,7 +202,7 @@ PLAN_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("name", "world", "extra"), fast_sample(PLAN_CASES, 3), ids=[f"{n}-{w}-{i}" for i, (n, w, _) in
+@pytest.mark.parametrize(("name", "world", "extra"), fast_sample(PLAN_CASES, 8), ids=[f"{n}-{w}-{i}" for i, (n, w, _) in
                                                                        enumerate(PLAN_CASES)])
 def test_plan_equals_measure_under_cp(name: str, world: int, extra: list[str], no_process_group) -> None:
     """measure --fake of one CP rank (cp/send, cp/recv or cp/all_gather, cp/reduce_scatter, the token groups'

@@ -206,6 +206,7 @@ def test_builtin_corpus_is_the_stdlib_and_cached(tmp_path):
     assert os.path.getmtime(prefix + ".bin") == mtime  # not rebuilt
 
 
+@pytest.mark.slow
 def test_builtin_concurrent_builders_agree(tmp_path):
     with multiprocessing.get_context("spawn").Pool(4) as pool:
         prefixes = pool.starmap(builtin_prefix, [(str(tmp_path), 2_000_000)] * 4)

@@ -3,7 +3,8 @@ layout: the same losses, every gradient of step 1 and every parameter after the 
 
 The pairs run the plain step's ops on the same values in the same order within each micro-batch, and each
 parameter's gradient accumulates over the micro-batches in the plain order, so nothing may part by a bit
-(tolerance 0). One gloo job per world size runs every case, overlapped and plain.
+(tolerance 0). One gloo job per world size runs every case, overlapped and plain; the schedule and the turn-
+taking themselves are checked in one process with plain callables (the fast tier).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import pytest
 import torch
 from helpers import SHRINK_LAYOUT, assert_same_run, case
 from multirank import run_ranks
+
+from moe_train.models.moe.collective_turns import micro_batch, turn_state
+from moe_train.parallel.overlap import overlapped_micro_batches
 
 EXACT = {"loss": 0.0, "rtol": 0.0, "atol": 0.0}
 FP32 = ["train.micro_batch_size=1", "train.precision=fp32"]  # 4 micro-batches a rank at DP2: 3 pairs a step
@@ -58,6 +62,43 @@ def _run_layouts(tmp_path: Path, world: int, layouts: dict) -> None:
         plain = torch.load(saved[f"{name}-plain"], weights_only=True)
         overlapped = torch.load(saved[f"{name}-overlap"], weights_only=True)
         assert_same_run(overlapped, plain, **EXACT)
+
+
+def test_the_schedule_pairs_each_backward_with_the_next_forward_taking_turns() -> None:
+    """The schedule in one process, with plain callables for the halves: F0; (B_i, F_i+1); B_M-1, each backward
+    given what its forward returned; inside a pair the backward runs first and a hand-over of the baton (what a
+    dispatch collective does) runs the forward half until it ends, then the backward goes on."""
+    order = []
+
+    def forward(index: int) -> str:
+        order.append(("F", index, micro_batch(), getattr(turn_state, "partner", None)))
+        return f"out{index}"
+
+    def backward(index: int, output: str) -> None:
+        order.append(("B", index, output))
+        if getattr(turn_state, "pair", None) is not None:
+            baton, side = turn_state.pair
+            baton.hand_over(side)
+            order.append(("B-after-hand-over", index))
+
+    overlapped_micro_batches(3, forward, backward)
+    assert order == [
+        ("F", 0, 0, None),
+        ("B", 0, "out0"), ("F", 1, 1, 0), ("B-after-hand-over", 0),
+        ("B", 1, "out1"), ("F", 2, 2, 1), ("B-after-hand-over", 1),
+        ("B", 2, "out2"),
+    ]
+    assert micro_batch() is None and turn_state.pair is None
+
+
+def test_an_error_in_the_forward_half_is_raised_by_the_step() -> None:
+    def forward(index: int) -> int:
+        if index == 1:
+            raise ValueError("forward of micro-batch 1")
+        return index
+
+    with pytest.raises(ValueError, match="forward of micro-batch 1"):
+        overlapped_micro_batches(2, forward, lambda index, output: None)
 
 
 @pytest.mark.slow

@@ -333,6 +333,7 @@ def test_plan_prices_only_the_fp8_modules_flops_at_the_fp8_speed(no_process_grou
 # ------------------------------------------------------------------------------------- train.adam_moment_dtype
 
 
+@pytest.mark.slow
 def test_bf16_adam_moments_halve_the_optimizer_state_as_planned(no_process_group):
     """Measured optimizer bytes drop by 4 per parameter (m and v: 8 -> 4), as plan says; the update stays
     AdamW's: the first step's parameters agree with fp32 moments' to bf16's rounding of the moments."""

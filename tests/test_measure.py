@@ -128,6 +128,7 @@ def test_activation_bytes_of_a_dense_layer_equal_a_hand_count():
     assert report["activation_bytes_per_layer"]["0"] == 4 * kept
 
 
+@pytest.mark.slow
 def test_fake_measures_what_the_real_step_does(deepseek_tiny_real):
     """Shapes decide FLOPs, saved bytes and memory (dropless routing: T*K expert rows whatever the routing)."""
     real = deepseek_tiny_real

@@ -247,6 +247,7 @@ def test_submit_and_sweep_refuse_points_that_cannot_fit(tmp_path, monkeypatch) -
     assert "memory: does not fit" in swept.stdout
 
 
+@pytest.mark.slow
 def test_search_ranks_valid_fitting_layouts() -> None:
     result = run_cli("plan", "qwen3-30b-a3b", "--search", "--json", "--top", "4")
     assert result.code == 0, result.stderr

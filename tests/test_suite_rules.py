@@ -3,6 +3,8 @@
   modules (cli_helpers, multirank, processes, slurm_jobs, workers/);
 - every test that starts ranks or processes through the shared starters (multirank, processes, slurm_jobs) or
   runs on the SLURM cluster is marked `slow`, so `-m "not slow"` stays the fast tier;
+- every test module keeps at least one test in the fast tier (not marked slow), so `-m "not slow"` covers every
+  module at unit level; the deliberate exceptions are listed, each with its reason (ALL_SLOW);
 - every test asserts something: an `assert`, `pytest.raises`/`warns`/`fail`, or a call of an `assert_*` helper,
   in its body or in a function of its module that it calls (a test that only runs code passes whatever it does).
 """
@@ -113,6 +115,49 @@ def test_unit():
     marked = source.replace("\ndef test_", "\n@pytest.mark.slow\ndef test_")
     assert starting_tests_not_marked_slow(ast.parse(marked)) == []
     assert starting_tests_not_marked_slow(ast.parse(source + "\npytestmark = pytest.mark.slow\n")) == []
+
+
+# Test modules with no fast test, by design: each is the multi-rank, multi-process or SLURM proof of code whose
+# unit level other modules' fast tests cover (named in the reason).
+SLURM = ("a real SLURM cluster (tests/slurm_cluster.py) runs every test; the sbatch script, the submission and the "
+         "run folder are test_launch's and test_submit_failures' fast tests, the trainer's stop and resume "
+         "test_train_resume's")
+ALL_SLOW: dict[str, str] = {
+    "test_data_parallel.py": "FSDP2 layouts against the single process, each a gloo job; FSDP2 in one bf16 process "
+                             "is test_chunked_loss's fast test, the dp checks test_hsdp's and test_fsdp_cadence's",
+    "test_fp8_layouts.py": "fp8 under the parallel layouts, one gloo job; fp8 itself is test_fp8's, "
+                           "test_fp8_kernels' and test_fp8_saved_inputs' fast tests",
+    "test_muon_layouts.py": "Muon under the parallel layouts, one gloo job; Muon itself is test_muon's fast tests",
+    "test_processes.py": "proves tests/processes.py's kill of a real launcher's process tree (test infrastructure, "
+                         "no moe_train code)",
+    "test_resilience.py": "one 4-rank job; resume, rejected steps and the notice file in one process are "
+                          "test_checkpoint's, test_bad_steps' and test_train_resume's fast tests",
+    "test_stop_one_rank.py": "signals one of two torchrun ranks; a single process's stop and a rank's failure are "
+                             "test_train_resume's and test_run_cli's fast tests",
+    "test_slurm.py": SLURM,
+    "test_slurm_resilience.py": SLURM,
+    "test_slurm_two_nodes.py": SLURM,
+}
+
+
+def has_a_fast_test(tree: ast.Module) -> bool:
+    """Whether `tree` holds a test function that `-m "not slow"` runs: not marked slow itself nor by the
+    module's `pytestmark`. A parametrised test counts (fast_sample keeps its first case fast)."""
+    return not _module_is_slow(tree) and any(
+        isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and not _is_slow(node.decorator_list)
+        for node in tree.body)
+
+
+def test_every_test_module_keeps_a_fast_test() -> None:
+    without = sorted(path.name for path in TESTS.glob("test_*.py") if not has_a_fast_test(ast.parse(path.read_text())))
+    assert without == sorted(ALL_SLOW), "modules with no fast test (give each a unit test, or list it in ALL_SLOW)"
+    assert all(ALL_SLOW.values())  # each exception says why
+    # The rule itself: a module whose tests are all marked slow, or that is marked slow, has none; one unmarked
+    # test is enough.
+    slow = "import pytest\n\n@pytest.mark.slow\ndef test_a():\n    assert 1\n"
+    assert not has_a_fast_test(ast.parse(slow))
+    assert not has_a_fast_test(ast.parse(slow.replace("@pytest.mark.slow\n", "") + "\npytestmark = pytest.mark.slow\n"))
+    assert has_a_fast_test(ast.parse(slow + "\ndef test_b():\n    assert 1\n"))
 
 
 def _checks(function: ast.FunctionDef, functions: dict[str, ast.FunctionDef], seen: frozenset[str]) -> bool:

@@ -41,6 +41,7 @@ def test_version_prints_the_package_version():
     assert result.code == 0 and result.stdout.strip() == f"moe-train {moe_train.__version__}"
 
 
+@pytest.mark.slow
 def test_completion_shows_and_installs_for_bash(tmp_path):
     shown = moe_train_cli("--show-completion", "bash")
     assert shown.returncode == 0, shown.stderr

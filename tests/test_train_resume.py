@@ -26,6 +26,7 @@ def recipe(name: str, run_dir: Path, *extra: str):
     return load_recipe(name, [*SHRINK, f"run_dir={run_dir}", *extra])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny"])
 def test_resume_is_bitwise_identical(name: str, tmp_path: Path) -> None:
     straight_dir, split_dir = tmp_path / "straight", tmp_path / "split"

@@ -38,6 +38,11 @@ Number = Annotated[float, BeforeValidator(_number)]
 # and 256x the widest expert count (DeepSeek-V3: 256; Kimi K2: 384).
 MAX_LAYERS = 10_000
 MAX_EXPERTS = 65_536
+# So is a cluster bigger than any built: the largest training clusters hold ~100,000 GPUs (far fewer nodes) and
+# the largest NVLink domain announced 576. 10**12 nodes otherwise validated as "can train this", and every
+# per-rank count of the login half (world size, dp, the batch's divisibility) grew with it.
+MAX_NODES = 100_000
+MAX_GPUS_PER_NODE = 1_024
 # Collective timeouts beyond a week are typos too (and past ~1.4e12 minutes, timedelta overflows).
 MAX_TIMEOUT_MINUTES = 7 * 24 * 60
 
@@ -425,8 +430,9 @@ class SlurmConfig(Section):
 class LaunchConfig(Section):
     device: Literal["cpu", "cuda"] = "cpu"
     gpu: str = Field("cpu", description="An id of the hardware table (moe-train validate lists them).")
-    nodes: StrictInt = Field(1, ge=1)
-    gpus_per_node: StrictInt = Field(1, ge=1, description="Ranks per node, also on CPU.")
+    nodes: StrictInt = Field(1, ge=1, le=MAX_NODES, description="Nodes of the job (at most 100,000).")
+    gpus_per_node: StrictInt = Field(1, ge=1, le=MAX_GPUS_PER_NODE,
+                                     description="Ranks per node, also on CPU (at most 1,024).")
     timeout_minutes: Number = Field(10.0, gt=0, le=MAX_TIMEOUT_MINUTES,
                                     description="Timeout of a training step's collectives (at most a week).")
     startup_timeout_minutes: Number = Field(
