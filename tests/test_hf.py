@@ -1,4 +1,4 @@
-"""Our models against transformers 5.24 (Qwen3, Qwen3-MoE, DeepSeek-V3), through import_hf and export_hf.
+"""Our models against transformers 5.24 (Qwen3, Qwen3-MoE, DeepSeek-V3, GLM-4.5), through import_hf and export_hf.
 
 Each case builds a small random transformers model, saves it with save_pretrained, imports it into
 build_model(model_cfg) with strict keys, and compares fp32 logits (1e-4); then exports our weights and loads
@@ -48,6 +48,14 @@ def deepseek_v3(**kw):
     return transformers.DeepseekV3Config(**{**base, **kw})
 
 
+def glm4_moe(**kw):
+    base = dict(vocab_size=200, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                attention_bias=True, use_qk_norm=True, max_position_embeddings=256)
+    return transformers.Glm4MoeConfig(**{**base, **kw})
+
+
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "beta_fast": 32.0, "beta_slow": 1.0}
 
@@ -61,6 +69,14 @@ CASES = {
     "dsv3-groups4-yarn": lambda: deepseek_v3(rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0}),
     "dsv3-qlora-null-groups1": lambda: deepseek_v3(q_lora_rank=None, n_group=1, topk_group=1, n_shared_experts=2,
                                                    first_k_dense_replace=0, v_head_dim=12),
+    # GLM-4.5: q/k/v biases, QK-norm, transformers' default partial rotary (0.5 of each head), one dense layer
+    "glm4moe-bias-qknorm-half-rotary": lambda: glm4_moe(),
+    # GLM-4.5-Air's attention (no QK-norm), a quarter of each head rotated under YaRN, group limits, two shared
+    # experts, no dense layer, tied embeddings
+    "glm4moe-air-groups2-yarn-quarter": lambda: glm4_moe(
+        use_qk_norm=False, n_group=2, topk_group=1, num_experts_per_tok=3, n_shared_experts=2,
+        first_k_dense_replace=0, routed_scaling_factor=1.0, tie_word_embeddings=True,
+        rope_parameters={**YARN, "partial_rotary_factor": 0.25}),
     "dsv3-groups2-mscale": lambda: deepseek_v3(n_group=2, topk_group=1, num_experts_per_tok=3,
                                                routed_scaling_factor=1.0, v_head_dim=32,
                                                rope_parameters={**YARN, "mscale": 0.707, "mscale_all_dim": 1.0}),
@@ -336,7 +352,8 @@ def test_fp8_block_scaled_weights_are_dequantized(tmp_path):
     model.load_state_dict(state, strict=True)
 
 
-@pytest.mark.parametrize("case", ["qwen3-gqa2-untied", "qwen3moe-e8k2-untied", "dsv3-groups4-yarn"])
+@pytest.mark.parametrize("case", ["qwen3-gqa2-untied", "qwen3moe-e8k2-untied", "dsv3-groups4-yarn",
+                                  "glm4moe-bias-qknorm-half-rotary", "glm4moe-air-groups2-yarn-quarter"])
 def test_gradients_match_transformers(case, tmp_path):
     """Same loss, same weights: every parameter's gradient equals transformers' (in-memory fused names)."""
     reference = hf_model(case).train()
@@ -346,7 +363,7 @@ def test_gradients_match_transformers(case, tmp_path):
     model.load_state_dict(state, strict=True)
     ids, labels = tokens(seed=2), tokens(seed=3)
     # Qwen3-MoE: transformers' loss with its all-layers balancing loss, ours attached to the layers. DeepSeek-V3
-    # has no balancing loss in transformers: ours (seq_aux_loss) is scaled to 0 for the comparison.
+    # and GLM-4.5 have no balancing loss in transformers: ours (seq_aux_loss) is scaled to 0 for the comparison.
     with_aux = model_cfg.moe is not None and model_cfg.moe.router.load_balancing == "all_layers_aux_loss"
     out = reference(ids, output_router_logits=with_aux)
     loss = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
