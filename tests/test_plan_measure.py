@@ -314,6 +314,11 @@ FULL_SIZE = [
     ("qwen3-235b-a22b", 4, 1, False, "full-block-1"),
     ("deepseek-v3", 8, 1, False, "none"),
     ("deepseek-v3", 8, 1, False, "full-uniform-2"),
+    # GLM-4.5 (a dense and a MoE layer) and GLM-4.5-Air (no QK-norm). GLM-4.5's 160 experts do not divide the
+    # 16,384 choices of a rank's tokens: under the forced routing rank 0's 20 experts get 103 rows from each of
+    # the 8 ranks where the plan counts the even 102.4 (96 rows, 0.3% of the layer's bytes, 0.09% of its FLOPs)
+    ("glm4.5", 2, 8, True, "moe_act+shared_experts"),
+    ("glm4.5-air", 4, 1, False, "core_attn+layernorm"),
 ]
 
 
