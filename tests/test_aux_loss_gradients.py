@@ -5,9 +5,10 @@ The layout tests compare the total loss's gradients, under which an aux-loss gra
 size (tp, ep, dp, micro-batches) can hide: it is ~1e-3 of the language-model gradient. Here one training step
 runs with the language-model and MTP losses multiplied by zero (tests/workers/aux_gradients.py): the forward,
 its collectives and the trainer's step are those of training, but the only gradients are the ones the MoE
-layers attach (aux_loss for qwen3-moe-tiny, seq_aux_loss + z-loss for deepseek-v3-tiny), after every reduction
-of the layout. Every parameter's gradient is compared with the single-process run of the same micro-batch size
-(the router weights and everything upstream of them: attention, norms, earlier experts, the embedding).
+layers attach (aux_loss for qwen3-moe-tiny, seq_aux_loss + z-loss for deepseek-v3-tiny and glm4-moe-tiny), after
+every reduction of the layout. Every parameter's gradient is compared with the single-process run of the same
+micro-batch size (the router weights and everything upstream of them: attention, norms, earlier experts, the
+embedding).
 global_aux_loss depends on dp by definition (docs/decisions.md), so its gradient is compared with a direct computation
 of Megatron-Core's definition over the data-parallel ranks' micro-batches instead.
 
@@ -36,6 +37,7 @@ BASE = [*SHRINK_LAYOUT, "train.precision=fp32", "train.grad_clip=null"]
 MODEL = {
     "qwen3-moe-tiny": [],  # aux_loss, per layer over each micro-batch
     "deepseek-v3-tiny": ["model.moe.router.z_loss_coeff=1e-3"],  # seq_aux_loss + z-loss; MTP's MoE block too
+    "glm4-moe-tiny": ["model.moe.router.z_loss_coeff=1e-3"],  # the same losses past biased q/k/v and partial rotary
 }
 GLOBAL = ["model.moe.router.load_balancing=global_aux_loss", "model.moe.router.aux_loss_coeff=1e-2"]
 TP2, SP2 = ["parallel.tp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"]
@@ -52,6 +54,7 @@ WORLD2 = [
     ("dsv3-sp2", "deepseek-v3-tiny", SP2, 2),
     ("dsv3-ep2", "deepseek-v3-tiny", ["parallel.ep=2"], 1),
     ("dsv3-tp2-ep2", "deepseek-v3-tiny", [*TP2, "parallel.ep=2"], 2),
+    ("glm-sp2-ep2", "glm4-moe-tiny", [*SP2, "parallel.ep=2"], 2),
 ]
 WORLD4 = [
     ("moe-ep2-edp2", "qwen3-moe-tiny", ["parallel.ep=2"], 1),

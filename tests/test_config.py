@@ -16,8 +16,8 @@ from moe_train.config import builtin_recipes, dump_recipe, load_recipe
 from moe_train.config.pp_layout import parse_layout
 from moe_train.plan.params import count_parameters
 
-TINY = ["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny"]
-FULL = ["deepseek-v3", "qwen3-235b-a22b", "qwen3-30b-a3b", "qwen3-8b"]
+TINY = ["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny", "glm4-moe-tiny"]
+FULL = ["deepseek-v3", "qwen3-235b-a22b", "qwen3-30b-a3b", "qwen3-8b", "glm4.5", "glm4.5-air"]
 
 
 def test_builtins_are_listed_and_load():
@@ -83,7 +83,10 @@ def test_resolved_recipe_is_frozen_and_round_trips(tmp_path):
 # activated" (the 14B MTP module not included); Qwen/Qwen3-235B-A22B "235B in total and 22B activated";
 # Qwen/Qwen3-30B-A3B "30.5B in total and 3.3B activated"; Qwen/Qwen3-8B "8.2B"; Qwen/Qwen3-0.6B "0.6B". The cards
 # round to the figures in quotes (DeepSeek's "37B" is 37.5B counted exactly); the finer figures below pin the
-# exact counts of the published configs to 0.2%, and agree with the cards to their rounding.
+# exact counts of the published configs to 0.2%, and agree with the cards to their rounding. zai-org/GLM-4.5
+# "355 billion total parameters and 32 billion active", GLM-4.5-Air "106 billion total ... 12 billion active": the
+# cards' active figures leave out the embedding and head (32.08B and 12.18B here), their totals sit between the
+# counts without and with the MTP module (352.8B / 356.8B; 106.9B / 109.2B).
 @pytest.mark.parametrize(
     ("name", "total", "active"),
     [
@@ -91,6 +94,8 @@ def test_resolved_recipe_is_frozen_and_round_trips(tmp_path):
         ("qwen3-235b-a22b", 235.09e9, 22.19e9),
         ("qwen3-30b-a3b", 30.53e9, 3.35e9),
         ("qwen3-8b", 8.19e9, 8.19e9),
+        ("glm4.5", 352.80e9, 33.63e9),
+        ("glm4.5-air", 106.85e9, 13.42e9),
     ],
 )
 def test_full_size_recipes_are_the_published_architectures(name, total, active):

@@ -1,4 +1,4 @@
-"""Our models against transformers 5.24 (Qwen3, Qwen3-MoE, DeepSeek-V3), through import_hf and export_hf.
+"""Our models against transformers 5.24 (Qwen3, Qwen3-MoE, DeepSeek-V3, GLM-4.5), through import_hf and export_hf.
 
 Each case builds a small random transformers model, saves it with save_pretrained, imports it into
 build_model(model_cfg) with strict keys, and compares fp32 logits (1e-4); then exports our weights and loads
@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 import transformers  # the test extra installs it: a missing one is an error, never a silent skip
 
-from moe_train.checkpoint.hf import HFConversionError, export_hf, import_hf  # noqa: E402
+from moe_train.checkpoint.hf import HFConversionError, config_from_hf, config_to_hf, export_hf, import_hf  # noqa: E402
+from moe_train.config import load_recipe  # noqa: E402
 from moe_train.config.schema import ModelConfig  # noqa: E402
 from moe_train.models import build_model  # noqa: E402
 
@@ -48,6 +49,14 @@ def deepseek_v3(**kw):
     return transformers.DeepseekV3Config(**{**base, **kw})
 
 
+def glm4_moe(**kw):
+    base = dict(vocab_size=200, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                attention_bias=True, use_qk_norm=True, max_position_embeddings=256)
+    return transformers.Glm4MoeConfig(**{**base, **kw})
+
+
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "beta_fast": 32.0, "beta_slow": 1.0}
 
@@ -61,6 +70,14 @@ CASES = {
     "dsv3-groups4-yarn": lambda: deepseek_v3(rope_parameters={**YARN, "mscale": 1.0, "mscale_all_dim": 1.0}),
     "dsv3-qlora-null-groups1": lambda: deepseek_v3(q_lora_rank=None, n_group=1, topk_group=1, n_shared_experts=2,
                                                    first_k_dense_replace=0, v_head_dim=12),
+    # GLM-4.5: q/k/v biases, QK-norm, transformers' default partial rotary (0.5 of each head), one dense layer
+    "glm4moe-bias-qknorm-half-rotary": lambda: glm4_moe(),
+    # GLM-4.5-Air's attention (no QK-norm), a quarter of each head rotated under YaRN, group limits, two shared
+    # experts, no dense layer, tied embeddings
+    "glm4moe-air-groups2-yarn-quarter": lambda: glm4_moe(
+        use_qk_norm=False, n_group=2, topk_group=1, num_experts_per_tok=3, n_shared_experts=2,
+        first_k_dense_replace=0, routed_scaling_factor=1.0, tie_word_embeddings=True,
+        rope_parameters={**YARN, "partial_rotary_factor": 0.25}),
     "dsv3-groups2-mscale": lambda: deepseek_v3(n_group=2, topk_group=1, num_experts_per_tok=3,
                                                routed_scaling_factor=1.0, v_head_dim=32,
                                                rope_parameters={**YARN, "mscale": 0.707, "mscale_all_dim": 1.0}),
@@ -213,10 +230,12 @@ def test_qwen3_moe_aux_loss_equals_transformers(tmp_path):
     assert expected.item() > 2.0  # top-2: 2 at perfect balance, so a non-trivial value was compared
 
 
-def test_mtp_round_trip_through_deepseek_files(tmp_path):
-    """Our MTP module is written as DeepSeek's layer num_layers (transformers loads the file and ignores it)
-    and comes back from import_hf bit for bit, including the expert bias."""
-    reference = hf_model("dsv3-groups4-yarn")
+@pytest.mark.parametrize("case", ["dsv3-groups4-yarn", "glm4moe-bias-qknorm-half-rotary"])
+def test_mtp_round_trip_through_deepseek_files(case, tmp_path):
+    """Our MTP module is written as DeepSeek's layer num_layers (GLM-4.5's files use the same layout;
+    transformers loads the file and ignores it) and comes back from import_hf bit for bit, including the expert
+    bias, the attention biases and every config field."""
+    reference = hf_model(case)
     reference.save_pretrained(tmp_path / "hf")
     model_cfg, state = import_hf(tmp_path / "hf")
     with_mtp = model_cfg.model_copy(update={"mtp_layers": 1})
@@ -336,7 +355,8 @@ def test_fp8_block_scaled_weights_are_dequantized(tmp_path):
     model.load_state_dict(state, strict=True)
 
 
-@pytest.mark.parametrize("case", ["qwen3-gqa2-untied", "qwen3moe-e8k2-untied", "dsv3-groups4-yarn"])
+@pytest.mark.parametrize("case", ["qwen3-gqa2-untied", "qwen3moe-e8k2-untied", "dsv3-groups4-yarn",
+                                  "glm4moe-bias-qknorm-half-rotary", "glm4moe-air-groups2-yarn-quarter"])
 def test_gradients_match_transformers(case, tmp_path):
     """Same loss, same weights: every parameter's gradient equals transformers' (in-memory fused names)."""
     reference = hf_model(case).train()
@@ -346,7 +366,7 @@ def test_gradients_match_transformers(case, tmp_path):
     model.load_state_dict(state, strict=True)
     ids, labels = tokens(seed=2), tokens(seed=3)
     # Qwen3-MoE: transformers' loss with its all-layers balancing loss, ours attached to the layers. DeepSeek-V3
-    # has no balancing loss in transformers: ours (seq_aux_loss) is scaled to 0 for the comparison.
+    # and GLM-4.5 have no balancing loss in transformers: ours (seq_aux_loss) is scaled to 0 for the comparison.
     with_aux = model_cfg.moe is not None and model_cfg.moe.router.load_balancing == "all_layers_aux_loss"
     out = reference(ids, output_router_logits=with_aux)
     loss = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
@@ -375,3 +395,35 @@ def test_gradients_match_transformers(case, tmp_path):
         assert (grad - expected).abs().max().item() <= 1e-4 * max(scale, 1.0), name
         compared += 1
     assert compared > 0 and not theirs, sorted(theirs)  # every transformers gradient was compared
+
+
+# zai-org/GLM-4.5-Air's config.json as published (transformers 4.54's format: rope_theta and
+# partial_rotary_factor at the top level), and GLM-4.5's fields where they differ.
+GLM45_AIR_CONFIG = {
+    "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 4096, "partial_rotary_factor": 0.5, "initializer_range": 0.02, "intermediate_size": 10944,
+    "max_position_embeddings": 131072, "model_type": "glm4_moe", "moe_intermediate_size": 1408,
+    "norm_topk_prob": True, "num_attention_heads": 96, "n_group": 1, "topk_group": 1, "n_routed_experts": 128,
+    "n_shared_experts": 1, "routed_scaling_factor": 1.0, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
+    "num_hidden_layers": 46, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000,
+    "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "use_qk_norm": False, "vocab_size": 151552,
+}
+GLM45_CONFIG = {**GLM45_AIR_CONFIG, "hidden_size": 5120, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+                "n_routed_experts": 160, "routed_scaling_factor": 2.5, "first_k_dense_replace": 3,
+                "num_hidden_layers": 92, "use_qk_norm": True}
+
+
+@pytest.mark.parametrize(("recipe", "published"), [("glm4.5-air", GLM45_AIR_CONFIG), ("glm4.5", GLM45_CONFIG)])
+def test_glm_recipes_are_the_published_configs(recipe, published):
+    """The built-in GLM recipes' model sections are what import_hf reads from the published config.json (with
+    its MTP layer), field for field; and transformers builds the same shapes from our export of it."""
+    ours = load_recipe(recipe).model
+    assert config_from_hf(published, mtp_layers=published["num_nextn_predict_layers"]) == ours
+    exported = transformers.Glm4MoeConfig(**config_to_hf(ours))
+    for field in ("attention_bias", "use_qk_norm", "n_routed_experts", "first_k_dense_replace", "head_dim",
+                  "routed_scaling_factor", "num_nextn_predict_layers"):
+        assert getattr(exported, field) == published[field], field
+    assert exported.rope_parameters["partial_rotary_factor"] == 0.5
+    assert exported.rope_parameters["rope_theta"] == 1e6

@@ -24,7 +24,7 @@ MOE_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny"])
+@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny", "glm4-moe-tiny"])
 def test_tiny_proxies_resolve_every_tested_layout(name: str) -> None:
     moe = load_recipe(name).model.moe is not None
     for overrides, sizes in DENSE_LAYOUTS + (MOE_LAYOUTS if moe else []):

@@ -106,6 +106,7 @@ def test_pipeline_four_ranks_equals_single_process(tmp_path: Path) -> None:
     ("deepseek-v3", "Et*3|(tttt|)*14ttmL", 8, 2),
     ("qwen3-235b-a22b", "Et*11|(t*12|)*6t*11L", 8, 1),
     ("deepseek-v3-tiny", "Et|t*7mL", 2, 1),
+    ("glm4.5", "Et*5|(t*6|)*12t*5|t*5|t*5mL", 16, 1),
 ])
 def test_every_layer_is_in_exactly_one_stage(name: str, layout: str, pp: int, vpp: int) -> None:
     model = load_recipe(name).model

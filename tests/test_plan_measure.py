@@ -64,6 +64,23 @@ def test_tiny_layouts_and_recompute_policies_plan_exactly_what_measure_counts(na
     assert plan_against_measure(recipe, report, tolerance=1e-9) == []
 
 
+# GLM-4.5 (glm4-moe-tiny: q/k/v biases, rotary over half of each head, a dense first layer, shared experts): each
+# tiny layout once, with the policies its modules have (no MLA), fp32 and bf16 in turn.
+GLM_CASES = [(1, False, "none", "fp32"), (2, False, "moe_act+shared_experts", "bf16"),
+             (2, True, "core_attn", "bf16"), (2, True, "full-uniform-1", "fp32"), (4, False, "moe", "fp32"),
+             (4, True, "layernorm+mlp", "bf16"), (1, False, "full-block-1", "bf16")]
+
+
+@pytest.mark.parametrize(("tp", "sp", "policy", "precision"), fast_sample(GLM_CASES, 7),
+                         ids=[f"tp{t}{'sp' if s else ''}-{p}-{d}" for t, s, p, d in GLM_CASES])
+def test_glm4_moe_plans_exactly_what_measure_counts(tp, sp, policy, precision):
+    """The new family's parameters (the biases, sharded with their column-parallel weights), saved bytes (the
+    rotary tables and their bf16 casts at the rotated width), recompute FLOPs and collectives: exact."""
+    recipe = tiny_recipe("glm4-moe-tiny", tp, sp, policy, precision)
+    assert recipe.model.attention_bias and recipe.model.rotary_dim < recipe.model.attention_head_dim
+    assert plan_against_measure(recipe, measure(recipe, Target(fake=True)), tolerance=1e-9) == []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["moe", "full-uniform-1"])
 def test_recomputed_moe_layer_reruns_its_shared_experts_whole(policy):
@@ -154,6 +171,14 @@ REAL = {
         ("qwen3-cp2-p2p", "qwen3-tiny", ["parallel.cp=2", "train.global_batch_size=2"], True),
         ("dsv3-cp2-allgather-bf16", "deepseek-v3-tiny", ["parallel.cp=2", "train.precision=bf16",
                                                          "train.global_batch_size=2"], True),
+        # GLM-4.5: biases under TP+SP, its shared expert over EP, a dense-first stage and MTP, the ring under CP
+        ("glm-sp2-bf16-core_attn", "glm4-moe-tiny", ["parallel.tp=2", "parallel.sequence_parallel=true",
+                                                     "train.precision=bf16", "train.global_batch_size=2",
+                                                     *recompute("core_attn")], True),
+        ("glm-dp2-ep2-alltoall", "glm4-moe-tiny", ["parallel.ep=2", "train.global_batch_size=4"], True),
+        ("glm-pp2-1f1b-mtp", "glm4-moe-tiny", ["parallel.pp=2", *PIPELINED], True),
+        ("glm-cp2-p2p-bf16", "glm4-moe-tiny", ["parallel.cp=2", "train.precision=bf16", "train.global_batch_size=2"],
+         True),
     ],
     4: [
         ("moe-tp2dp2-ep4-sp-moe_act", "qwen3-moe-tiny",
@@ -290,6 +315,11 @@ FULL_SIZE = [
     ("qwen3-235b-a22b", 4, 1, False, "full-block-1"),
     ("deepseek-v3", 8, 1, False, "none"),
     ("deepseek-v3", 8, 1, False, "full-uniform-2"),
+    # GLM-4.5 (a dense and a MoE layer) and GLM-4.5-Air (no QK-norm). GLM-4.5's 160 experts do not divide the
+    # 16,384 choices of a rank's tokens: under the forced routing rank 0's 20 experts get 103 rows from each of
+    # the 8 ranks where the plan counts the even 102.4 (96 rows, 0.3% of the layer's bytes, 0.09% of its FLOPs)
+    ("glm4.5", 2, 8, True, "moe_act+shared_experts"),
+    ("glm4.5-air", 4, 1, False, "core_attn+layernorm"),
 ]
 
 

@@ -35,7 +35,8 @@ TP4 = ["parallel.tp=4", "parallel.sequence_parallel=true"]
 # element in 5k. eps 1e-5 keeps it 10x under the 1e-6 tolerance; every other element agrees to ~1e-8 either way.
 FP32 = ["train.precision=fp32", "train.adam_eps=1e-5", "train.global_batch_size=4"]
 Z_LOSS = ["model.moe.router.z_loss_coeff=1e-3"]  # with DeepSeek's seq_aux_loss: both losses on sequence shards
-MODEL = {"qwen3-tiny": FP32, "qwen3-moe-tiny": FP32, "deepseek-v3-tiny": [*FP32, *Z_LOSS]}
+MODEL = {"qwen3-tiny": FP32, "qwen3-moe-tiny": FP32, "deepseek-v3-tiny": [*FP32, *Z_LOSS],
+         "glm4-moe-tiny": [*FP32, *Z_LOSS]}
 
 
 def selective(*modules: str) -> list[str]:
@@ -65,6 +66,10 @@ WORLD2 = [
     ("dsv3-sp2-mbs2-none", "deepseek-v3-tiny", SP2, 2, []),
     ("dsv3-sp2-mbs2-selective", "deepseek-v3-tiny", SP2, 2, ALL_SELECTIVE),
     ("dsv3-sp2-mbs2-full", "deepseek-v3-tiny", SP2, 2, full("block", 1)),
+    # GLM-4.5: the column-sharded q/k/v biases and the partial rotary rerun by recomputation
+    ("glm-sp2-mbs2-selective", "glm4-moe-tiny", SP2, 2,
+     selective("core_attn", "layernorm", "mlp", "moe_act", "shared_experts")),
+    ("glm-tp2-mbs1-full", "glm4-moe-tiny", TP2, 1, full("uniform", 1)),
 ]
 WORLD4 = [
     ("qwen3-tp2dp2-mbs1-full", "qwen3-tiny", TP2, 1, full("block", 1)),
@@ -170,7 +175,7 @@ def test_tensor_parallel_two_ranks_equals_single_process(tmp_path: Path) -> None
     cases.append({"id": "dsv3-sp2-one-expert", "recipe": "deepseek-v3-tiny", "steps": LAYOUT_STEPS, "force_expert": 3,
                   "overrides": [*one_expert, *SP2]})
     result = run_ranks("tensor_parallel", 2, {"cases": cases, "activations": _activation_cases(2),
-                                              "run_root": str(tmp_path / "w2")}, tmp_path, timeout=300)
+                                              "run_root": str(tmp_path / "w2")}, tmp_path, timeout=360)
     _assert_activation_bytes_match(result, 2)
     _assert_gemms_through_the_site(result, 2)
     records = _load(result)

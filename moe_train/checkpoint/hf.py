@@ -8,8 +8,9 @@ differences, all handled here:
   ours are three stacks `mlp.experts.{gate,up,down}_proj` [E, ...] (see models/moe/experts.py). Export
   writes per-expert keys.
 - Padded vocabulary: our embedding and head have `padded_vocab_size()` rows; files have `vocab_size`.
-- DeepSeek-V3 MTP: file layer `num_layers + k` is our `mtp.{k}` (enorm, hnorm, eh_proj, shared_head.norm ->
-  norm, the rest -> block); its copies of the shared embedding and head are skipped on import, not written.
+- GLM-4.5 has DeepSeek-V3's MoE names (gate, e_score_correction_bias, shared_experts) and MTP layout.
+- MTP (DeepSeek-V3, GLM-4.5): file layer `num_layers + k` is our `mtp.{k}` (enorm, hnorm, eh_proj, shared_head.norm
+  -> norm, the rest -> block); its copies of the shared embedding and head are skipped on import, not written.
 - Tied embeddings: files have no lm_head.weight; our state_dict has both names (one tensor).
 Files are read without transformers installed; export writes each file to a temporary name, then renames.
 """
@@ -30,7 +31,8 @@ from moe_train.atomic import atomic_path, write_atomic
 from moe_train.config.schema import ModelConfig, MoEConfig, RopeConfig, RouterConfig, YarnScaling
 from moe_train.models import build_model
 
-FAMILIES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+FAMILIES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+            "glm4_moe": "Glm4MoeForCausalLM"}
 PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
 EXPERT_STACK = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)$")
 LAYER = re.compile(r"^model\.layers\.(?P<index>\d+)\.(?P<rest>.*)$")
@@ -119,12 +121,12 @@ def _dequantize_fp8(tensors: dict[str, torch.Tensor], hf_config: dict[str, Any])
 
 
 def config_from_hf(hf: dict[str, Any], *, mtp_layers: int = 0) -> ModelConfig:
-    """Our model section for a transformers config.json dict (qwen3, qwen3_moe, deepseek_v3)."""
+    """Our model section for a transformers config.json dict (qwen3, qwen3_moe, deepseek_v3, glm4_moe)."""
     family = hf.get("model_type")
     if family not in FAMILIES:
         raise HFConversionError(f"config.json: model_type {family!r} is not one of {', '.join(FAMILIES)}")
-    if hf.get("attention_bias"):
-        raise HFConversionError("config.json: attention_bias true is not supported (no attention biases)")
+    if hf.get("attention_bias") and family == "deepseek_v3":
+        raise HFConversionError("config.json: attention_bias true is not supported for MLA (deepseek_v3)")
     if hf.get("use_sliding_window"):
         raise HFConversionError("config.json: use_sliding_window true is not supported (full causal attention)")
     if hf.get("hidden_act", "silu") != "silu":
@@ -141,12 +143,11 @@ def config_from_hf(hf: dict[str, Any], *, mtp_layers: int = 0) -> ModelConfig:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         norm_eps=hf.get("rms_norm_eps", 1e-6),
         init_std=hf.get("initializer_range", 0.02),
-        rope=_rope_from_hf(hf),
+        rope=_rope_from_hf(hf, partial_default=0.5 if family == "glm4_moe" else 1.0),
     )
     if family == "deepseek_v3":
         if hf.get("rope_interleave", True) is False:
             raise HFConversionError("config.json: rope_interleave false is not supported (DeepSeek-V3 interleaves)")
-        groups = hf.get("n_group") or 1
         fields.update(
             qk_norm=False,
             q_lora_rank=hf.get("q_lora_rank"),
@@ -156,25 +157,19 @@ def config_from_hf(hf: dict[str, Any], *, mtp_layers: int = 0) -> ModelConfig:
             v_head_dim=hf["v_head_dim"],
             first_k_dense=hf.get("first_k_dense_replace", 0),
             mtp_layers=mtp_layers,
-            moe=MoEConfig(
-                num_experts=hf["n_routed_experts"],
-                top_k=hf["num_experts_per_tok"],
-                ffn_hidden_size=hf["moe_intermediate_size"],
-                shared_expert_ffn_hidden_size=hf["moe_intermediate_size"] * hf.get("n_shared_experts", 0),
-                router=RouterConfig(
-                    score_function="sigmoid",
-                    normalize_topk=bool(hf.get("norm_topk_prob", True)),
-                    num_groups=groups if groups > 1 else None,
-                    group_top_k=hf.get("topk_group") if groups > 1 else None,
-                    topk_scaling_factor=hf.get("routed_scaling_factor", 1.0),
-                    expert_bias=True,
-                    load_balancing="seq_aux_loss",
-                    aux_loss_coeff=1e-4,
-                ),
-            ),
+            moe=_sigmoid_moe(hf, shared_experts=0),
+        )
+    elif family == "glm4_moe":
+        fields.update(
+            head_dim=hf.get("head_dim"),
+            qk_norm=bool(hf.get("use_qk_norm", False)),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            first_k_dense=hf.get("first_k_dense_replace", 1),
+            mtp_layers=mtp_layers,
+            moe=_sigmoid_moe(hf, shared_experts=1),
         )
     else:
-        fields.update(head_dim=hf.get("head_dim"), qk_norm=True)
+        fields.update(head_dim=hf.get("head_dim"), qk_norm=True, attention_bias=bool(hf.get("attention_bias", False)))
     if family == "qwen3_moe":
         if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
             raise HFConversionError("config.json: decoder_sparse_step/mlp_only_layers (dense layers) not supported")
@@ -192,12 +187,38 @@ def config_from_hf(hf: dict[str, Any], *, mtp_layers: int = 0) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+def _sigmoid_moe(hf: dict[str, Any], *, shared_experts: int) -> MoEConfig:
+    """DeepSeek-V3's and GLM-4.5's MoE section: sigmoid routing with the aux-loss-free expert bias, optional
+    group limits, shared experts (`shared_experts`: the family's default count); their checkpoints carry no
+    training loss, so ours is DeepSeek-V3's sequence-level one (1e-4)."""
+    groups = hf.get("n_group") or 1
+    return MoEConfig(
+        num_experts=hf["n_routed_experts"],
+        top_k=hf["num_experts_per_tok"],
+        ffn_hidden_size=hf["moe_intermediate_size"],
+        shared_expert_ffn_hidden_size=hf["moe_intermediate_size"] * hf.get("n_shared_experts", shared_experts),
+        router=RouterConfig(
+            score_function="sigmoid",
+            normalize_topk=bool(hf.get("norm_topk_prob", True)),
+            num_groups=groups if groups > 1 else None,
+            group_top_k=hf.get("topk_group") if groups > 1 else None,
+            topk_scaling_factor=hf.get("routed_scaling_factor", 1.0),
+            expert_bias=True,
+            load_balancing="seq_aux_loss",
+            aux_loss_coeff=1e-4,
+        ),
+    )
+
+
+def _rope_from_hf(hf: dict[str, Any], *, partial_default: float = 1.0) -> RopeConfig:
+    """`partial_default`: the family's partial_rotary_factor where the file has none (transformers' GLM-4.5
+    config sets 0.5); it sits in rope_parameters (transformers 5) or at the top level (the released files)."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", partial_default))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
-        return RopeConfig(theta=theta)
+        return RopeConfig(theta=theta, partial_rotary_factor=partial)
     if kind != "yarn":
         raise HFConversionError(f"config.json: rope type {kind!r} is not supported (default or yarn)")
     yarn = YarnScaling(
@@ -211,7 +232,7 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     )
     if params.get("attention_factor") is not None or params.get("truncate", True) is not True:
         raise HFConversionError("config.json: yarn attention_factor/truncate overrides are not supported")
-    return RopeConfig(theta=theta, scaling=yarn)
+    return RopeConfig(theta=theta, scaling=yarn, partial_rotary_factor=partial)
 
 
 def state_dict_from_hf(model_cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -355,8 +376,8 @@ def config_to_hf(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) -> dic
         "rms_norm_eps": cfg.norm_eps,
         "initializer_range": cfg.init_std,
         "hidden_act": "silu",
-        "attention_bias": False,
-        "rope_parameters": _rope_to_hf(cfg.rope),
+        "attention_bias": cfg.attention_bias,
+        "rope_parameters": _rope_to_hf(cfg.rope, partial=cfg.family == "glm4_moe"),
         "dtype": str(dtype).removeprefix("torch."),
     }
     moe = cfg.moe
@@ -382,44 +403,58 @@ def config_to_hf(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) -> dic
             decoder_sparse_step=1,
             mlp_only_layers=[],
         )
+    if cfg.family in ("deepseek_v3", "glm4_moe"):
+        hf.update(_sigmoid_moe_to_hf(cfg))
     if cfg.family == "deepseek_v3":
-        router = moe.router
-        shared, ffn = moe.shared_expert_ffn_hidden_size, moe.ffn_hidden_size
-        if router.score_function != "sigmoid" or shared % ffn:
-            raise HFConversionError(
-                "model.moe: DeepSeek-V3 needs sigmoid routing and a shared expert FFN that is a multiple of the "
-                "expert FFN"
-            )
         hf.update(
             q_lora_rank=cfg.q_lora_rank,
             kv_lora_rank=cfg.kv_lora_rank,
             qk_nope_head_dim=cfg.qk_nope_head_dim,
             qk_rope_head_dim=cfg.qk_rope_head_dim,
             v_head_dim=cfg.v_head_dim,
-            first_k_dense_replace=cfg.first_k_dense,
-            num_nextn_predict_layers=cfg.mtp_layers,
-            n_routed_experts=moe.num_experts,
-            num_experts_per_tok=moe.top_k,
-            moe_intermediate_size=ffn,
-            n_shared_experts=shared // ffn,
-            n_group=router.num_groups or 1,
-            topk_group=router.group_top_k or router.num_groups or 1,
-            routed_scaling_factor=router.topk_scaling_factor,
-            norm_topk_prob=router.normalize_topk,
             topk_method="noaux_tc",
             scoring_func="sigmoid",
             rope_interleave=True,
         )
+    if cfg.family == "glm4_moe":
+        hf.update(head_dim=cfg.attention_head_dim, use_qk_norm=cfg.qk_norm)
     return hf
 
 
-def _rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
+def _sigmoid_moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The MoE, dense-first and MTP fields DeepSeek-V3 and GLM-4.5 share."""
+    moe = cfg.moe
+    router, shared, ffn = moe.router, moe.shared_expert_ffn_hidden_size, moe.ffn_hidden_size
+    if router.score_function != "sigmoid" or shared % ffn:
+        raise HFConversionError(
+            f"model.moe: {FAMILIES[cfg.family]} needs sigmoid routing and a shared expert FFN that is a multiple of "
+            "the expert FFN"
+        )
+    return dict(
+        first_k_dense_replace=cfg.first_k_dense,
+        num_nextn_predict_layers=cfg.mtp_layers,
+        n_routed_experts=moe.num_experts,
+        num_experts_per_tok=moe.top_k,
+        moe_intermediate_size=ffn,
+        n_shared_experts=shared // ffn,
+        n_group=router.num_groups or 1,
+        topk_group=router.group_top_k or router.num_groups or 1,
+        routed_scaling_factor=router.topk_scaling_factor,
+        norm_topk_prob=router.normalize_topk,
+    )
+
+
+def _rope_to_hf(rope: RopeConfig, *, partial: bool = False) -> dict[str, Any]:
+    """`partial`: write partial_rotary_factor even at 1 (GLM-4.5's config reads a missing one as 0.5)."""
+    shared: dict[str, Any] = {"rope_theta": rope.theta}
+    if partial or rope.partial_rotary_factor != 1:
+        shared["partial_rotary_factor"] = rope.partial_rotary_factor
     if rope.scaling is None:
-        return {"rope_type": "default", "rope_theta": rope.theta}
+        return {"rope_type": "default", **shared}
     yarn = rope.scaling
     return {
         "rope_type": "yarn",
-        "rope_theta": rope.theta,
+        **shared,
         "factor": yarn.factor,
         "original_max_position_embeddings": yarn.original_max_position_embeddings,
         "beta_fast": yarn.beta_fast,

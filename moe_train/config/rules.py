@@ -27,7 +27,7 @@ from .mesh_shape import (
 )
 from .placement import PlacementError, recipe_placement
 from .pp_layout import LayoutError, parse_layout
-from .schema import DEEPSEEK_ONLY_FIELDS, FP8_MODULES, MLA_FIELDS, Recipe
+from .schema import FAMILY_FIELDS, FAMILY_ONLY_FIELDS, FP8_MODULES, MLA_FIELDS, MOE_FAMILIES, Recipe
 
 IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -75,7 +75,7 @@ def _complete_model(r: Recipe) -> list[Problem]:
         for field in MLA_FIELDS[1:]:
             if getattr(m, field) is None:
                 out.append(_p(f"model.{field}", "required for family deepseek_v3 (multi-head latent attention)"))
-    if m.family in ("qwen3_moe", "deepseek_v3") and m.moe is None:
+    if m.family in MOE_FAMILIES and m.moe is None:
         out.append(_p("model.moe", f"required for family {m.family}"))
     return out
 
@@ -89,26 +89,37 @@ def _name(r: Recipe) -> list[Problem]:
 def _model(r: Recipe) -> list[Problem]:
     m, out = r.model, []
     set_fields = m.model_fields_set
+    for field in FAMILY_ONLY_FIELDS:
+        # A resolved recipe (dump_recipe) sets every field: its defaults must not count as set.
+        if field in FAMILY_FIELDS[m.family] or field not in set_fields:
+            continue
+        if getattr(m, field) not in (None, 0, type(m).model_fields[field].default):
+            families = " or ".join(family for family, fields in FAMILY_FIELDS.items() if field in fields)
+            out.append(_p(f"model.{field}", f"only for family {families} (this recipe is {m.family})"))
+    if "first_k_dense" in FAMILY_FIELDS[m.family] and m.first_k_dense > m.num_layers:
+        out.append(_p("model.first_k_dense", f"{m.first_k_dense} exceeds num_layers {m.num_layers}"))
+    if m.family == "deepseek_v3":
+        if m.attention_bias:
+            out.append(_p("model.attention_bias", "is for grouped-query attention; MLA (deepseek_v3) has none"))
+        if m.rope.partial_rotary_factor != 1:
+            out.append(_p("model.rope.partial_rotary_factor", "must be 1 for MLA (deepseek_v3): it rotates "
+                          "qk_rope_head_dim"))
     if m.family != "deepseek_v3":
-        for field in DEEPSEEK_ONLY_FIELDS:
-            # A resolved recipe (dump_recipe) sets every field: its defaults must not count as set.
-            if field in set_fields and getattr(m, field) not in (None, 0, type(m).model_fields[field].default):
-                out.append(_p(f"model.{field}", f"only for family deepseek_v3 (this recipe is {m.family})"))
         if m.num_attention_heads % m.kv_heads:
             out.append(
                 _p("model.num_query_groups", f"{m.kv_heads} must divide num_attention_heads {m.num_attention_heads}")
             )
         if m.head_dim is None and m.hidden_size % m.num_attention_heads:
             out.append(_p("model.head_dim", "required when hidden_size is not a multiple of num_attention_heads"))
-    else:
-        if m.qk_rope_head_dim % 2:
-            out.append(_p("model.qk_rope_head_dim", f"must be even for rotary embeddings, got {m.qk_rope_head_dim}"))
-        if m.first_k_dense > m.num_layers:
-            out.append(_p("model.first_k_dense", f"{m.first_k_dense} exceeds num_layers {m.num_layers}"))
+    elif m.qk_rope_head_dim % 2:
+        out.append(_p("model.qk_rope_head_dim", f"must be even for rotary embeddings, got {m.qk_rope_head_dim}"))
     if m.family == "qwen3" and m.moe is not None:
         out.append(_p("model.moe", "family qwen3 is dense; use family qwen3_moe for experts"))
     if m.family != "deepseek_v3" and m.attention_head_dim % 2:
         out.append(_p("model.head_dim", f"must be even for rotary embeddings, got {m.attention_head_dim}"))
+    elif m.family != "deepseek_v3" and (m.rotary_dim % 2 or m.rotary_dim == 0):
+        out.append(_p("model.rope.partial_rotary_factor", f"rotates {m.rotary_dim} of head_dim "
+                      f"{m.attention_head_dim} features: must be an even number above 0"))
     if r.data.source != "mock" and r.data.tokenizer == "byte" and m.vocab_size < BYTE_VOCAB:
         out.append(_p("model.vocab_size", f"{m.vocab_size} cannot hold the byte tokenizer's {BYTE_VOCAB} ids"))
     if r.train.seq_length > m.max_position_embeddings:
@@ -395,6 +406,9 @@ def _train(r: Recipe) -> list[Problem]:
         if r.parallel.cp > 1:
             out.append(_p("train.muon.qk_clip", "the max-logit measurement sees one context shard: needs "
                           "parallel.cp 1"))
+        if r.model.attention_bias:
+            out.append(_p("train.muon.qk_clip", "scales the q/k weights but not their biases: not built with "
+                          "model.attention_bias"))
     return out
 
 

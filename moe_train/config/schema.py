@@ -69,6 +69,10 @@ class YarnScaling(Section):
 class RopeConfig(Section):
     theta: Number = Field(10000.0, gt=0)
     scaling: YarnScaling | None = None
+    partial_rotary_factor: Number = Field(
+        1.0, gt=0, le=1, description="The share of each query/key head that rotates: its first "
+        "int(head_dim x factor) features, half-split as transformers' apply_rotary_pos_emb, the rest pass "
+        "through (GLM-4.5: 0.5). GQA families only; MLA rotates qk_rope_head_dim.")
 
 
 class RouterConfig(Section):
@@ -111,7 +115,7 @@ class MoEConfig(Section):
 
 
 class ModelConfig(Section):
-    family: Literal["qwen3", "qwen3_moe", "deepseek_v3"]
+    family: Literal["qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe"]
     num_layers: StrictInt = Field(ge=1, le=MAX_LAYERS)
     hidden_size: StrictInt = Field(ge=1)
     num_attention_heads: StrictInt = Field(ge=1)
@@ -123,10 +127,12 @@ class ModelConfig(Section):
     max_position_embeddings: StrictInt = Field(4096, ge=1)
     tie_embeddings: bool = False
     qk_norm: bool = True
+    attention_bias: bool = Field(False, description="Biases on the q, k and v projections (GLM-4.5); GQA only.")
     norm_eps: Number = Field(1e-6, gt=0)
     init_std: Number = Field(0.02, gt=0)
     rope: RopeConfig = RopeConfig()
-    # deepseek_v3 only (multi-head latent attention, dense-first layers, multi-token prediction)
+    # deepseek_v3 only (multi-head latent attention); dense-first layers and multi-token prediction: deepseek_v3
+    # and glm4_moe (FAMILY_FIELDS)
     q_lora_rank: StrictInt | None = Field(None, ge=1)
     kv_lora_rank: StrictInt | None = Field(None, ge=1)
     qk_nope_head_dim: StrictInt | None = Field(None, ge=1)
@@ -145,6 +151,14 @@ class ModelConfig(Section):
     def attention_head_dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
+    @property
+    def rotary_dim(self) -> int:
+        """Features of each query/key head that rotary embeddings turn: MLA's rope part, or the first
+        `rope.partial_rotary_factor` of a GQA head (transformers' int(head_dim x factor))."""
+        if self.family == "deepseek_v3":
+            return self.qk_rope_head_dim
+        return int(self.attention_head_dim * self.rope.partial_rotary_factor)
+
     def padded_vocab_size(self) -> int:
         """The vocabulary padded to a multiple of make_vocab_size_divisible_by. Never by tp (Megatron-LM pads by
         divisible_by x tp): every layout must have the same parameter shapes to reshard (docs/decisions.md), so
@@ -161,7 +175,17 @@ class ModelConfig(Section):
 
 
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-DEEPSEEK_ONLY_FIELDS = MLA_FIELDS + ("first_k_dense", "mtp_layers", "mtp_loss_weight")
+DENSE_FIRST_MTP_FIELDS = ("first_k_dense", "mtp_layers", "mtp_loss_weight")
+# The model fields only some families have (a recipe of another family that sets one is refused, rules.py);
+# every other field is common to all. GQA's attention_bias and rope.partial_rotary_factor are refused for MLA.
+FAMILY_FIELDS = {
+    "qwen3": (),
+    "qwen3_moe": (),
+    "deepseek_v3": MLA_FIELDS + DENSE_FIRST_MTP_FIELDS,
+    "glm4_moe": DENSE_FIRST_MTP_FIELDS,
+}
+FAMILY_ONLY_FIELDS = MLA_FIELDS + DENSE_FIRST_MTP_FIELDS
+MOE_FAMILIES = ("qwen3_moe", "deepseek_v3", "glm4_moe")
 
 
 # ------------------------------------------------------------------------------------------------ parallel

@@ -1,4 +1,4 @@
-"""Grouped-query attention with QK-norm (Qwen3), and the document mask shared with MLA.
+"""Grouped-query attention (Qwen3, GLM-4.5), and the document mask shared with MLA.
 
 Attention runs through F.scaled_dot_product_attention, which on CPU and GPU picks a fused kernel. Packed
 sequences (data.reset_at_eod) restart their position ids at 0 at each document start; attention restarts
@@ -152,14 +152,17 @@ class CoreAttention(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head attention with num_query_groups key/value heads and RMSNorm over head_dim on q and k."""
+    """Multi-head attention with num_query_groups key/value heads, optional RMSNorm over head_dim on q and k
+    (qk_norm), optional q/k/v biases (attention_bias, GLM-4.5) and rotary embeddings over the first
+    `rotary_dim` features of each head (the angles' width decides: models/rope.py)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         heads, kv_heads, self.head_dim = cfg.num_attention_heads, cfg.kv_heads, cfg.attention_head_dim
-        self.q_proj = Linear(cfg.hidden_size, heads * self.head_dim, bias=False)
-        self.k_proj = Linear(cfg.hidden_size, kv_heads * self.head_dim, bias=False)
-        self.v_proj = Linear(cfg.hidden_size, kv_heads * self.head_dim, bias=False)
+        bias = cfg.attention_bias
+        self.q_proj = Linear(cfg.hidden_size, heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, kv_heads * self.head_dim, bias=bias)
         self.o_proj = Linear(heads * self.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None

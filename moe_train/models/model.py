@@ -50,9 +50,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         padded_vocab = cfg.padded_vocab_size()
-        rope_dim = cfg.qk_rope_head_dim if cfg.family == "deepseek_v3" else cfg.attention_head_dim
         self.embed_tokens = nn.Embedding(padded_vocab, cfg.hidden_size)
-        self.rope = RotaryEmbedding(dim=rope_dim, rope=cfg.rope)
+        self.rope = RotaryEmbedding(dim=cfg.rotary_dim, rope=cfg.rope)
         # What the balancing losses of all MoE layers share over a step: the step sets it (`start_step`).
         self.balancing = StepBalancing()
         # A dict keyed by layer index keeps parameter names stable when a pipeline stage drops other layers.

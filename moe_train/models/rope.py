@@ -1,4 +1,5 @@
-"""Rotary position embeddings: plain and YaRN frequencies, half-split and interleaved (DeepSeek-V3) layouts.
+"""Rotary position embeddings: plain and YaRN frequencies, half-split and interleaved (DeepSeek-V3) layouts,
+over the whole head or its first part (partial rotary, GLM-4.5).
 
 The angles, cos and sin are computed in fp32 from the position ids on every forward (no buffers: nothing to
 materialise after building on the meta device, nothing to checkpoint); only the finished cos/sin are cast to
@@ -75,8 +76,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inter
 
     Half-split layout (Qwen3): pairs are (x[i], x[i + d/2]). Interleaved layout (DeepSeek-V3): pairs are
     (x[2i], x[2i+1]); the result is written half-split, as transformers does: q and k get the same permutation,
-    so their dot products, the only thing attention uses, are unchanged.
+    so their dot products, the only thing attention uses, are unchanged. Partial rotary (GLM-4.5), angles for
+    fewer than d/2 pairs: the first 2 x cos.shape[-1] features rotate (half-split among themselves, as
+    transformers' apply_rotary_pos_emb) and the rest pass through unchanged.
     """
+    rotary = 2 * cos.shape[-1]
+    if rotary < x.shape[-1]:
+        turned = apply_rotary(x[..., :rotary], cos, sin, interleaved=interleaved)
+        return torch.cat((turned, x[..., rotary:]), dim=-1)
     if interleaved:
         x1, x2 = x[..., 0::2], x[..., 1::2]
     else:

@@ -109,15 +109,17 @@ class Region:
 
 
 class ColumnParallelLinear(Linear):
-    """A Linear whose weight rows (output features) are sharded over tp; reads its input from `tp_region`,
-    entering the region itself when `enters_region` (a GEMM alone in its region)."""
+    """A Linear whose weight rows (output features) are sharded over tp, and its bias with them (GLM-4.5's
+    q/k/v); reads its input from `tp_region`, entering the region itself when `enters_region` (a GEMM alone in
+    its region)."""
 
     tp_region: Region
     enters_region: bool
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp_region.column(self.tp_region.enter(x) if self.enters_region else x, _local(self.weight),
-                                     self.fp8)
+        out = self.tp_region.column(self.tp_region.enter(x) if self.enters_region else x, _local(self.weight),
+                                    self.fp8)
+        return out if self.bias is None else out + _local(self.bias)
 
 
 class RowParallelLinear(Linear):
@@ -206,8 +208,11 @@ PARTIAL = {  # module kind: (always, under sequence parallelism)
 
 
 def _shard_weight(module: Linear, mesh: DeviceMesh, dim: int) -> None:
+    """The weight by rows (0, column-parallel, with its bias) or columns (1, row-parallel: no bias built)."""
     if module.bias is not None:
-        raise ValueError("tensor parallelism of a linear layer with a bias is not built")
+        if dim == 1:
+            raise ValueError("tensor parallelism of a row-parallel linear layer with a bias is not built")
+        module.bias = nn.Parameter(distribute_tensor(module.bias.data, mesh, [Shard(0)]))
     module.weight = nn.Parameter(distribute_tensor(module.weight.data, mesh, [Shard(dim)]))
 
 

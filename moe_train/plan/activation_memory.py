@@ -132,8 +132,8 @@ def other_activation_bytes(cfg: ModelConfig, lay: ActivationLayout) -> float:
     """Storages shared by every layer of one forward: the rotary tables (fp32 cos and sin; in a bf16 run each
     layer keeps its own cast instead, `saved_tensors._rope_casts`) and, with packed documents
     (data.reset_at_eod), the attention mask (`document_mask_bytes`)."""
-    rope_dim = cfg.qk_rope_head_dim if cfg.family == "deepseek_v3" else cfg.attention_head_dim
-    tables = 2 * FP32 * lay.position_batch * (lay.seq_length / lay.cp) * rope_dim / 2 if lay.act_bytes == FP32 else 0
+    seq = lay.seq_length / lay.cp
+    tables = 2 * FP32 * lay.position_batch * seq * cfg.rotary_dim / 2 if lay.act_bytes == FP32 else 0
     return tables + document_mask_bytes(lay)
 
 

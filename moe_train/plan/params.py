@@ -36,10 +36,13 @@ def attention_matrices(m: ModelConfig) -> int:
     return h * heads * d + 2 * h * m.kv_heads * d + heads * d * h
 
 
-def _attention_norms(m: ModelConfig) -> int:
+def _attention_vectors(m: ModelConfig) -> int:
+    """Attention's vector parameters: MLA's latent norms; GQA's QK-norm weights and q/k/v biases."""
     if m.family == "deepseek_v3":
         return (m.q_lora_rank or 0) + m.kv_lora_rank
-    return 2 * m.attention_head_dim if m.qk_norm else 0
+    d = m.attention_head_dim
+    biases = (m.num_attention_heads + 2 * m.kv_heads) * d if m.attention_bias else 0
+    return (2 * d if m.qk_norm else 0) + biases
 
 
 def ffn_matrices(m: ModelConfig, *, moe_layer: bool, active: bool) -> int:
@@ -55,7 +58,7 @@ def ffn_matrices(m: ModelConfig, *, moe_layer: bool, active: bool) -> int:
 
 def _layer(m: ModelConfig, *, moe_layer: bool, active: bool) -> int:
     """Parameters of one decoder layer: attention, its norms, the two pre-norms and the MLP."""
-    return attention_matrices(m) + _attention_norms(m) + 2 * m.hidden_size + ffn_matrices(
+    return attention_matrices(m) + _attention_vectors(m) + 2 * m.hidden_size + ffn_matrices(
         m, moe_layer=moe_layer, active=active
     )
 
@@ -147,10 +150,11 @@ def block_tensors(m: ModelConfig, *, moe_layer: bool, tp: int, sequence_parallel
                 _linear(h, heads * m.v_head_dim, "block", shard=1, tp=tp, gemm="attention")]
     else:
         d = m.attention_head_dim
-        out += [_linear(heads * d, h, "block", shard=0, tp=tp, gemm="attention"),
-                _linear(m.kv_heads * d, h, "block", shard=0, tp=tp, gemm="attention"),
-                _linear(m.kv_heads * d, h, "block", shard=0, tp=tp, gemm="attention"),
-                _linear(h, heads * d, "block", shard=1, tp=tp, gemm="attention")]
+        for rows in (heads * d, m.kv_heads * d, m.kv_heads * d):  # q, k, v, each with its bias (column-parallel)
+            out.append(_linear(rows, h, "block", shard=0, tp=tp, gemm="attention"))
+            if m.attention_bias:
+                out.append(Tensor((rows // tp,), "block", "tp" if tp > 1 else "dense"))
+        out.append(_linear(h, heads * d, "block", shard=1, tp=tp, gemm="attention"))
         if m.qk_norm:  # one weight per head_dim, on this rank's heads
             out += [Tensor((d,), "block", "dense", tp > 1), Tensor((d,), "block", "dense", tp > 1)]
     if not moe_layer:

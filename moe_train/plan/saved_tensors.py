@@ -166,13 +166,14 @@ def _swiglu(region: str, prefix: str, rows: float, ffn: float, a: int, down: str
     ]
 
 
-def _rope_casts(cfg: ModelConfig, lay: ActivationLayout, rope_dim: int) -> list[Saved]:
+def _rope_casts(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
     """bf16 runs: FSDP2 casts each layer's floating-point inputs to bf16, the fp32 rotary tables among them, so
-    the q and k rotations share one cast cos and sin [position rows, s, rope_dim / 2] per layer."""
+    the q and k rotations share one cast cos and sin [position rows, s, rotary_dim / 2] per layer."""
     if lay.act_bytes == FP32:
         return []
     seq = lay.seq_length / lay.cp
-    return [Saved("attention", "rope.cos_sin_casts", 2 * lay.act_bytes * lay.position_batch * seq * rope_dim / 2)]
+    casts = 2 * lay.act_bytes * lay.position_batch * seq * cfg.rotary_dim / 2
+    return [Saved("attention", "rope.cos_sin_casts", casts)]
 
 
 def _attention(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
@@ -192,7 +193,7 @@ def _attention(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
         # The norm's input is a view of kv_a_proj's whole output (latent + rope key): it keeps that storage.
         items += norm_items("mla_latent", "kv_a_layernorm", ts, kvl, a, storage_width=kvl + r)
         items += gemm_input("mla_latent", "kv_b_proj.input", ts, kvl, a, column)
-        items += _rope_casts(cfg, lay, r)
+        items += _rope_casts(cfg, lay)
         qk_width, v_width = (max(qk, v), max(qk, v)) if lay.mla_value_padded else (qk, v)
         items += [
             Saved("mla_up_proj", "sdpa.q", a * t * heads * qk_width),
@@ -208,7 +209,7 @@ def _attention(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
     if cfg.qk_norm:
         items += norm_items("attention", "q_norm", t * heads, d, a)
         items += norm_items("attention", "k_norm", t * kv_heads, d, a)
-    items += _rope_casts(cfg, lay, d)
+    items += _rope_casts(cfg, lay)
     items += [
         Saved("attention", "sdpa.q", a * t * heads * d),
         Saved("attention", "sdpa.k", a * t * kv_heads * d),
