@@ -127,6 +127,8 @@ ALL_SLOW: dict[str, str] = {
                              "is test_chunked_loss's fast test, the dp checks test_hsdp's and test_fsdp_cadence's",
     "test_fp8_layouts.py": "fp8 under the parallel layouts, one gloo job; fp8 itself is test_fp8's, "
                            "test_fp8_kernels' and test_fp8_saved_inputs' fast tests",
+    "test_glm_layouts.py": "glm4-moe-tiny under the parallel layouts, one gloo job; the family itself is test_hf's, "
+                           "test_plan_measure's and test_config's fast tests",
     "test_muon_layouts.py": "Muon under the parallel layouts, one gloo job; Muon itself is test_muon's fast tests",
     "test_processes.py": "proves tests/processes.py's kill of a real launcher's process tree (test infrastructure, "
                          "no moe_train code)",
