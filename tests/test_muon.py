@@ -11,7 +11,8 @@ import torch
 from moe_train.config import load_recipe
 from moe_train.config.loader import RecipeError
 from moe_train.models import build_model
-from moe_train.train.muon import NS_COEFFICIENTS, Muon, muon_param_groups, newton_schulz, newton_schulz_flops
+from moe_train.plan.muon_cost import newton_schulz_flops
+from moe_train.train.muon import NS_COEFFICIENTS, Muon, muon_param_groups, newton_schulz
 from moe_train.train.optimizer import build_optimizer
 
 
@@ -168,23 +169,27 @@ def test_muon_fields_are_checked() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3-moe-tiny", "deepseek-v3-tiny"])
-def test_plan_counts_muon_optimizer_state_as_measured(name: str, no_process_group) -> None:
-    """plan's optimizer bytes under train.optimizer muon equal measure's, less AdamW's 4-byte step scalars (which
-    plan leaves out, as it does for AdamW alone): one momentum buffer per Muon element, two moments per AdamW
-    one, fp32 and bf16 moments."""
+def test_plan_counts_muon_state_and_flops_as_measured(name: str, no_process_group) -> None:
+    """plan's optimizer bytes and FLOPs under train.optimizer muon equal measure's (a real step at world size 1).
+    Bytes: one momentum buffer per Muon element, two moments per AdamW one, fp32 and bf16 moments, less AdamW's
+    4-byte step scalars (which plan leaves out, as it does for AdamW alone). FLOPs: flops.optimizer, the
+    Newton-Schulz products the FLOP counter saw in the update, equal to ns_steps x the products of each Muon
+    matrix (each expert of a stack alone, in the wide orientation) and to plan's, at 5 and 3 steps; the model's
+    own phases and total unchanged by them."""
     from helpers import shrink
 
     from moe_train.config.hardware import HARDWARE
     from moe_train.measure.driver import Target, measure
     from moe_train.plan.estimate import estimate, plan_json
 
-    for dtype in ("fp32", "bf16"):
+    for dtype, steps in (("fp32", 5), ("bf16", 3)):
         overrides = shrink(
             "model.num_layers=2",
             "train.global_batch_size=2",
             "train.steps=2",
             "train.precision=fp32",
             "train.optimizer=muon",
+            f"train.muon.ns_steps={steps}",
             f"train.adam_moment_dtype={dtype}",
             without=("train.precision",),
         )
@@ -192,7 +197,7 @@ def test_plan_counts_muon_optimizer_state_as_measured(name: str, no_process_grou
             overrides = [*overrides, "model.first_k_dense=1"]
         recipe = load_recipe(name, overrides)
         report = measure(recipe, Target())
-        planned = plan_json(estimate(recipe, HARDWARE["h100"]))["memory_bytes"]["optimizer"]
+        planned = plan_json(estimate(recipe, HARDWARE["h100"]))
         model = build_model(recipe.model)
         muon, *adamw = muon_param_groups(model, train=recipe.train)
         adamw_tensors = sum(len(group["params"]) for group in adamw)
@@ -201,4 +206,10 @@ def test_plan_counts_muon_optimizer_state_as_measured(name: str, no_process_grou
         adamw_elements = sum(p.numel() for group in adamw for p in group["params"])
         assert muon_elements > 0 and adamw_elements > 0
         assert report["optimizer_bytes"] == moment * (muon_elements + 2 * adamw_elements) + 4 * adamw_tensors
-        assert planned == report["optimizer_bytes"] - 4 * adamw_tensors, (name, dtype)
+        assert planned["memory_bytes"]["optimizer"] == report["optimizer_bytes"] - 4 * adamw_tensors, (name, dtype)
+
+        by_matrix = sum((p.shape[0] if p.ndim == 3 else 1) * newton_schulz_flops(*p.shape[-2:], steps=steps)
+                        for p in muon["params"])
+        assert report["flops"]["optimizer"] == by_matrix > 0
+        assert planned["flops"] == report["flops"], (name, steps)
+        assert report["flops"]["total"] == sum(report["flops"][k] for k in ("forward", "backward", "recompute"))
