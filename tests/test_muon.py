@@ -213,3 +213,39 @@ def test_plan_counts_muon_state_and_flops_as_measured(name: str, no_process_grou
         assert report["flops"]["optimizer"] == by_matrix > 0
         assert planned["flops"] == report["flops"], (name, steps)
         assert report["flops"]["total"] == sum(report["flops"][k] for k in ("forward", "backward", "recompute"))
+
+
+# (id, recipe, tp, overrides): FSDP2 alone, FSDP2 x TP+SP (column weights gathered over dp then tp, row weights
+# tp then dp), EP2 x ETP2 folded onto dp2 x tp2, MLA under dp2 x tp2, and dp3 (FSDP2's padded uneven chunks)
+SHARDED = [
+    ("dp2", "qwen3-moe-tiny", 1, ["launch.gpus_per_node=2", "train.global_batch_size=4"]),
+    ("dp2-tp2-sp", "qwen3-moe-tiny", 2, ["launch.gpus_per_node=4", "train.global_batch_size=4",
+                                         "parallel.sequence_parallel=true"]),
+    ("ep2-etp2", "qwen3-moe-tiny", 2, ["launch.gpus_per_node=4", "train.global_batch_size=4", "parallel.ep=2",
+                                       "parallel.etp=2", "model.moe.dispatcher=allgather"]),
+    ("mla-dp2-tp2", "deepseek-v3-tiny", 2, ["launch.gpus_per_node=4", "train.global_batch_size=4"]),
+    ("mla-dp3", "deepseek-v3-tiny", 1, ["launch.gpus_per_node=3", "train.global_batch_size=6"]),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "name", "tp", "overrides"), SHARDED, ids=[case[0] for case in SHARDED])
+def test_plan_prices_muon_gathers_as_measured(case: str, name: str, tp: int, overrides: list[str],
+                                              no_process_group) -> None:
+    """Each sharded Muon update gathered whole (train/muon.py): plan's bytes per `<group>/<op>` (and every other
+    figure) equal measure's on fake ranks, exactly. At dp2 the gathers add to AdamW's step what a hand count
+    says: each rank sends its half of every Muon matrix, in fp32."""
+    from helpers import plan_against_measure, tiny_recipe
+
+    from moe_train.measure.driver import Target, measure
+
+    recipes = {optimizer: tiny_recipe(name, tp, False, "none", "fp32", f"train.optimizer={optimizer}", *overrides)
+               for optimizer in ("adamw", "muon")}
+    reports = {optimizer: measure(recipe, Target(fake=True)) for optimizer, recipe in recipes.items()}
+    assert plan_against_measure(recipes["muon"], reports["muon"], tolerance=1e-9) == []
+    gathered = {key: reports["muon"]["comm_bytes"][key] - reports["adamw"]["comm_bytes"].get(key, 0)
+                for key in reports["muon"]["comm_bytes"] if key.endswith("/all_gather")}
+    assert sum(gathered.values()) > 0
+    if case == "dp2":
+        muon, *_ = muon_param_groups(build_model(recipes["muon"].model), train=recipes["muon"].train)
+        assert gathered == {"dp/all_gather": 4 * sum(p.numel() for p in muon["params"]) // 2}

@@ -20,7 +20,9 @@ The way back to this rank's shard is a local slice (no collective).
 
 from __future__ import annotations
 
-from .params import RankParams, Tensor
+from collections.abc import Callable, Iterator
+
+from .params import RankParams, Tensor, Unit, fsdp_rows
 from .rank_layout import PlanLayout
 
 FP32 = 4  # the update Newton-Schulz orthogonalises: fp32 whatever train.adam_moment_dtype stores
@@ -62,3 +64,24 @@ def muon_flops(params: RankParams, layout: PlanLayout, *, steps: int) -> int:
                 total += unit.count * matrices * newton_schulz_flops(rows, cols, steps=steps)
     return total
 
+
+def muon_gathers(params: RankParams, layout: PlanLayout,
+                 fsdp_group: Callable[[Unit], str]) -> Iterator[tuple[str, int, int, int]]:
+    """(group, payload bytes, group size, times) of each all-gather of one optimizer step (the module
+    docstring's order); `fsdp_group` names a unit's FSDP2 group as the FSDP2 traffic does. A group of one rank
+    moves nothing (the caller drops it)."""
+    for unit in params.units:
+        group = fsdp_group(unit)
+        for tensor in unit.tensors:
+            if not muon_trained(tensor):
+                continue
+            held, chunk = fsdp_rows(tensor.shape[0], unit.shards)
+            row = tensor.numel // tensor.shape[0]
+            inner = "etp" if tensor.unit == "experts" else "tp"
+            size = 1 if tensor.split is None else layout.etp if inner == "etp" else layout.tp
+            if tensor.split == 0 or (tensor.unit == "experts" and layout.ep > 1):
+                yield group, FP32 * chunk * row, unit.shards, unit.count
+                yield inner, FP32 * tensor.numel, size, unit.count
+            else:
+                yield inner, FP32 * held * row, size, unit.count
+                yield group, FP32 * chunk * row * size, unit.shards, unit.count
