@@ -9,7 +9,7 @@ for both. Reported per variant: the loss at the end (mean of the last `--tail` s
 batch noise), the median step time and the median time of the optimizer's own step (timed by optimizer step
 hooks), and for each optimizer's best learning rate the ratio Muon / AdamW of both times.
 
-    PYTHONPATH=. python bench/bench_muon.py OUT_DIR [--steps 100] [--lr 1e-3 --lr 3e-3 --lr 1e-2]
+    PYTHONPATH=. python bench/bench_muon.py OUT_DIR [--steps 100] [--lr 1e-3 --lr 3e-3 ...]
         [--set k=v ...] [--threads N]
 
 OUT_DIR receives bench_muon.png (the curves: each variant's train loss, the best learning rate of each
@@ -37,6 +37,7 @@ from moe_train.train.loop import Trainer  # noqa: E402
 RECIPE = "qwen3-moe-tiny"
 OPTIMIZERS = ("adamw", "muon")
 WARMUP_STEPS = 2  # left out of the timings (first-touch allocation, lazily built state)
+LINE_STYLES = (":", "--", "-.", "-", (0, (5, 1, 1, 1)))  # one per learning rate of the sweep
 
 
 class OptimizerClock:
@@ -97,14 +98,17 @@ def run(out_dir: Path, *, steps: int, lrs: list[float], overrides: list[str], ta
 
 
 def _curves(rows: list[dict], best: dict[str, dict], tokens: int) -> Figure:
-    """Train loss against tokens seen, every variant; each optimizer's best learning rate bold."""
+    """Train loss against tokens trained on, every variant (a line style per learning rate); each optimizer's
+    best learning rate bold."""
     figure = Figure(figsize=(8, 4.8), layout="constrained")
     axes = figure.add_subplot()
+    styles = {lr: LINE_STYLES[index % len(LINE_STYLES)] for index, lr in enumerate(sorted({r["lr"] for r in rows}))}
     for row in rows:
         color = "C0" if row["optimizer"] == "adamw" else "C3"
         bold = row is best[row["optimizer"]]
         seen = [tokens * (step + 1) for step in range(len(row["losses"]))]
-        axes.plot(seen, row["losses"], color=color, linewidth=2.0 if bold else 0.8, alpha=1.0 if bold else 0.45,
+        axes.plot(seen, row["losses"], color=color, linestyle=styles[row["lr"]], linewidth=2.0 if bold else 0.9,
+                  alpha=1.0 if bold else 0.6,
                   label=f"{row['optimizer']} lr {row['lr']:g}" + (" (best)" if bold else ""))
     axes.set_xlabel("tokens")
     axes.set_ylabel("train loss")
@@ -120,14 +124,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--lr", action="append", type=float, default=None,
                         help="A learning rate of the sweep, for both optimizers (repeatable; default 1e-3, 3e-3, "
-                             "1e-2).")
+                             "1e-2, 3e-2).")
     parser.add_argument("--set", action="append", default=[], help="Recipe override for every variant (repeatable).")
     parser.add_argument("--tail", type=int, default=10, help="Final loss: the mean over this many last steps.")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice).")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    figures = run(args.out_dir, steps=args.steps, lrs=args.lr or [1e-3, 3e-3, 1e-2], overrides=args.set,
+    figures = run(args.out_dir, steps=args.steps, lrs=args.lr or [1e-3, 3e-3, 1e-2, 3e-2], overrides=args.set,
                   tail=args.tail)
     print(f"{RECIPE}: {figures['steps']} steps of {figures['tokens_per_step']:,} tokens, the same for every "
           f"variant; {figures['threads']} threads, load average {figures['load_average']:.1f}")
