@@ -97,6 +97,8 @@ def report_table(recipe: Recipe, report: dict) -> Table:
     flops = report["flops"]
     for phase in ("forward", "backward", "recompute", "total"):
         table.add_row(f"FLOPs {phase}", _flops(flops[phase]), "executed, matmuls and attention")
+    if flops["optimizer"]:
+        table.add_row("FLOPs optimizer", _flops(flops["optimizer"]), "Muon's Newton-Schulz products, not in total")
     for layer, value in report["activation_bytes_per_layer"].items():
         if layer == "other":
             table.add_row("activations other", _bytes(value), "shared tables, embedding, head, loss")
@@ -105,7 +107,7 @@ def report_table(recipe: Recipe, report: dict) -> Table:
     table.add_row("activations total", _bytes(report["activation_bytes_total"]), "one micro-batch")
     table.add_row("parameters", _bytes(report["param_bytes"]), "this rank's shards")
     table.add_row("gradients", _bytes(report["grad_bytes"]), "before the update")
-    table.add_row("optimizer state", _bytes(report["optimizer_bytes"]), "AdamW moments and steps")
+    table.add_row("optimizer state", _bytes(report["optimizer_bytes"]), "AdamW moments and steps; Muon momentum")
     table.add_row("peak memory", _bytes(report["peak_memory_bytes"]), "live tensor bytes")
     for key, value in report["comm_bytes"].items():
         table.add_row(f"comm {key}", _bytes(value), f"{report['comm_calls'][key]} call(s), payload sent")

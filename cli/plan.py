@@ -100,7 +100,9 @@ def _table(plan: Plan) -> Table:
                                  f"({routing['expected_ranks']:.2f} ranks) under its router, in expectation")
     share = data["flops"]["recompute"] / data["flops"]["total"]
     table.add_row("FLOPs", f"model {data['model_flops_per_step']:.3e} per step; executed "
-                           f"{data['executed_flops_per_step']:.3e} (recompute {share:.1%})")
+                           f"{data['executed_flops_per_step']:.3e} (recompute {share:.1%})"
+                           + (f"; optimizer {data['flops']['optimizer']:.3e} on this rank (Muon's Newton-Schulz)"
+                              if data["flops"]["optimizer"] else ""))
     for key, value in data["comm_bytes"].items():
         table.add_row(f"comm {key}", f"{value / GB:.2f} GB per step over {data['comm_links'][key]}")
     return table

@@ -47,8 +47,9 @@ def measure_json(*args: str) -> dict:
     assert result.code == 0, (result.stdout, result.stderr)
     report = json.loads(result.stdout)
     assert set(report) == CONTRACT_KEYS | EXTRA_KEYS
-    assert set(report["flops"]) == {"forward", "backward", "recompute", "total"}
+    assert set(report["flops"]) == {"forward", "backward", "recompute", "total", "optimizer"}
     assert report["flops"]["total"] == sum(report["flops"][k] for k in ("forward", "backward", "recompute"))
+    assert report["flops"]["optimizer"] == 0  # AdamW runs no matmul (Muon's: tests/test_muon.py)
     assert report["activation_bytes_total"] == sum(report["activation_bytes_per_layer"].values())
     assert set(report["activation_bytes_per_layer"]) == {*map(str, report["layers"]), "other"}
     return report

@@ -11,7 +11,8 @@ import torch
 from moe_train.config import load_recipe
 from moe_train.config.loader import RecipeError
 from moe_train.models import build_model
-from moe_train.train.muon import NS_COEFFICIENTS, Muon, muon_param_groups, newton_schulz, newton_schulz_flops
+from moe_train.plan.muon_cost import newton_schulz_flops
+from moe_train.train.muon import NS_COEFFICIENTS, Muon, muon_param_groups, newton_schulz
 from moe_train.train.optimizer import build_optimizer
 
 
@@ -168,23 +169,27 @@ def test_muon_fields_are_checked() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen3-moe-tiny", "deepseek-v3-tiny"])
-def test_plan_counts_muon_optimizer_state_as_measured(name: str, no_process_group) -> None:
-    """plan's optimizer bytes under train.optimizer muon equal measure's, less AdamW's 4-byte step scalars (which
-    plan leaves out, as it does for AdamW alone): one momentum buffer per Muon element, two moments per AdamW
-    one, fp32 and bf16 moments."""
+def test_plan_counts_muon_state_and_flops_as_measured(name: str, no_process_group) -> None:
+    """plan's optimizer bytes and FLOPs under train.optimizer muon equal measure's (a real step at world size 1).
+    Bytes: one momentum buffer per Muon element, two moments per AdamW one, fp32 and bf16 moments, less AdamW's
+    4-byte step scalars (which plan leaves out, as it does for AdamW alone). FLOPs: flops.optimizer, the
+    Newton-Schulz products the FLOP counter saw in the update, equal to ns_steps x the products of each Muon
+    matrix (each expert of a stack alone, in the wide orientation) and to plan's, at 5 and 3 steps; the model's
+    own phases and total unchanged by them."""
     from helpers import shrink
 
     from moe_train.config.hardware import HARDWARE
     from moe_train.measure.driver import Target, measure
     from moe_train.plan.estimate import estimate, plan_json
 
-    for dtype in ("fp32", "bf16"):
+    for dtype, steps in (("fp32", 5), ("bf16", 3)):
         overrides = shrink(
             "model.num_layers=2",
             "train.global_batch_size=2",
             "train.steps=2",
             "train.precision=fp32",
             "train.optimizer=muon",
+            f"train.muon.ns_steps={steps}",
             f"train.adam_moment_dtype={dtype}",
             without=("train.precision",),
         )
@@ -192,7 +197,7 @@ def test_plan_counts_muon_optimizer_state_as_measured(name: str, no_process_grou
             overrides = [*overrides, "model.first_k_dense=1"]
         recipe = load_recipe(name, overrides)
         report = measure(recipe, Target())
-        planned = plan_json(estimate(recipe, HARDWARE["h100"]))["memory_bytes"]["optimizer"]
+        planned = plan_json(estimate(recipe, HARDWARE["h100"]))
         model = build_model(recipe.model)
         muon, *adamw = muon_param_groups(model, train=recipe.train)
         adamw_tensors = sum(len(group["params"]) for group in adamw)
@@ -201,4 +206,46 @@ def test_plan_counts_muon_optimizer_state_as_measured(name: str, no_process_grou
         adamw_elements = sum(p.numel() for group in adamw for p in group["params"])
         assert muon_elements > 0 and adamw_elements > 0
         assert report["optimizer_bytes"] == moment * (muon_elements + 2 * adamw_elements) + 4 * adamw_tensors
-        assert planned == report["optimizer_bytes"] - 4 * adamw_tensors, (name, dtype)
+        assert planned["memory_bytes"]["optimizer"] == report["optimizer_bytes"] - 4 * adamw_tensors, (name, dtype)
+
+        by_matrix = sum((p.shape[0] if p.ndim == 3 else 1) * newton_schulz_flops(*p.shape[-2:], steps=steps)
+                        for p in muon["params"])
+        assert report["flops"]["optimizer"] == by_matrix > 0
+        assert planned["flops"] == report["flops"], (name, steps)
+        assert report["flops"]["total"] == sum(report["flops"][k] for k in ("forward", "backward", "recompute"))
+
+
+# (id, recipe, tp, overrides): FSDP2 alone, FSDP2 x TP+SP (column weights gathered over dp then tp, row weights
+# tp then dp), EP2 x ETP2 folded onto dp2 x tp2, MLA under dp2 x tp2, and dp3 (FSDP2's padded uneven chunks)
+SHARDED = [
+    ("dp2", "qwen3-moe-tiny", 1, ["launch.gpus_per_node=2", "train.global_batch_size=4"]),
+    ("dp2-tp2-sp", "qwen3-moe-tiny", 2, ["launch.gpus_per_node=4", "train.global_batch_size=4",
+                                         "parallel.sequence_parallel=true"]),
+    ("ep2-etp2", "qwen3-moe-tiny", 2, ["launch.gpus_per_node=4", "train.global_batch_size=4", "parallel.ep=2",
+                                       "parallel.etp=2", "model.moe.dispatcher=allgather"]),
+    ("mla-dp2-tp2", "deepseek-v3-tiny", 2, ["launch.gpus_per_node=4", "train.global_batch_size=4"]),
+    ("mla-dp3", "deepseek-v3-tiny", 1, ["launch.gpus_per_node=3", "train.global_batch_size=6"]),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "name", "tp", "overrides"), SHARDED, ids=[case[0] for case in SHARDED])
+def test_plan_prices_muon_gathers_as_measured(case: str, name: str, tp: int, overrides: list[str],
+                                              no_process_group) -> None:
+    """Each sharded Muon update gathered whole (train/muon.py): plan's bytes per `<group>/<op>` (and every other
+    figure) equal measure's on fake ranks, exactly. At dp2 the gathers add to AdamW's step what a hand count
+    says: each rank sends its half of every Muon matrix, in fp32."""
+    from helpers import plan_against_measure, tiny_recipe
+
+    from moe_train.measure.driver import Target, measure
+
+    recipes = {optimizer: tiny_recipe(name, tp, False, "none", "fp32", f"train.optimizer={optimizer}", *overrides)
+               for optimizer in ("adamw", "muon")}
+    reports = {optimizer: measure(recipe, Target(fake=True)) for optimizer, recipe in recipes.items()}
+    assert plan_against_measure(recipes["muon"], reports["muon"], tolerance=1e-9) == []
+    gathered = {key: reports["muon"]["comm_bytes"][key] - reports["adamw"]["comm_bytes"].get(key, 0)
+                for key in reports["muon"]["comm_bytes"] if key.endswith("/all_gather")}
+    assert sum(gathered.values()) > 0
+    if case == "dp2":
+        muon, *_ = muon_param_groups(build_model(recipes["muon"].model), train=recipes["muon"].train)
+        assert gathered == {"dp/all_gather": 4 * sum(p.numel() for p in muon["params"]) // 2}

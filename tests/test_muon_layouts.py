@@ -1,5 +1,6 @@
 """Muon under every parallel layout equals the single-process run (fp32, 1e-5 relative after 4 steps), resumes
-bit for bit and reshards on resume: every case in one 2-rank job (tests/workers/train_layouts.py)."""
+bit for bit and reshards on resume: the 2-rank cases in one job, the 4-rank ones (ETP folded onto tp, MLA,
+QK-clip under dp x tp) in another (tests/workers/train_layouts.py)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,40 @@ def test_muon_layouts_equal_single_process_and_resume(tmp_path: Path) -> None:
         torch.testing.assert_close(
             resharded["state"][key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}"
         )
+
+
+# 4 ranks, dp2 x tp2: the experts folded as ep2 x etp2 (each expert's matrices gathered over etp, its experts
+# whole on their ep rank); MLA (deepseek-v3-tiny: q/kv up projections sharded by heads, the latent projections
+# replicated, MTP); QK-clip on GQA and MLA, where the maxima are all-reduced over dp and gathered over tp
+DP2_TP2 = ["parallel.tp=2"]
+CLIPPED = {"qwen3-moe-tiny": ["model.qk_norm=false", "train.muon.qk_clip=0.2"],  # thresholds about the heads'
+           "deepseek-v3-tiny": ["train.muon.qk_clip=0.12"]}  # median max logit: some clipped, some not
+FOLDED = {
+    "ep2-etp2": ("qwen3-moe-tiny", [*DP2_TP2, "parallel.ep=2", "parallel.etp=2", "model.moe.dispatcher=allgather"]),
+    "mla-tp2-sp": ("deepseek-v3-tiny", [*DP2_TP2, "parallel.sequence_parallel=true"]),
+    "qk-clip-gqa": ("qwen3-moe-tiny", [*DP2_TP2, *CLIPPED["qwen3-moe-tiny"]]),
+    "qk-clip-mla": ("deepseek-v3-tiny", [*DP2_TP2, *CLIPPED["deepseek-v3-tiny"]]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_muon_folded_experts_mla_and_qk_clip_equal_single_process(tmp_path: Path) -> None:
+    cases = [_case(name, recipe, overrides) for name, (recipe, overrides) in FOLDED.items()]
+    saved = run_ranks("train_layouts", 4, {"cases": cases, "run_root": str(tmp_path / "muon4")}, tmp_path, timeout=1100)
+    records = {key: torch.load(path, weights_only=True) for key, path in saved.items()}
+
+    def single(recipe: str, extra: list[str], tag: str) -> dict:
+        return record_run(recipe, [*MUON, *extra], world=1, run_dir=tmp_path / f"ref-{tag}", steps=STEPS)
+
+    want = {"ep2-etp2": single("qwen3-moe-tiny", [], "qwen"), "mla-tp2-sp": single("deepseek-v3-tiny", [], "mla")}
+    unclipped = {"qk-clip-gqa": single("qwen3-moe-tiny", ["model.qk_norm=false"], "gqa"),
+                 "qk-clip-mla": want["mla-tp2-sp"]}
+    for name, recipe in (("qk-clip-gqa", "qwen3-moe-tiny"), ("qk-clip-mla", "deepseek-v3-tiny")):
+        want[name] = single(recipe, CLIPPED[recipe], name)
+        # the clip acted: the same run without it ends elsewhere, so the equality below holds the clipped heads'
+        # scaling to the single process's, not a no-op
+        assert any(not torch.allclose(unclipped[name]["state"][k], v, rtol=1e-3, atol=1e-6)
+                   for k, v in want[name]["state"].items()), name
+    for name in FOLDED:
+        assert_same_run(records[name], want[name], loss=1e-5, rtol=1e-5, atol=1e-6)

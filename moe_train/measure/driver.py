@@ -184,7 +184,8 @@ def _walk(recipe: Recipe, target: Target, ctx: ParallelContext) -> dict:
         # The trainer's step without its host-side figures (fake tensors have no values): the all-reduce of the
         # loss sums and MoE telemetry and the expert-bias update it feeds; the update is taken whatever the norm.
         compute_gradients(trainable, batch, recipe=recipe, ctx=ctx)
-        apply_update(trainable, lr=lr_at(1, train=recipe.train))
+        with flops.optimizer_step():  # Muon's Newton-Schulz products: flops.optimizer, outside flops.total
+            apply_update(trainable, lr=lr_at(1, train=recipe.train))
         zero_gradients(trainable)
     layers.close()
     progress.remove()

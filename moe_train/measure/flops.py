@@ -12,11 +12,17 @@ kernels) at 2 FLOPs per multiply-add. They lack two kernels this engine runs on 
 - `aten._grouped_mm` (routed experts): 2 x rows x in x out over all groups, whatever the split between
   experts. Its backward calls `_grouped_mm` again (data and weight gradients), counted by the same formula.
 Elementwise work (norms, activations, softmax, rotary) is not counted, as in the FLOPs formula.
+
+The optimizer's own products (Muon's Newton-Schulz iterations, train/muon.py) are the phase `optimizer`, kept
+out of `total`, which stays the model's forward, backward and recomputation (what plan's FLOPs and MFU count):
+the driver runs the update inside `optimizer_step()`. AdamW runs no matmul: 0.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
+from collections.abc import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -25,7 +31,8 @@ from torch.utils.flop_counter import flop_registry, shape_wrapper
 from moe_train.measure.dtensor import on_dtensors, sharding_propagation
 from moe_train.measure.layers import LayerTracker
 
-PHASES = ("forward", "backward", "recompute")
+PHASES = ("forward", "backward", "recompute")  # the model's: `total` is their sum
+OPTIMIZER = "optimizer"
 
 
 def _attention_flops(query: torch.Size, key: torch.Size, value: torch.Size, causal: bool = False) -> int:
@@ -79,6 +86,16 @@ class PhaseFlopCounter(TorchDispatchMode):
         self.layers = layers
         self.formulas = {**flop_registry, **{op: shape_wrapper(fn) for op, fn in CPU_FORMULAS.items()}}
         self.by_phase: dict[str, int] = defaultdict(int)
+        self.in_optimizer = False
+
+    @contextlib.contextmanager
+    def optimizer_step(self) -> Iterator[None]:
+        """Count what runs inside as the optimizer's FLOPs (outside every layer's phase)."""
+        self.in_optimizer = True
+        try:
+            yield
+        finally:
+            self.in_optimizer = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -87,10 +104,11 @@ class PhaseFlopCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         formula = self.formulas.get(getattr(func, "_overloadpacket", None))
         if formula is not None and not sharding_propagation():
-            self.by_phase[self.layers.phase()] += int(formula(*args, **kwargs, out_val=out))
+            phase = OPTIMIZER if self.in_optimizer else self.layers.phase()
+            self.by_phase[phase] += int(formula(*args, **kwargs, out_val=out))
         return out
 
     def totals(self) -> dict[str, int]:
-        """{"forward", "backward", "recompute", "total"}."""
+        """{"forward", "backward", "recompute", "total", "optimizer"}: total the model's three phases."""
         counts = {phase: self.by_phase.get(phase, 0) for phase in PHASES}
-        return {**counts, "total": sum(counts.values())}
+        return {**counts, "total": sum(counts.values()), OPTIMIZER: self.by_phase.get(OPTIMIZER, 0)}

@@ -32,6 +32,8 @@ micro-batch on this rank, Ts of them in the sequence region, Tm routed; a bytes 
   shards) per step (the trainer syncs gradients in the last micro-batch only); under pipelining once per step
   (Assumptions).
   HSDP (dpr > 1): the same over dps (dps_cp) and edps, and each reduced fp32 shard all-reduced over dpr.
+- train.optimizer muon, per step: each sharded Muon update gathered whole in fp32 over its FSDP2 group and tp
+  (etp), in DTensor's order (plan/muon_cost.py `muon_gathers`).
 - per step: the sum over tp of replicated parameters' partial gradients (one fp32 all-reduce of their local
   shards) and the gradient norm: one fp32 value per parameter tensor, all-reduced over each dimension of its
   mesh (plain tensors: dp; tensor-parallel ones: dp and tp; experts: edp, and ep, or ep x etp at once over
@@ -61,7 +63,8 @@ from moe_train.config.schema import ModelConfig, Recipe
 from moe_train.kernels import kernels_for
 
 from .assumptions import Assumptions
-from .params import RankParams, fp8_gathered_kinds, fsdp_rows
+from .muon_cost import muon_gathers
+from .params import RankParams, Unit, fp8_gathered_kinds, fsdp_rows
 from .rank_layout import Chunk, PlanLayout, crosses_network, ranks_within_domain
 from .recompute_policy import recompute_groups, saves_after_combine
 from .saved_tensors import ActivationLayout, padded_capacity
@@ -142,6 +145,9 @@ class CommBytes:
 
         _per_step(out, layout, params)
         _fsdp(out, recipe, layout, params, param_bytes, a)
+        if recipe.train.optimizer == "muon":  # each sharded Muon update gathered whole (plan/muon_cost.py)
+            for group, payload, size, times in muon_gathers(params, layout, lambda unit: fsdp_group(layout, unit)):
+                out.add(group, "all_gather", payload, size, times)
 
         # pipeline: forward activations out of every chunk but the model's last, gradients back out of every
         # chunk but the first; each chunk receives what it does not send (the other direction, same size)
@@ -497,6 +503,15 @@ def _per_step(out: CommBytes, layout: PlanLayout, params: RankParams) -> None:
     out.add("pp", "all_reduce", FP32, layout.pp)  # the stages' squared norms
 
 
+def fsdp_group(layout: PlanLayout, unit: Unit) -> str:
+    """The group FSDP2 shards `unit` over: dp (dp_cp), or edp for routed experts in a unit of their own; under
+    HSDP (dpr > 1) the shard groups dps (dps_cp) and edps, each reduced shard then all-reduced over dpr."""
+    hsdp = layout.dpr > 1
+    if all(t.unit == "experts" for t in unit.tensors):
+        return "edps" if hsdp else "edp"
+    return ("dps" if hsdp else "dp") + ("_cp" if layout.cp > 1 else "")
+
+
 def _fsdp(out: CommBytes, recipe: Recipe, layout: PlanLayout, params: RankParams, param_bytes: int,
           a: Assumptions) -> None:
     """FSDP2 over dp (dp_cp) for dense units and edp for experts, at `parallel.param_gather` and
@@ -512,12 +527,9 @@ def _fsdp(out: CommBytes, recipe: Recipe, layout: PlanLayout, params: RankParams
     else:
         gathers = 1 if parallel.gathers_per_step else mb * (2 if reshard else 1)
         reduces = mb if parallel.grad_reduce == "per_microbatch" else 1
-    hsdp = layout.dpr > 1  # shard groups dps (edps), then each reduced shard all-reduced over the dpr replicas
-    dense_group = ("dps" if hsdp else "dp") + ("_cp" if layout.cp > 1 else "")
     fp8 = fp8_gathered_kinds(recipe)
     for unit in params.units:
-        experts_alone = all(t.unit == "experts" for t in unit.tensors)
-        group = ("edps" if hsdp else "edp") if experts_alone else dense_group
+        group = fsdp_group(layout, unit)
         shard = unit.padded_shard
         out.add(group, "all_gather", unit.shard_bytes(param_bytes, fp8), unit.shards, gathers * unit.count)
         # fp8 all-gather: each fp8 weight's amax (one fp32) all-reduced over the shard group before each gather

@@ -26,8 +26,9 @@ from .activation_memory import (
 from .assumptions import Assumptions
 from .comm_bytes import CommBytes, comm_time, dispatch_forward
 from .flop_count import forward_flops_per_token, layer_flops_by_region
+from .muon_cost import muon_flops, muon_trained
 from .overlap import ExposedComm, PairedPhases, exposed_comm
-from .params import RankParams, Tensor, fp8_gathered_kinds, fsdp_rows, rank_params
+from .params import RankParams, fp8_gathered_kinds, fsdp_rows, rank_params
 from .rank_layout import Chunk, PlanLayout, in_flight, rank_chunks
 from .recompute_policy import RecomputePolicy, recompute_groups
 from .saved_tensors import ActivationLayout, expert_rows, padded_capacity
@@ -328,6 +329,9 @@ def _plan_rank(recipe: Recipe, layout: PlanLayout, assumptions: Assumptions, ran
     memory["total"] = sum(memory.values())
     per_layer = _bytes_per_layer(model, shapes, layout.recompute, chunks) if detail else {}
     flops, split = _rank_flops(model, layout, chunks, assumptions)
+    # Muon's Newton-Schulz products: the optimizer's, outside the model's `total` (measure's flops.optimizer)
+    train = recipe.train
+    flops["optimizer"] = muon_flops(params, layout, steps=train.muon.ns_steps) if train.optimizer == "muon" else 0
     counted = (CommBytes.for_rank(recipe, layout, shapes, chunks, params, param_bytes, assumptions) if comm
                else CommBytes())
     forward = dispatch_forward(recipe, layout, shapes, chunks) if comm else CommBytes()
@@ -368,13 +372,6 @@ def _moe_layer_work(model: ModelConfig, layout: PlanLayout, shapes: ActivationLa
     return MoeLayerWork(forward, backward, a.elementwise_traffic_per_saved_byte * saved, count)
 
 
-def _muon_trained(tensor: Tensor) -> bool:
-    """Whether train.optimizer muon gives `tensor` to Muon under the default `train.muon.exclude`: every attention,
-    MLP and shared-expert weight and each routed expert's matrices; the embedding, head, router, MTP's eh_proj
-    and every 1-D tensor stay with AdamW (train/muon.py's muon_param_groups)."""
-    return tensor.unit == "experts" or tensor.gemm in ("attention", "mlp", "shared_experts")
-
-
 def _optimizer_bytes(recipe: Recipe, params: RankParams) -> int:
     """The optimizer state of the rank's FSDP2 shards: AdamW's two moments per element, or under Muon one
     momentum buffer for Muon's matrices and AdamW's two for the rest, each in train.adam_moment_dtype (AdamW's
@@ -383,7 +380,7 @@ def _optimizer_bytes(recipe: Recipe, params: RankParams) -> int:
     if recipe.train.optimizer != "muon":
         return moments
     muon = sum(unit.count * fsdp_rows(t.shape[0], unit.shards)[0] * (t.numel // t.shape[0])
-               for unit in params.units for t in unit.tensors if _muon_trained(t))
+               for unit in params.units for t in unit.tensors if muon_trained(t))
     return moments - ADAM_BYTES[recipe.train.adam_moment_dtype] // 2 * muon
 
 

@@ -94,13 +94,17 @@ class Tensor:
     (tensor-parallel DTensors, FSDP over dp x tp), `experts` (over edp, or edp x ep x etp when expert-parallel).
     `partial`: replicated over tp with a partial gradient on each rank, summed over tp once per step.
     `gemm`: the `train.fp8.modules` kind of the Linear this is the weight of (attention, mlp, shared_experts,
-    head; "" for the rest): what FSDP2's fp8 all-gather gathers in fp8 (models/fp8/all_gather.py)."""
+    head; "" for the rest): what FSDP2's fp8 all-gather gathers in fp8 (models/fp8/all_gather.py).
+    `split`: the dimension tensor parallelism cuts (tp for a Linear: 0 column-, 1 row-parallel; etp for an
+    expert stack: 1 or 2), None where the tensor is whole over it: what Muon gathers to orthogonalise the whole
+    matrix (plan/muon_cost.py)."""
 
     shape: tuple[int, ...]
     unit: str
     mesh: str
     partial: bool = False
     gemm: str = ""
+    split: int | None = None
 
     @functools.cached_property
     def numel(self) -> int:
@@ -125,7 +129,7 @@ def _linear(out: int, inp: int, unit: str, *, shard: int | None, tp: int, partia
     if shard is None or tp == 1:
         return Tensor((out, inp), unit, "dense", partial and tp > 1, gemm)
     shape = (out // tp, inp) if shard == 0 else (out, inp // tp)
-    return Tensor(shape, unit, "tp", gemm=gemm)
+    return Tensor(shape, unit, "tp", gemm=gemm, split=shard)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -164,8 +168,10 @@ def block_tensors(m: ModelConfig, *, moe_layer: bool, tp: int, sequence_parallel
     moe = m.moe
     out.append(Tensor((moe.num_experts, h), "block", "dense", tp > 1))  # the router
     experts, f = moe.num_experts // ep, moe.ffn_hidden_size // etp
-    out += [Tensor((experts, f, h), "experts", "experts"), Tensor((experts, f, h), "experts", "experts"),
-            Tensor((experts, h, f), "experts", "experts")]
+    inner, outer = (1, 2) if etp > 1 else (None, None)  # etp cuts the expert width: gate/up's rows, down's columns
+    out += [Tensor((experts, f, h), "experts", "experts", split=inner),
+            Tensor((experts, f, h), "experts", "experts", split=inner),
+            Tensor((experts, h, f), "experts", "experts", split=outer)]
     if moe.shared_expert_ffn_hidden_size:
         fs = moe.shared_expert_ffn_hidden_size
         out += [_linear(fs, h, "block", shard=0, tp=tp, gemm="shared_experts"),

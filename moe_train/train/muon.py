@@ -50,7 +50,7 @@ def newton_schulz(matrix: torch.Tensor, *, steps: int) -> torch.Tensor:
 
     Orientation rule (written here once): the iteration runs on the wide orientation (rows <= cols; a tall matrix
     is transposed in and out), so the Gram matrix X X^T is the small min(m, n)^2 one: 2 products of m^2 n and one
-    of m^3 per step, m = min, n = max (`newton_schulz_flops`)."""
+    of m^3 per step, m = min, n = max (plan/muon_cost.py `newton_schulz_flops`, what plan and measure count)."""
     a, b, c = NS_COEFFICIENTS
     x = matrix.float()
     tall = x.shape[-2] > x.shape[-1]
@@ -62,13 +62,6 @@ def newton_schulz(matrix: torch.Tensor, *, steps: int) -> torch.Tensor:
         poly = b * gram + c * (gram @ gram)
         x = a * x + poly @ x
     return x.mT if tall else x
-
-
-def newton_schulz_flops(rows: int, cols: int, *, steps: int) -> int:
-    """FLOPs of `newton_schulz` on one [rows, cols] matrix (2 per multiply-add): X X^T (2 m^2 n), G G (2 m^3) and
-    P X (2 m^2 n) per step, m = min(rows, cols), n = max; the elementwise terms are left out."""
-    m, n = min(rows, cols), max(rows, cols)
-    return steps * (4 * m * m * n + 2 * m**3)
 
 
 def update_scale(rows: int, cols: int, *, adjust_lr: bool) -> float:
