@@ -364,3 +364,30 @@ def test_full_recompute_keeps_each_group_input_and_rebuilds_one_group_at_a_time(
                                                   "parallel.recompute.num_layers=40"]), HARDWARE["h100"])
     kept_block = block.worst.memory["activations"] - head - other_activation_bytes(cfg, lay)
     assert kept_block == pytest.approx(40 * layer_input + one_group * 2)  # the last 8 layers keep everything
+
+
+def test_offload_copies_are_priced_on_the_host_link_and_exposed_past_the_layers_compute() -> None:
+    """Qwen3-235B-A22B on H100 under the published moe_act + layernorm with core_attn offloaded: each layer's copy
+    is its moved bytes over PCIe Gen5's 64 GB/s and hides behind the layer's forward; on a link 100x slower every
+    copy exceeds the compute it hides behind, and the step grows by what the plan says is exposed."""
+    import dataclasses
+
+    recipe = load_recipe("qwen3-235b-a22b", ["parallel.recompute.modules=[moe_act,layernorm]",
+                                             "parallel.offload.modules=[core_attn]"], check_files=False)
+    h100 = HARDWARE["h100"]
+    fast = plan_json(estimate(recipe, h100))
+    layers = fast["offload"]["per_layer"]
+    assert layers and all(v["copy_s"] == v["bytes"] / 64e9 < v["forward_s"] for v in layers.values())
+    assert fast["offload"]["exposed_s"] == 0.0 == fast["time_s"]["offload_exposed"]
+    slow_link = dataclasses.replace(h100, host_link_bytes_per_s=0.64e9)
+    slow_plan = estimate(recipe, slow_link)
+    slow = plan_json(slow_plan, pipeline_rank=slow_plan.time_rank)
+    per_micro_batch = sum(max(0.0, v["copy_s"] - v["forward_s"]) + max(0.0, v["copy_s"] - v["backward_s"])
+                          for v in slow["offload"]["per_layer"].values())
+    assert per_micro_batch > 0
+    assert slow["offload"]["exposed_s"] == pytest.approx(per_micro_batch * slow["layout"]["micro_batches"])
+    assert slow["time_s"]["offload_exposed"] == slow["offload"]["exposed_s"]
+    assert slow["step_time_s"] > fast["step_time_s"] + slow["offload"]["exposed_s"]  # the bubble grows with it
+    unpriced = plan_json(estimate(recipe, dataclasses.replace(h100, host_link_bytes_per_s=None)))
+    assert unpriced["offload"]["exposed_s"] is None and unpriced["time_s"]["offload_exposed"] == 0.0
+    assert unpriced["memory_bytes"] == fast["memory_bytes"]
