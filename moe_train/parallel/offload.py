@@ -281,16 +281,18 @@ class OffloadPool:
             if group.fetched is not None:
                 current.wait_event(group.fetched)
             entry.device.record_stream(current)  # allocated on the side stream, read on this one
-        view = torch.empty(0, dtype=saved.dtype, device=entry.device.device)
-        view.set_(entry.device.untyped_storage(), saved.offset, saved.size, saved.stride)
+        view = entry.device.view(saved.dtype).as_strided(saved.size, saved.stride, saved.offset)
         if saved.spec is not None:
             return DTensor(view, saved.spec, requires_grad=saved.requires_grad)
         return view
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole storage under `tensor`, as bytes (what is copied: every view of it comes back)."""
-    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+    """The whole storage under `tensor`, as bytes (what is copied: every view of it comes back). A strided view
+    from the storage's start, not `set_`: under measure's fake tensors a tensor `set_` to a storage kept that
+    storage alive after both were dropped, so the moved saves stayed in measure's peak."""
+    elements = tensor.untyped_storage().nbytes() // tensor.element_size()
+    return tensor.detach().as_strided((elements,), (1,), 0).view(torch.uint8)
 
 
 def _in_region(fn: Callable, pool: OffloadPool) -> Callable:
