@@ -223,13 +223,14 @@ def full_size_recipe(name: str, tp: int, ep: int, sp: bool, policy: str, *, worl
                      extra: tuple[str, ...] = ()):
     """One layer of the model (DeepSeek-V3: its first dense and first MoE layer, no MTP) at the recipe's
     sequence length and precision, on `world` ranks (default: the layout's smallest with dp > 1), one
-    micro-batch per rank. train.fp8.recipe auto resolved for the recipe's own GPU (plan_against_measure plans
+    micro-batch per rank, no activation offloading (the policies it is given may recompute the recipe's offloaded
+    regions). train.fp8.recipe auto resolved for the recipe's own GPU (plan_against_measure plans
     on an h100, where auto would mean another recipe than measure's launch target runs)."""
     world = world or max(2 * tp, ep, 8)
     cut = (["model.num_layers=2", "model.first_k_dense=1", "model.mtp_layers=0"] if name == "deepseek-v3"
            else ["model.num_layers=1"])
     nodes = -(-world // 8)  # the recipes' GPUs have 8 per node
-    overrides = [*NO_PIPELINE, *cut, f"launch.nodes={nodes}", f"launch.gpus_per_node={world // nodes}",
+    overrides = [*NO_PIPELINE, *cut, "parallel.offload.modules=[]", f"launch.nodes={nodes}", f"launch.gpus_per_node={world // nodes}",
                  f"parallel.tp={tp}", f"parallel.ep={ep}", f"parallel.sequence_parallel={str(sp).lower()}",
                  f"train.global_batch_size={world // tp}", "train.micro_batch_size=1", *recompute(policy), *extra]
     return with_fp8_resolved(load_recipe(name, overrides, check_files=False))
