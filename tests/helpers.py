@@ -230,7 +230,8 @@ def full_size_recipe(name: str, tp: int, ep: int, sp: bool, policy: str, *, worl
     cut = (["model.num_layers=2", "model.first_k_dense=1", "model.mtp_layers=0"] if name == "deepseek-v3"
            else ["model.num_layers=1"])
     nodes = -(-world // 8)  # the recipes' GPUs have 8 per node
-    overrides = [*NO_PIPELINE, *cut, "parallel.offload.modules=[]", f"launch.nodes={nodes}", f"launch.gpus_per_node={world // nodes}",
+    overrides = [*NO_PIPELINE, *cut, "parallel.offload.modules=[]", f"launch.nodes={nodes}",
+                 f"launch.gpus_per_node={world // nodes}",
                  f"parallel.tp={tp}", f"parallel.ep={ep}", f"parallel.sequence_parallel={str(sp).lower()}",
                  f"train.global_batch_size={world // tp}", "train.micro_batch_size=1", *recompute(policy), *extra]
     return with_fp8_resolved(load_recipe(name, overrides, check_files=False))
