@@ -116,10 +116,14 @@ def test_recompute_policies_keep_less() -> None:
     moe_layer = cfg.first_k_dense
     none = layer_activation_bytes(cfg, lay, layer_index=moe_layer)
     by_module = {}
-    for module in ("core_attn", "moe_act", "layernorm", "mla_up_proj", "moe", "shared_experts"):
+    for module in ("core_attn", "layernorm", "mla_up_proj", "moe", "shared_experts"):
         kept = layer_activation_bytes(cfg, lay, layer_index=moe_layer, policy=RecomputePolicy("selective", (module,)))
         assert kept < none, module
         by_module[module] = kept
+    # the weighted SwiGLU keeps only its inputs (models/moe/weighted_swiglu.py), which a checkpoint of it keeps too
+    by_module["moe_act"] = layer_activation_bytes(cfg, lay, layer_index=moe_layer,
+                                                  policy=RecomputePolicy("selective", ("moe_act",)))
+    assert by_module["moe_act"] == none
     # mla_up_proj drops SDPA's q, k, v and output (each tokens x heads x max(qk, v) in bf16) and its fp32
     # logsumexp; the rope key it reads is a view of kv_a_proj's output, which the kv norm keeps already
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim

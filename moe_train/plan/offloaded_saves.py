@@ -18,8 +18,8 @@ storage with the tensor it views, so it stays. What that leaves, region by regio
   the down projection's input is a view (the GEMM flattens the tokens), kept.
 - shared_experts: gate, up, silu(gate) and the down projection's input (they run on flat rows); their input is
   the router's, saved outside.
-- moe_act: the experts' gate and up outputs, silu(gate) and the unweighted product; the rows' weights are a view
-  of the dispatched weights and the weighted product is the down projection's input, saved outside.
+- moe_act: the experts' gate and up outputs (the weighted SwiGLU keeps nothing else of its own); the rows' weights
+  are a view of the dispatched weights and the weighted product is the down projection's input, saved outside.
 - moe: everything the layer saves but its input (the norm's output, flattened: a view), the rows' routing
   weights (a view), one of the dispatch's two permutation indices (a view of the other), the router's scores
   where the sequence-level balancing loss saves a per-sequence view of them, and, under tensor or expert
@@ -63,7 +63,7 @@ def _moved(region: str, cfg: ModelConfig, lay: ActivationLayout) -> set[str]:
     if region == "shared_experts":
         return _with_scales({f"shared_experts.{n}" for n in (*_SWIGLU, "down_input")})
     if region == "moe_act":
-        return {"experts.gate_up", "experts.silu", "experts.act"}
+        return {"experts.gate_up"}
     raise ValueError(f"unknown offload region {region!r}")
 
 
