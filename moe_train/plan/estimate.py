@@ -444,9 +444,13 @@ def _buffer_bytes(recipe: Recipe, shapes: ActivationLayout, layout: PlanLayout, 
 def _elementwise_bytes(model: ModelConfig, shapes: ActivationLayout, layout: PlanLayout, chunks: list[Chunk],
                        assumptions: Assumptions) -> float:
     """Memory-bound traffic per step: what the rank's layers would save without recompute, over every
-    micro-batch, times the stated traffic per saved byte."""
+    micro-batch, times the stated traffic per saved byte. The routed experts' silu(gate) and unweighted product
+    count as saved: the weighted SwiGLU forms them again in backward instead of keeping them
+    (models/moe/weighted_swiglu.py), the same memory-bound work either way."""
     kinds = {moe: layer_activation_bytes(model, shapes, layer_index=model.num_layers if moe else 0)
              for moe in (False, True)}
+    if model.moe is not None:
+        kinds[True] += 2 * shapes.act_bytes * expert_rows(model, shapes) * model.moe.ffn_hidden_size / shapes.etp
     saved = sum(kinds[True] * c.moe_layers + kinds[False] * (len(c.layers) - c.moe_layers) for c in chunks)
     return assumptions.elementwise_traffic_per_saved_byte * saved * layout.micro_batches
 
