@@ -173,6 +173,7 @@ def test_validate_accepts_offloading_beside_recomputing_other_regions(tmp_path: 
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("no_process_group")  # tests/conftest.py: an earlier in-process run may hold one
 def test_measure_peak_counts_the_device_alone() -> None:
     """measure's peak on a CPU leaves the pool's host copies out, fake tensors or real: with every layer's moved
     saves off the device but the two back in backward (the layer running, the one prefetched), the peak falls by
