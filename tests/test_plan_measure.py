@@ -122,8 +122,9 @@ def test_cuda_plan_keeps_mla_value_at_its_own_width_and_a_block_mask():
 # ------------------------------------------------------------------------------------ activation offloading
 
 EP2 = ("launch.gpus_per_node=2", "parallel.ep=2", "train.global_batch_size=4")
+FP8_KEPT = ("train.fp8.recipe=rowwise", "train.fp8.saved_inputs=fp8")
 # (model, tp, sp, precision, offloaded regions, recompute policy of other regions, extra overrides): every region
-# name on the models that have it, across tensor and sequence parallelism, bf16, EP2 and recompute beside.
+# name on the models that have it, across tensor and sequence parallelism, bf16, fp8, EP2 and recompute beside.
 OFFLOAD_CASES = [
     ("qwen3-tiny", 1, False, "fp32", "core_attn,layernorm", "none", ()),
     ("qwen3-tiny", 2, True, "bf16", "mlp", "none", ()),
@@ -138,12 +139,24 @@ OFFLOAD_CASES = [
     ("deepseek-v3-tiny", 2, False, "bf16", "core_attn,mlp,shared_experts,moe_act", "none", ()),
     ("deepseek-v3-tiny", 2, True, "bf16", "moe", "mla_up_proj", ()),
     ("deepseek-v3-tiny", 1, False, "fp32", "moe", "none", EP2),
+    # fp8 GEMMs: their inputs kept in fp8 (fresh copies move) or as they came, their outputs views (they stay)
+    ("qwen3-tiny", 1, False, "fp8", "mlp,core_attn,layernorm", "none", FP8_KEPT),
+    ("qwen3-tiny", 1, False, "fp8", "mlp", "none", ("train.fp8.recipe=rowwise", "train.fp8.saved_inputs=bf16")),
+    ("qwen3-moe-tiny", 2, True, "fp8", "moe", "none", FP8_KEPT),
+    ("deepseek-v3-tiny", 1, False, "fp8", "moe,mlp", "none", FP8_KEPT),
+    ("deepseek-v3-tiny", 2, True, "fp8", "shared_experts,moe_act,mla_up_proj", "layernorm", FP8_KEPT),
 ]
+
+
+def _extra_id(extra: tuple[str, ...]) -> str:
+    if extra == EP2:
+        return "-ep2"
+    return "".join(f"-kept-{item.split('=')[1]}" for item in extra if item.startswith("train.fp8.saved_inputs"))
 
 
 @pytest.mark.parametrize(("name", "tp", "sp", "precision", "regions", "policy", "extra"),
                          fast_sample(OFFLOAD_CASES, 4),
-                         ids=[f"{n}-tp{t}{'sp' if s else ''}-{d}-{o.replace(',', '+')}-rc-{p}{'-ep2' if e else ''}"
+                         ids=[f"{n}-tp{t}{'sp' if s else ''}-{d}-{o.replace(',', '+')}-rc-{p}{_extra_id(e)}"
                               for n, t, s, d, o, p, e in OFFLOAD_CASES])
 def test_offloaded_regions_plan_exactly_what_measure_moves(name, tp, sp, precision, regions, policy, extra):
     """parallel.offload: each layer's bytes moved to the host pool (`offloaded/<layer>`) and those left on the

@@ -126,7 +126,7 @@ def _activation_layout(recipe: Recipe, layout: PlanLayout, a: Assumptions) -> Ac
         # position ids per row with packed documents, and under cp (each row's shard has its own positions)
         position_batch=layout.micro_batch if recipe.data.reset_at_eod or layout.cp > 1 else 1,
         loss_chunk_tokens=layout.loss_chunk_tokens,
-        documents=recipe.data.reset_at_eod, device=layout.device,
+        documents=recipe.data.reset_at_eod, device=layout.device, fp8_gemms=layout.fp8_modules,
         **_fp8_kept(recipe),
     )
 

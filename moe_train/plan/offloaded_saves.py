@@ -15,20 +15,24 @@ storage with the tensor it views, so it stays. What that leaves, region by regio
 - layernorm: the post-attention norm's input (the residual after attention) and both reciprocal rms; the input
   norm's input is the layer's own argument, which the caller holds.
 - mlp: gate, up and silu(gate); under sequence parallelism its input too (the column-parallel GEMMs' shard);
-  the down projection's input is a view (the GEMM flattens the tokens), kept.
+  the down projection's input is a view (the GEMM flattens the tokens), kept. With fp8 GEMMs
+  (train.fp8.modules mlp) the other way round: they keep their inputs as they came (or their fp8 copies) and
+  return views of their flat outputs, so the input, silu(gate) and the down projection's input move, gate and
+  up stay.
 - shared_experts: gate, up, silu(gate) and the down projection's input (they run on flat rows); their input is
-  the router's, saved outside.
+  the router's, saved outside. With fp8 GEMMs only silu(gate) and the down projection's input (gate and up are
+  views).
 - moe_act: the experts' gate and up outputs (the weighted SwiGLU keeps nothing else of its own); the rows' weights
   are a view of the dispatched weights and the weighted product is the down projection's input, saved outside.
 - moe: everything the layer saves but its input (the norm's output, flattened: a view), the rows' routing
   weights (a view), one of the dispatch's two permutation indices (a view of the other), the router's scores
   where the sequence-level balancing loss saves a per-sequence view of them, and, under tensor or expert
-  parallelism, the experts' input rows (then what the dispatch's collectives hand over, kept by them too).
+  parallelism, the experts' input rows (then what the dispatch's collectives hand over, kept by them too)
+  unless the experts keep an fp8 copy of them, and with fp8 shared experts their gate and up (views).
 
 Held to measure exactly (tests/test_plan_measure.py) for every region in fp32 and bf16, with and without tensor
-and sequence parallelism, expert parallelism and recompute of other regions. Not yet with fp8 GEMMs keeping
-their inputs in fp8 (`train.fp8.saved_inputs: fp8`): their quantised copies are views and casts of their own,
-which this list does not follow (the plan then counts the regions' fp8 items as moved).
+and sequence parallelism, expert parallelism, recompute of other regions and fp8 GEMMs (rowwise, inputs kept
+in fp8 or in bf16).
 
 plan/estimate.py takes these bytes out of the device-resident activation memory, reports them per layer as
 measure does (`offloaded_bytes_per_layer`) and prices their copies on the hardware table's host link.
@@ -59,8 +63,12 @@ def _moved(region: str, cfg: ModelConfig, lay: ActivationLayout) -> set[str]:
     if region == "layernorm":
         return {"post_attention_layernorm.input", "input_layernorm.rstd", "post_attention_layernorm.rstd"}
     if region == "mlp":
+        if "mlp" in lay.fp8_gemms:  # fp8 GEMMs keep their inputs whole and return views
+            return _with_scales({"mlp.input", "mlp.silu", "mlp.down_input"})
         return {f"mlp.{n}" for n in _SWIGLU} | ({"mlp.input"} if lay.gathers_shards else set())
     if region == "shared_experts":
+        if "shared_experts" in lay.fp8_gemms:
+            return _with_scales({"shared_experts.silu", "shared_experts.down_input"})
         return _with_scales({f"shared_experts.{n}" for n in (*_SWIGLU, "down_input")})
     if region == "moe_act":
         return {"experts.gate_up"}
@@ -73,8 +81,10 @@ def _moe_kept(cfg: ModelConfig, lay: ActivationLayout) -> set[str]:
     kept = {"router.input", "experts.probs", "dispatch.order"}
     if router.load_balancing == "seq_aux_loss" and router.aux_loss_coeff > 0:
         kept.add("router.scores")
-    if lay.tp > 1 or lay.ep > 1:
-        kept |= _with_scales({"experts.input"})
+    if (lay.tp > 1 or lay.ep > 1) and lay.kept_fp8("experts") is None:  # an fp8 copy is the GEMM's own
+        kept.add("experts.input")
+    if "shared_experts" in lay.fp8_gemms:  # views of the fp8 GEMMs' flat outputs
+        kept |= {"shared_experts.gate", "shared_experts.up"}
     return kept
 
 

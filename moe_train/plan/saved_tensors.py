@@ -86,6 +86,7 @@ class ActivationLayout:
     device: str = "cpu"  # launch.device: the kernel table's row (MLA's value padding, the document mask's form)
     fp8_kept: str | None = None  # train.fp8.saved_inputs fp8: the recipe whose fp8 inputs the fp8 GEMMs keep
     fp8_modules: tuple[str, ...] = ()  # train.fp8.modules: the GEMM kinds in fp8
+    fp8_gemms: tuple[str, ...] = ()  # the GEMM kinds in fp8 whatever they keep (train.fp8.modules under fp8)
 
     def kept_fp8(self, kind: str) -> str | None:
         """The recipe in which GEMMs of `kind` (train.fp8.modules' names) keep their input, None: as it came."""
