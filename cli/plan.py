@@ -23,6 +23,24 @@ from .common import RecipeArgument, SetOption, fail, load_or_exit
 GB = 1e9
 
 
+
+def _offload_term(t: dict) -> str:
+    return f" + exposed offload copies {t['offload_exposed']:.2f}" if t["offload_exposed"] else ""
+
+
+def _offload_line(off: dict) -> str:
+    """parallel.offload: what the host pool holds and whether the layers' copies hide behind their compute."""
+    text = f"{', '.join(off['modules'])}: {off['host_bytes'] / GB:.1f} GB in the host pool at the peak"
+    if off["host_link_bytes_per_s"] is None:
+        return text + "; copies not priced (no host_link_bytes_per_s in the hardware table)"
+    worst = max(off["per_layer"].values(), key=lambda v: v["copy_s"] - v["forward_s"], default=None)
+    if worst is None:
+        return text
+    hidden = "hidden behind" if worst["copy_s"] <= worst["forward_s"] else "exposed past"
+    return (text + f"; a layer's copy {worst['copy_s'] * 1e3:.2f} ms each way at "
+            f"{off['host_link_bytes_per_s'] / GB:.0f} GB/s, {hidden} its forward {worst['forward_s'] * 1e3:.2f} ms "
+            f"(backward {worst['backward_s'] * 1e3:.2f} ms): {off['exposed_s']:.2f} s a step exposed")
+
 def _assumptions(specs: list[str] | None) -> Assumptions:
     """`--assume name=value` over the defaults; one error line per bad spec."""
     known = {f.name: f.type for f in fields(Assumptions)}
@@ -84,13 +102,15 @@ def _table(plan: Plan) -> Table:
     slowest = f" (the slowest: pipeline rank {plan.time_rank})" if plan.layout.pp > 1 else ""
     table.add_row("step time", f"{t['step']:.2f} s{slowest} = compute {t['compute']:.2f} + memory-bound "
                                f"{t['elementwise']:.2f} + exposed comm {t['comm_exposed']:.2f} + MoE syncs "
-                               f"{t['moe_sync']:.2f} + bubble "
+                               f"{t['moe_sync']:.2f}{_offload_term(t)} + bubble "
                                f"{t['bubble']:.2f} + optimizer {t['optimizer']:.2f}")
     if plan.recipe.parallel.ep_overlap:
         shown = ", ".join(f"{key} {c['exposed_fraction']:.2f} of {c['own_s']:.2f} s"
                           for key, c in data["exposed_comm"].items())
         table.add_row("ep_overlap", f"the overlapped pairs hide {t['ep_comm_hidden']:.2f} s of EP comm; exposed: "
                                     f"{shown or 'none'}")
+    if data["offload"]:
+        table.add_row("offload", _offload_line(data["offload"]))
     table.add_row("throughput", f"{data['tokens_per_s']:,.0f} tokens/s, {data['tflops_per_gpu']:.0f} TFLOP/s per GPU "
                                 f"({data['tflops_per_gpu_megatron']:.0f} in Megatron-Core's convention, causal "
                                 f"attention over half of s x s), MFU {data['mfu']:.1%}")

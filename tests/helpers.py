@@ -223,14 +223,16 @@ def full_size_recipe(name: str, tp: int, ep: int, sp: bool, policy: str, *, worl
                      extra: tuple[str, ...] = ()):
     """One layer of the model (with dense-first layers, DeepSeek-V3's and GLM-4.5's: its first dense and first MoE
     layer, no MTP) at the recipe's sequence length and precision, without context parallelism, on `world` ranks
-    (default: the layout's smallest with dp > 1), one micro-batch per rank. train.fp8.recipe auto resolved for
-    the recipe's own GPU (plan_against_measure plans on an h100, where auto would mean another recipe than
-    measure's launch target runs)."""
+    (default: the layout's smallest with dp > 1), one micro-batch per rank, no activation offloading (the
+    policies it is given may recompute the recipe's offloaded regions). train.fp8.recipe auto resolved for the
+    recipe's own GPU (plan_against_measure plans on an h100, where auto would mean another recipe than measure's
+    launch target runs)."""
     world = world or max(2 * tp, ep, 8)
     cut = (["model.num_layers=2", "model.first_k_dense=1", "model.mtp_layers=0"]
            if load_recipe(name).model.first_k_dense else ["model.num_layers=1"])
     nodes = -(-world // 8)  # the recipes' GPUs have 8 per node
-    overrides = [*NO_PIPELINE, *cut, "parallel.cp=1", f"launch.nodes={nodes}", f"launch.gpus_per_node={world // nodes}",
+    overrides = [*NO_PIPELINE, *cut, "parallel.cp=1", "parallel.offload.modules=[]", f"launch.nodes={nodes}",
+                 f"launch.gpus_per_node={world // nodes}",
                  f"parallel.tp={tp}", f"parallel.ep={ep}", f"parallel.sequence_parallel={str(sp).lower()}",
                  f"train.global_batch_size={world // tp}", "train.micro_batch_size=1", *recompute(policy), *extra]
     return with_fp8_resolved(load_recipe(name, overrides, check_files=False))

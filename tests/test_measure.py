@@ -136,7 +136,10 @@ def test_fake_measures_what_the_real_step_does(deepseek_tiny_real):
     fake = measure_json("deepseek-v3-tiny", *DEEPSEEK_TINY_CUT, "--fake")
     assert fake["fake"] and not real["fake"] and real["layers"] == [0, 1, 8]
     assert_same_step(fake, real)
-    assert real["activation_bytes_per_layer"]["0"] < real["activation_bytes_per_layer"]["1"]  # routed copies
+    # the MoE layer keeps its routed copies: top_k rows a token into the experts (fp32), at least
+    cfg = load_recipe("deepseek-v3-tiny", check_files=False).model
+    routed = cfg.moe.top_k * real["tokens"] // real["micro_batches"] * cfg.hidden_size * 4
+    assert real["activation_bytes_per_layer"]["1"] > routed > 0
 
 
 def fsdp_shard_elements(model: torch.nn.Module, dp: int) -> int:

@@ -653,3 +653,40 @@ def test_bf16_layer_grouped_equals_loop_and_tracks_fp32():
         assert routed(layer, x.to(torch.bfloat16)).scores.dtype == torch.float32  # router math stays fp32
     assert torch.allclose(outputs[True].float(), outputs[False].float(), atol=2e-2 * expected.abs().max().item())
     assert (outputs[True].float() - expected).abs().max() < 3e-2 * expected.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("shape", "probs_shape"), [((64, 48), (64, 1)), ((4, 16, 48), (4, 16, 1))])
+def test_weighted_swiglu_equals_the_composite_and_keeps_only_its_inputs(dtype, shape, probs_shape):
+    """The experts' activation (rows, and the padded GEMM's [experts, capacity] blocks): its output and the three
+    gradients bit for bit those of autograd's silu(gate) * up * probs, and for backward it keeps gate, up and
+    probs, where the composite keeps two [rows, ffn] tensors more (silu(gate) and the unweighted product)."""
+    import torch.nn.functional as F
+
+    from moe_train.models.moe.weighted_swiglu import weighted_swiglu
+
+    generator = torch.Generator().manual_seed(0)
+    gate, up, grad = (torch.randn(shape, generator=generator).to(dtype) for _ in range(3))
+    probs = torch.rand(probs_shape, generator=generator).to(dtype)
+
+    def run(activation):
+        leaves = [t.clone().requires_grad_() for t in (gate, up, probs)]
+        saved: dict[int, int] = {}
+
+        def pack(tensor):
+            saved[tensor.untyped_storage()._cdata] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = activation(*leaves)
+        out.backward(grad)
+        return out, [t.grad for t in leaves], sum(saved.values())
+
+    got, got_grads, got_saved = run(weighted_swiglu)
+    want, want_grads, want_saved = run(lambda g, u, p: F.silu(g) * u * p)
+    assert torch.equal(got, want)
+    for name, a, b in zip(("gate", "up", "probs"), got_grads, want_grads, strict=True):
+        assert torch.equal(a, b), name
+    element = torch.empty(0, dtype=dtype).element_size()
+    assert got_saved == element * (2 * gate.numel() + probs.numel())
+    assert want_saved - got_saved == 2 * element * gate.numel()

@@ -170,3 +170,22 @@ def test_validate_accepts_offloading_beside_recomputing_other_regions(tmp_path: 
         _offloaded("moe_act"),
     )
     assert result.code == 0, (result.stdout, result.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_process_group")  # tests/conftest.py: an earlier in-process run may hold one
+def test_measure_peak_counts_the_device_alone() -> None:
+    """measure's peak on a CPU leaves the pool's host copies out, fake tensors or real: with every layer's moved
+    saves off the device but the two back in backward (the layer running, the one prefetched), the peak falls by
+    at least the moved bytes less two layers' worth, and the fake step's peak is the real one's."""
+    from moe_train.measure.driver import Target, measure
+
+    shape = ["model.num_layers=4", "train.seq_length=512", "train.micro_batch_size=2", "train.global_batch_size=2",
+             "train.precision=fp32"]
+    plain = measure(load_recipe("qwen3-moe-tiny", shape), Target(fake=True))
+    recipe = load_recipe("qwen3-moe-tiny", [*shape, _offloaded("moe_act,core_attn,layernorm")])
+    fake, real = measure(recipe, Target(fake=True)), measure(recipe, Target())
+    moved = fake["offloaded_bytes_per_layer"]
+    assert len(moved) == 4 and min(moved.values()) > 0
+    assert fake["peak_memory_bytes"] <= plain["peak_memory_bytes"] - sum(moved.values()) + 2 * max(moved.values())
+    assert fake["peak_memory_bytes"] == pytest.approx(real["peak_memory_bytes"], rel=1e-3)

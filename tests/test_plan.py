@@ -116,10 +116,14 @@ def test_recompute_policies_keep_less() -> None:
     moe_layer = cfg.first_k_dense
     none = layer_activation_bytes(cfg, lay, layer_index=moe_layer)
     by_module = {}
-    for module in ("core_attn", "moe_act", "layernorm", "mla_up_proj", "moe", "shared_experts"):
+    for module in ("core_attn", "layernorm", "mla_up_proj", "moe", "shared_experts"):
         kept = layer_activation_bytes(cfg, lay, layer_index=moe_layer, policy=RecomputePolicy("selective", (module,)))
         assert kept < none, module
         by_module[module] = kept
+    # the weighted SwiGLU keeps only its inputs (models/moe/weighted_swiglu.py), which a checkpoint of it keeps too
+    by_module["moe_act"] = layer_activation_bytes(cfg, lay, layer_index=moe_layer,
+                                                  policy=RecomputePolicy("selective", ("moe_act",)))
+    assert by_module["moe_act"] == none
     # mla_up_proj drops SDPA's q, k, v and output (each tokens x heads x max(qk, v) in bf16) and its fp32
     # logsumexp; the rope key it reads is a view of kv_a_proj's output, which the kv norm keeps already
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
@@ -365,3 +369,30 @@ def test_full_recompute_keeps_each_group_input_and_rebuilds_one_group_at_a_time(
                                                   "parallel.recompute.num_layers=40"]), HARDWARE["h100"])
     kept_block = block.worst.memory["activations"] - head - other_activation_bytes(cfg, lay)
     assert kept_block == pytest.approx(40 * layer_input + one_group * 2)  # the last 8 layers keep everything
+
+
+def test_offload_copies_are_priced_on_the_host_link_and_exposed_past_the_layers_compute() -> None:
+    """Qwen3-235B-A22B on H100 under the published moe_act + layernorm with core_attn offloaded: each layer's copy
+    is its moved bytes over PCIe Gen5's 64 GB/s and hides behind the layer's forward; on a link 100x slower every
+    copy exceeds the compute it hides behind, and the step grows by what the plan says is exposed."""
+    import dataclasses
+
+    recipe = load_recipe("qwen3-235b-a22b", ["parallel.recompute.modules=[moe_act,layernorm]",
+                                             "parallel.offload.modules=[core_attn]"], check_files=False)
+    h100 = HARDWARE["h100"]
+    fast = plan_json(estimate(recipe, h100))
+    layers = fast["offload"]["per_layer"]
+    assert layers and all(v["copy_s"] == v["bytes"] / 64e9 < v["forward_s"] for v in layers.values())
+    assert fast["offload"]["exposed_s"] == 0.0 == fast["time_s"]["offload_exposed"]
+    slow_link = dataclasses.replace(h100, host_link_bytes_per_s=0.64e9)
+    slow_plan = estimate(recipe, slow_link)
+    slow = plan_json(slow_plan, pipeline_rank=slow_plan.time_rank)
+    per_micro_batch = sum(max(0.0, v["copy_s"] - v["forward_s"]) + max(0.0, v["copy_s"] - v["backward_s"])
+                          for v in slow["offload"]["per_layer"].values())
+    assert per_micro_batch > 0
+    assert slow["offload"]["exposed_s"] == pytest.approx(per_micro_batch * slow["layout"]["micro_batches"])
+    assert slow["time_s"]["offload_exposed"] == slow["offload"]["exposed_s"]
+    assert slow["step_time_s"] > fast["step_time_s"] + slow["offload"]["exposed_s"]  # the bubble grows with it
+    unpriced = plan_json(estimate(recipe, dataclasses.replace(h100, host_link_bytes_per_s=None)))
+    assert unpriced["offload"]["exposed_s"] is None and unpriced["time_s"]["offload_exposed"] == 0.0
+    assert unpriced["memory_bytes"] == fast["memory_bytes"]

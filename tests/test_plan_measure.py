@@ -137,6 +137,74 @@ def test_cuda_plan_keeps_mla_value_at_its_own_width_and_a_block_mask():
         cuda_mask - 4 * seq * seq + 2 * per_layer
 
 
+# ------------------------------------------------------------------------------------ activation offloading
+
+EP2 = ("launch.gpus_per_node=2", "parallel.ep=2", "train.global_batch_size=4")
+FP8_KEPT = ("train.fp8.recipe=rowwise", "train.fp8.saved_inputs=fp8")
+# (model, tp, sp, precision, offloaded regions, recompute policy of other regions, extra overrides): every region
+# name on the models that have it, across tensor and sequence parallelism, bf16, fp8, EP2 and recompute beside.
+OFFLOAD_CASES = [
+    ("qwen3-tiny", 1, False, "fp32", "core_attn,layernorm", "none", ()),
+    ("qwen3-tiny", 2, True, "bf16", "mlp", "none", ()),
+    ("qwen3-tiny", 2, False, "fp32", "mlp,core_attn", "layernorm", ()),
+    ("qwen3-moe-tiny", 1, False, "fp32", "moe", "none", ()),
+    ("qwen3-moe-tiny", 2, False, "bf16", "moe_act,layernorm", "core_attn", ()),
+    ("qwen3-moe-tiny", 2, True, "fp32", "moe,core_attn", "none", ()),
+    ("qwen3-moe-tiny", 1, False, "fp32", "moe", "none", EP2),
+    ("qwen3-moe-tiny", 1, False, "fp32", "moe_act,core_attn", "layernorm", EP2),
+    ("deepseek-v3-tiny", 1, False, "fp32", "mla_up_proj,mlp,moe", "none", ()),
+    ("deepseek-v3-tiny", 2, True, "fp32", "mla_up_proj,layernorm", "moe_act", ()),
+    ("deepseek-v3-tiny", 2, False, "bf16", "core_attn,mlp,shared_experts,moe_act", "none", ()),
+    ("deepseek-v3-tiny", 2, True, "bf16", "moe", "mla_up_proj", ()),
+    ("deepseek-v3-tiny", 1, False, "fp32", "moe", "none", EP2),
+    # fp8 GEMMs: their inputs kept in fp8 (fresh copies move) or as they came, their outputs views (they stay)
+    ("qwen3-tiny", 1, False, "fp8", "mlp,core_attn,layernorm", "none", FP8_KEPT),
+    ("qwen3-tiny", 1, False, "fp8", "mlp", "none", ("train.fp8.recipe=rowwise", "train.fp8.saved_inputs=bf16")),
+    ("qwen3-moe-tiny", 2, True, "fp8", "moe", "none", FP8_KEPT),
+    ("deepseek-v3-tiny", 1, False, "fp8", "moe,mlp", "none", FP8_KEPT),
+    ("deepseek-v3-tiny", 2, True, "fp8", "shared_experts,moe_act,mla_up_proj", "layernorm", FP8_KEPT),
+]
+
+
+def _extra_id(extra: tuple[str, ...]) -> str:
+    if extra == EP2:
+        return "-ep2"
+    return "".join(f"-kept-{item.split('=')[1]}" for item in extra if item.startswith("train.fp8.saved_inputs"))
+
+
+@pytest.mark.parametrize(("name", "tp", "sp", "precision", "regions", "policy", "extra"),
+                         fast_sample(OFFLOAD_CASES, 4),
+                         ids=[f"{n}-tp{t}{'sp' if s else ''}-{d}-{o.replace(',', '+')}-rc-{p}{_extra_id(e)}"
+                              for n, t, s, d, o, p, e in OFFLOAD_CASES])
+def test_offloaded_regions_plan_exactly_what_measure_moves(name, tp, sp, precision, regions, policy, extra):
+    """parallel.offload: each layer's bytes moved to the host pool (`offloaded/<layer>`) and those left on the
+    device (`activations/<layer>`), exactly as measure --fake counts them."""
+    recipe = tiny_recipe(name, tp, sp, policy, precision, f"parallel.offload.modules=[{regions}]", *extra)
+    report = measure(recipe, Target(fake=True))
+    assert sum(report["offloaded_bytes_per_layer"].values()) > 0
+    assert plan_against_measure(recipe, report, tolerance=1e-9) == []
+
+
+def test_offloading_takes_exactly_the_moved_bytes_off_the_device():
+    """Against the same recipe without offloading, measure's device-resident bytes of each layer fall by exactly
+    what it moved, and the plan's activation memory by the moved bytes of every layer (one micro-batch in flight),
+    with those bytes in the host pool instead."""
+    recipe = {flag: tiny_recipe("deepseek-v3-tiny", 1, False, "layernorm", "fp32",
+                                f"parallel.offload.modules=[{'core_attn,moe' if flag else ''}]")
+              for flag in (False, True)}
+    reports = {flag: measure(r, Target(fake=True)) for flag, r in recipe.items()}
+    moved = reports[True]["offloaded_bytes_per_layer"]
+    assert sorted(moved) == ["0", "1", "2"] and min(moved.values()) > 0
+    for layer, value in moved.items():
+        assert reports[False]["activation_bytes_per_layer"][layer] - \
+            reports[True]["activation_bytes_per_layer"][layer] == value
+    plans = {flag: plan_json(estimate(r, GPU)) for flag, r in recipe.items()}
+    assert plans[False]["memory_bytes"]["activations"] - plans[True]["memory_bytes"]["activations"] == \
+        sum(moved.values())
+    assert plans[True]["offload"]["host_bytes"] == sum(moved.values())
+    assert plans[False]["offload"] is None and plans[False]["offloaded_bytes_per_layer"] == {}
+
+
 # --------------------------------------------------------------------------------------- real gloo layouts
 
 SMALL = ["model.num_layers=2", "train.seq_length=64", "train.micro_batch_size=2"]

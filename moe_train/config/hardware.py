@@ -2,6 +2,10 @@
 
 Figures are vendor data-sheet values for dense math (no structured sparsity), per GPU. Link bandwidths are
 per GPU and per direction. `cpu` has no fixed peak: the trainer measures a matmul peak at start.
+`host_link_bytes_per_s` is the GPU's link to host memory, per direction (what activation offloading's copies
+cross, parallel/offload.py): PCIe Gen4 x16 on A100 nodes (32 GB/s: the A100 data sheet's 64 GB/s both ways),
+PCIe Gen5 x16 on H100, H200 and B200 nodes (64 GB/s: the data sheets' 128 GB/s both ways), NVLink-C2C on
+GB200/GB300 (the Grace CPU's 900 GB/s both ways, shared by its two GPUs: 225 GB/s a GPU and direction).
 A cluster adds its own GPU or interconnect in YAML (`hardware_table()`): e.g. an H100 cluster whose network
 gives each GPU 25 GB/s is `h100-ib: {extends: h100, network_bytes_per_s: 25.0e9}`.
 """
@@ -35,6 +39,9 @@ class Hardware:
     cpus_per_gpu: int | None = None
     # CUDA compute capability (9.0: Hopper), for what a kernel needs (mxfp8: 10.0). Optional like cpus_per_gpu.
     compute_capability: float | None = None
+    # The GPU's link to host memory, per direction (module docstring). Optional: a cluster's own entry may leave it
+    # out, and then plan does not price activation offloading's copies.
+    host_link_bytes_per_s: float | None = None
 
     @property
     def supports_fp8(self) -> bool:
@@ -44,13 +51,18 @@ class Hardware:
 HARDWARE: dict[str, Hardware] = {
     hw.id: hw
     for hw in (
-        Hardware("a100-80gb", "NVIDIA A100 80GB SXM", 80 * GB, 312e12, 0.0, 2.039e12, 300 * GB, 25 * GB, 8, 8, 16, 8.0),
-        Hardware("h100", "NVIDIA H100 80GB SXM", 80 * GB, 989e12, 1979e12, 3.35e12, 450 * GB, 50 * GB, 8, 8, 14, 9.0),
-        Hardware("h200", "NVIDIA H200 141GB SXM", 141 * GB, 989e12, 1979e12, 4.8e12, 450 * GB, 50 * GB, 8, 8, 14, 9.0),
-        Hardware("b200", "NVIDIA B200 180GB", 180 * GB, 2250e12, 4500e12, 8.0e12, 900 * GB, 50 * GB, 8, 8, 14, 10.0),
-        Hardware("gb200", "NVIDIA GB200 NVL72", 186 * GB, 2500e12, 5000e12, 8.0e12, 900 * GB, 50 * GB, 4, 72, 36, 10.0),
+        Hardware("a100-80gb", "NVIDIA A100 80GB SXM", 80 * GB, 312e12, 0.0, 2.039e12, 300 * GB, 25 * GB, 8, 8, 16, 8.0,
+                 32 * GB),
+        Hardware("h100", "NVIDIA H100 80GB SXM", 80 * GB, 989e12, 1979e12, 3.35e12, 450 * GB, 50 * GB, 8, 8, 14, 9.0,
+                 64 * GB),
+        Hardware("h200", "NVIDIA H200 141GB SXM", 141 * GB, 989e12, 1979e12, 4.8e12, 450 * GB, 50 * GB, 8, 8, 14, 9.0,
+                 64 * GB),
+        Hardware("b200", "NVIDIA B200 180GB", 180 * GB, 2250e12, 4500e12, 8.0e12, 900 * GB, 50 * GB, 8, 8, 14, 10.0,
+                 64 * GB),
+        Hardware("gb200", "NVIDIA GB200 NVL72", 186 * GB, 2500e12, 5000e12, 8.0e12, 900 * GB, 50 * GB, 4, 72, 36, 10.0,
+                 225 * GB),
         Hardware("gb300", "NVIDIA GB300 NVL72", 288 * GB, 2500e12, 5000e12, 8.0e12, 900 * GB, 100 * GB, 4, 72, 36,
-                 10.3),
+                 10.3, 225 * GB),
         Hardware("cpu", "CPU (peak measured at start)", 0, 0.0, 0.0, 0.0, 0.0, 0.0, 1024, 1),
     )
 }
@@ -87,7 +99,7 @@ def _entry(path: Path, hw_id: str, spec: object, table: dict[str, Hardware]) -> 
     else:
         values = {"name": hw_id}
     allowed = [f.name for f in fields(Hardware) if f.name != "id"]
-    optional = {"cpus_per_gpu", "compute_capability"}
+    optional = {"cpus_per_gpu", "compute_capability", "host_link_bytes_per_s"}
     unknown = sorted(str(k) for k in spec if k not in allowed)
     if unknown:
         raise HardwareError(f"{where}: unknown field(s) {', '.join(unknown)}; allowed: extends, {', '.join(allowed)}")

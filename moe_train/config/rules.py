@@ -348,6 +348,16 @@ def _overlapping(a: str, b: str) -> bool:
     return a == b or b in INNER_REGIONS.get(a, ()) or a in INNER_REGIONS.get(b, ())
 
 
+def offloadable(modules: tuple[str, ...], rc) -> tuple[str, ...]:
+    """The regions of `modules` that can be offloaded beside recompute policy `rc` (parallel.recompute): none
+    under full recompute, else those no recomputed region overlaps (what `plan --search` keeps of a recipe's
+    offloading when it tries another policy)."""
+    if rc.granularity == "full":
+        return ()
+    recomputed = rc.modules if rc.granularity == "selective" else ()
+    return tuple(m for m in modules if not any(_overlapping(m, r) for r in recomputed))
+
+
 def _offload(r: Recipe) -> list[Problem]:
     modules, rc, field = r.parallel.offload.modules, r.parallel.recompute, "parallel.offload.modules"
     if not modules:

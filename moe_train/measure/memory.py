@@ -7,7 +7,8 @@ callback subtracts it when the storage is freed, in-place storage resizes (FSDP2
 gathered parameters so) adjust it, and the peak is the highest sum seen, starting from the storages alive when
 the step begins (parameters, buffers, optimizer state). It counts tensor storages only:
 no allocator rounding or caching, no framework workspaces, no Python objects, so it is a lower bound of what
-a CUDA allocator would report and comparable across layouts.
+a CUDA allocator would report and comparable across layouts. Activation offloading's host copies on a CPU (the
+stand-in of pinned host buffers, parallel/offload.py) are not the device's: `in_host_memory` takes them out.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
 
 from moe_train.measure.dtensor import on_dtensors, sharding_propagation
@@ -120,3 +121,11 @@ class LiveBytes(TorchDispatchMode):
                 if isinstance(tensor, torch.Tensor):
                     self._track(tensor)
         return out
+
+
+def in_host_memory(tensor: torch.Tensor) -> None:
+    """`tensor` stands for host memory, not the device's (parallel/offload.py's CPU pool): every active
+    `LiveBytes` stops counting its storage, so measure's peak on a CPU is the device's, as on CUDA."""
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, LiveBytes):
+            mode._free(tensor.untyped_storage()._cdata)

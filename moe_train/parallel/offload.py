@@ -27,7 +27,8 @@ What is never copied, because offloading it would free nothing:
 On CUDA the host buffers are pinned and the copies run on a side stream: out after the layer's forward (the
 device memory is released to the caching allocator once the copy has run: `record_stream`), back when backward
 first needs the layer or the layer after it (an event orders the compute stream after the copy). On a CPU the
-"host" is a separate buffer pool, copied synchronously, so the mechanism runs and is tested here; the stream
+"host" is a separate buffer pool, copied synchronously (and left out of measure's peak, as host memory is on
+CUDA), so the mechanism runs and is tested here; the stream
 path is written against torch's documented CUDA stream, event and pinned-memory APIs and runs only on a GPU.
 
 An offloaded region runs eagerly inside a compiled block (train.compile): its saves must pass through the hooks,
@@ -46,6 +47,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from moe_train.measure.activations import is_weight
+from moe_train.measure.memory import in_host_memory
 from moe_train.models.autograd_phase import in_backward
 from moe_train.models.decoder import DecoderBlock
 from moe_train.models.mla import MLA
@@ -239,6 +241,7 @@ class OffloadPool:
             source.record_stream(self.stream)  # its memory is reused only after the copy has run
         else:
             host = source.clone()
+            in_host_memory(host)  # measure's peak counts the device's memory only
         entry.host = host
         self.host_bytes += entry.nbytes
 
@@ -278,16 +281,18 @@ class OffloadPool:
             if group.fetched is not None:
                 current.wait_event(group.fetched)
             entry.device.record_stream(current)  # allocated on the side stream, read on this one
-        view = torch.empty(0, dtype=saved.dtype, device=entry.device.device)
-        view.set_(entry.device.untyped_storage(), saved.offset, saved.size, saved.stride)
+        view = entry.device.view(saved.dtype).as_strided(saved.size, saved.stride, saved.offset)
         if saved.spec is not None:
             return DTensor(view, saved.spec, requires_grad=saved.requires_grad)
         return view
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole storage under `tensor`, as bytes (what is copied: every view of it comes back)."""
-    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+    """The whole storage under `tensor`, as bytes (what is copied: every view of it comes back). A strided view
+    from the storage's start, not `set_`: under measure's fake tensors a tensor `set_` to a storage kept that
+    storage alive after both were dropped, so the moved saves stayed in measure's peak."""
+    elements = tensor.untyped_storage().nbytes() // tensor.element_size()
+    return tensor.detach().as_strided((elements,), (1,), 0).view(torch.uint8)
 
 
 def _in_region(fn: Callable, pool: OffloadPool) -> Callable:

@@ -1,6 +1,7 @@
-"""Bytes one rank keeps for backward, per layer, model chunk, head and MTP module, under the recipe's recompute
-policy (no torch): the saved items of plan/saved_tensors.py, less what selective recompute drops
-(plan/selective_recompute.py), or under full recompute only each checkpointed group's input.
+"""Bytes one rank keeps for backward on the device, per layer, model chunk, head and MTP module, under the
+recipe's recompute policy (no torch): the saved items of plan/saved_tensors.py, less what selective recompute
+drops (plan/selective_recompute.py) and what activation offloading moves to the host
+(plan/offloaded_saves.py), or under full recompute only each checkpointed group's input.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from moe_train.config.schema import ModelConfig
 from moe_train.kernels import kernels_for
 
+from .offloaded_saves import offloaded_items
 from .recompute_policy import RecomputePolicy, recompute_groups
 from .saved_tensors import FP32, INT32, INT64, ActivationLayout, Saved, gemm_input, layer_items, norm_items
 from .selective_recompute import apply_selective
@@ -16,15 +18,30 @@ from .selective_recompute import apply_selective
 def layer_activation_bytes(
     cfg: ModelConfig, lay: ActivationLayout, *, layer_index: int, policy: RecomputePolicy = RecomputePolicy()
 ) -> float:
-    """Bytes one layer keeps for backward under a selective (or no) policy; full recompute is per chunk
-    (see `full_recompute_bytes`)."""
+    """Bytes one layer keeps for backward on the device under a selective (or no) policy; full recompute is per
+    chunk (see `full_recompute_bytes`)."""
     return _kind_bytes(cfg, lay, cfg.is_moe_layer(layer_index), policy)
 
 
-_KIND_CACHE: dict[tuple, tuple[ModelConfig, float]] = {}
+def layer_offloaded_bytes(
+    cfg: ModelConfig, lay: ActivationLayout, *, layer_index: int, policy: RecomputePolicy = RecomputePolicy()
+) -> float:
+    """Bytes of one layer's saves that `policy.offload` moves to the host pool (measure's
+    `offloaded_bytes_per_layer`)."""
+    return _kind_split(cfg, lay, cfg.is_moe_layer(layer_index), policy)[1]
 
 
-def _kind_bytes(cfg: ModelConfig, lay: ActivationLayout, moe_layer: bool, policy: RecomputePolicy) -> float:
+_KIND_CACHE: dict[tuple, tuple[ModelConfig, tuple[float, float]]] = {}
+
+
+def _split(items: list[Saved], cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy):
+    """(bytes of `items` that stay on the device, bytes the offloaded regions move to the host)."""
+    moved = sum(i.bytes for i in offloaded_items(items, policy.offload, cfg, lay)) if policy.offload else 0.0
+    return sum(i.bytes for i in items) - moved, moved
+
+
+def _kind_split(cfg: ModelConfig, lay: ActivationLayout, moe_layer: bool,
+                policy: RecomputePolicy) -> tuple[float, float]:
     """Layers of one kind (dense or MoE) save the same: computed once per kind (`plan --search` asks often).
 
     Keyed by the model section's identity (hashing a pydantic model costs more than the formula); the entry
@@ -37,11 +54,15 @@ def _kind_bytes(cfg: ModelConfig, lay: ActivationLayout, moe_layer: bool, policy
     items = layer_items(cfg, lay, layer_index=index)
     if policy.granularity == "selective":
         items = apply_selective(items, policy.modules, cfg, lay)
-    value = sum(i.bytes for i in items)
+    value = _split(items, cfg, lay, policy)
     if len(_KIND_CACHE) > 8192:
         _KIND_CACHE.clear()
     _KIND_CACHE[key] = (cfg, value)
     return value
+
+
+def _kind_bytes(cfg: ModelConfig, lay: ActivationLayout, moe_layer: bool, policy: RecomputePolicy) -> float:
+    return _kind_split(cfg, lay, moe_layer, policy)[0]
 
 
 def layer_input_bytes(cfg: ModelConfig, lay: ActivationLayout) -> float:
@@ -103,7 +124,7 @@ def mtp_items(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) 
     """One MTP module's saves (its head and loss aside): the embedding's norm, the hidden state's norm (whose
     input, the main model's final norm output, the head keeps too: counted there), the 2h -> h
     projection's input, one decoder block of the last layer's kind (selective recompute applies, full does not:
-    MTP blocks are not part of the stack) and the final norm."""
+    MTP blocks are not part of the stack; offloading does, to the block alone) and the final norm."""
     a, ts, h = lay.act_bytes, lay.seq_tokens, cfg.hidden_size
     hnorm = norm_items("mtp", "hnorm", ts, h, a)[1:]  # its input is the head's
     items = [*norm_items("mtp", "enorm", ts, h, a), *hnorm, Saved("mtp", "eh_proj.input", a * ts * 2 * h)]
@@ -113,13 +134,25 @@ def mtp_items(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) 
     return [*items, *block, *norm_items("mtp", "norm", ts, h, a)]
 
 
-def mtp_module_bytes(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) -> float:
-    """What `mtp_items` adds up to (computed once per model section, layout and policy, as `_kind_bytes`)."""
+def _mtp_split(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) -> tuple[float, float]:
+    """(what `mtp_items` keeps on the device, what offloading moves of its block), computed once per model
+    section, layout and policy, as `_kind_split`. The offloaded regions are the block's: its items are the only
+    ones named as the regions name them."""
     key = (id(cfg), lay, "mtp", policy)
     hit = _KIND_CACHE.get(key)
     if hit is None or hit[0] is not cfg:
-        hit = _KIND_CACHE[key] = (cfg, sum(i.bytes for i in mtp_items(cfg, lay, policy)))
+        hit = _KIND_CACHE[key] = (cfg, _split(mtp_items(cfg, lay, policy), cfg, lay, policy))
     return hit[1]
+
+
+def mtp_module_bytes(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) -> float:
+    """What one MTP module keeps on the device (its head and loss aside)."""
+    return _mtp_split(cfg, lay, policy)[0]
+
+
+def mtp_offloaded_bytes(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) -> float:
+    """What offloading moves of one MTP module's block to the host pool."""
+    return _mtp_split(cfg, lay, policy)[1]
 
 
 def mtp_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) -> float:

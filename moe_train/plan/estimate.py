@@ -19,8 +19,10 @@ from .activation_memory import (
     full_recompute_bytes,
     head_activation_bytes,
     layer_activation_bytes,
+    layer_offloaded_bytes,
     mtp_activation_bytes,
     mtp_module_bytes,
+    mtp_offloaded_bytes,
     other_activation_bytes,
 )
 from .assumptions import Assumptions
@@ -72,6 +74,10 @@ class RankPlan:
     # layer's work in one micro-batch: what ep_overlap's pairs hide behind (plan/overlap.py)
     dispatch_forward: CommBytes = field(default_factory=CommBytes)
     moe_layer: MoeLayerWork | None = None
+    # parallel.offload: {layer: bytes one micro-batch's forward moves to the host pool} (measure's figure), and
+    # the bytes the pool holds at the rank's peak (every micro-batch in flight)
+    offloaded_bytes_per_layer: dict[int, float] = field(default_factory=dict)
+    host_bytes: float = 0.0
 
 
 @dataclass
@@ -141,7 +147,7 @@ def _activation_layout(recipe: Recipe, layout: PlanLayout, a: Assumptions) -> Ac
         # position ids per row with packed documents, and under cp (each row's shard has its own positions)
         position_batch=layout.micro_batch if recipe.data.reset_at_eod or layout.cp > 1 else 1,
         loss_chunk_tokens=layout.loss_chunk_tokens,
-        documents=recipe.data.reset_at_eod, device=layout.device,
+        documents=recipe.data.reset_at_eod, device=layout.device, fp8_gemms=layout.fp8_modules,
         **_fp8_kept(recipe),
     )
 
@@ -319,12 +325,14 @@ def _plan_rank(recipe: Recipe, layout: PlanLayout, assumptions: Assumptions, ran
     params = rank_params(model, layout, chunks)
     param_bytes = PARAM_BYTES[recipe.train.precision]
     activations, transient = _activation_bytes(model, shapes, layout, rank, chunks)
+    offloaded = _offloaded_per_layer(model, shapes, layout.recompute, chunks)
     memory = {
         "weights": MASTER_BYTES * params.local,
         "grads": GRAD_BYTES * params.local,
         "optimizer": _optimizer_bytes(recipe, params),
         "activations": activations,
-        "buffers": _buffer_bytes(recipe, shapes, layout, assumptions, chunks, params, param_bytes, transient),
+        "buffers": _buffer_bytes(recipe, shapes, layout, assumptions, chunks, params, param_bytes, transient)
+        + OFFLOAD_LAYERS_BACK * max(offloaded.values(), default=0.0),
     }
     memory["total"] = sum(memory.values())
     per_layer = _bytes_per_layer(model, shapes, layout.recompute, chunks) if detail else {}
@@ -336,9 +344,39 @@ def _plan_rank(recipe: Recipe, layout: PlanLayout, assumptions: Assumptions, ran
                else CommBytes())
     forward = dispatch_forward(recipe, layout, shapes, chunks) if comm else CommBytes()
     moe_layer = _moe_layer_work(model, layout, shapes, chunks, assumptions) if comm else None
+    host = sum(sum(offloaded.get(i, 0.0) for i in _chunk_offload_keys(model, chunks, c)) * count
+               for c, count in zip(chunks, in_flight(layout, rank), strict=False))
     return RankPlan(rank, params, memory, per_layer, flops, split, counted,
                     _elementwise_bytes(model, shapes, layout, chunks, assumptions),
-                    _moe_sync(model, layout, chunks, assumptions), forward, moe_layer)
+                    _moe_sync(model, layout, chunks, assumptions), dispatch_forward=forward, moe_layer=moe_layer,
+                    offloaded_bytes_per_layer=offloaded, host_bytes=host)
+
+
+# An offloaded layer's saves are on the device again while its backward runs, and so are those of the layer before
+# it, whose copy back runs meanwhile (parallel/offload.py prefetches one layer ahead): two layers' worth at a time.
+OFFLOAD_LAYERS_BACK = 2
+
+
+def _offloaded_per_layer(model: ModelConfig, shapes: ActivationLayout, policy: RecomputePolicy,
+                         chunks: list[Chunk]) -> dict[int, float]:
+    """{layer: bytes one micro-batch's forward moves to the host pool} for the rank's layers and MTP modules
+    (numbered after the decoder layers, as measure numbers them); {} without offloading."""
+    if not policy.offload:
+        return {}
+    out: dict[int, float] = {}
+    mtp_index = model.num_layers
+    for chunk in chunks:
+        out.update({i: layer_offloaded_bytes(model, shapes, layer_index=i, policy=policy) for i in chunk.layers})
+        for _ in range(chunk.mtp):
+            out[mtp_index] = mtp_offloaded_bytes(model, shapes, policy)
+            mtp_index += 1
+    return out
+
+
+def _chunk_offload_keys(model: ModelConfig, chunks: list[Chunk], chunk: Chunk) -> list[int]:
+    """The keys of `_offloaded_per_layer` that belong to `chunk`: its layers and its MTP modules' numbers."""
+    first_mtp = model.num_layers + sum(c.mtp for c in chunks[: chunks.index(chunk)])
+    return [*chunk.layers, *range(first_mtp, first_mtp + chunk.mtp)]
 
 
 def _moe_layer_work(model: ModelConfig, layout: PlanLayout, shapes: ActivationLayout, chunks: list[Chunk],
@@ -457,9 +495,13 @@ def _buffer_bytes(recipe: Recipe, shapes: ActivationLayout, layout: PlanLayout, 
 def _elementwise_bytes(model: ModelConfig, shapes: ActivationLayout, layout: PlanLayout, chunks: list[Chunk],
                        assumptions: Assumptions) -> float:
     """Memory-bound traffic per step: what the rank's layers would save without recompute, over every
-    micro-batch, times the stated traffic per saved byte."""
+    micro-batch, times the stated traffic per saved byte. The routed experts' silu(gate) and unweighted product
+    count as saved: the weighted SwiGLU forms them again in backward instead of keeping them
+    (models/moe/weighted_swiglu.py), the same memory-bound work either way."""
     kinds = {moe: layer_activation_bytes(model, shapes, layer_index=model.num_layers if moe else 0)
              for moe in (False, True)}
+    if model.moe is not None:
+        kinds[True] += 2 * shapes.act_bytes * expert_rows(model, shapes) * model.moe.ffn_hidden_size / shapes.etp
     saved = sum(kinds[True] * c.moe_layers + kinds[False] * (len(c.layers) - c.moe_layers) for c in chunks)
     return assumptions.elementwise_traffic_per_saved_byte * saved * layout.micro_batches
 
@@ -472,7 +514,8 @@ def _moe_sync(model: ModelConfig, layout: PlanLayout, chunks: list[Chunk], assum
 
 
 def _compute_seconds(split: dict[str, float], hw: Hardware, a: Assumptions) -> float:
-    """Seconds of FLOPs by kind of kernel at the kinds' achieved efficiencies (fp8 GEMMs at the fp8 speed-up)."""
+    """Seconds of FLOPs by kind of kernel ({gemm, fp8_gemm, grouped_gemm, fp8_grouped_gemm, attention}) at each
+    kind's achieved fraction of the peak."""
     fp8_peak = hw.bf16_flops * a.fp8_gemm_speedup
     return ((split.get("gemm", 0.0) / hw.bf16_flops + split.get("fp8_gemm", 0.0) / fp8_peak) / a.gemm_efficiency
             + (split.get("grouped_gemm", 0.0) / hw.bf16_flops + split.get("fp8_grouped_gemm", 0.0) / fp8_peak)
@@ -504,8 +547,40 @@ def _exposed_comm(plan_rank: RankPlan, phases: PairedPhases | None, layout: Plan
     return exposed_comm(own, forward, phases, layers=plan_rank.moe_layer.count)
 
 
+def offload_copies(m: ModelConfig, layout: PlanLayout, hw: Hardware, a: Assumptions,
+                   plan_rank: RankPlan) -> dict:
+    """The copies of activation offloading on the host link, per layer of one micro-batch: `copy_s` (its
+    offloaded bytes one way at `hw.host_link_bytes_per_s`), `forward_s` (the layer's forward compute, behind which
+    its copy out runs: the pool copies a layer's saves out while the next layer computes) and `backward_s` (twice
+    that, behind which the copy back of the layer before it runs: the pool prefetches one layer ahead). The
+    link is full duplex, so the two directions do not share it. `exposed_s`: per step, every micro-batch's
+    excess of each copy over the compute it hides behind; None where the hardware table has no host link."""
+    link = hw.host_link_bytes_per_s
+    tokens = layout.micro_batch * layout.seq_length / layout.cp
+    seconds: dict[bool, float] = {}
+    for moe in {m.is_moe_layer(i) for i in plan_rank.offloaded_bytes_per_layer}:
+        split: dict[str, float] = {}
+        for region, flops in _layer_flops(m, layout, moe, a).items():
+            if region != "mla_up_proj":  # part of `attention`
+                kernel = _kernel(region, layout.fp8_modules)
+                split[kernel] = split.get(kernel, 0.0) + flops * tokens
+        seconds[moe] = _compute_seconds(split, hw, a)
+    layers, exposed = {}, 0.0
+    for layer, moved in plan_rank.offloaded_bytes_per_layer.items():
+        if not moved:
+            continue
+        forward = seconds[m.is_moe_layer(layer)]
+        copy = moved / link if link else None
+        layers[layer] = {"bytes": moved, "copy_s": copy, "forward_s": forward, "backward_s": 2 * forward}
+        if copy is not None:
+            exposed += max(0.0, copy - forward) + max(0.0, copy - 2 * forward)
+    return {"host_link_bytes_per_s": link, "per_layer": layers,
+            "exposed_s": exposed * layout.micro_batches if link else None}
+
+
 def _time(plan_rank: RankPlan, layout: PlanLayout, hw: Hardware, a: Assumptions, local_params: float,
-          phases: PairedPhases | None = None) -> tuple[dict[str, float], dict[str, ExposedComm]]:
+          phases: PairedPhases | None = None,
+          offload_exposed: float = 0.0) -> tuple[dict[str, float], dict[str, ExposedComm]]:
     """The step time's parts, and the dispatcher collectives' own and hidden seconds."""
     compute = _compute_seconds(plan_rank.flops_split, hw, a)
     elementwise = plan_rank.elementwise_bytes / hw.hbm_bytes_per_s
@@ -517,11 +592,12 @@ def _time(plan_rank: RankPlan, layout: PlanLayout, hw: Hardware, a: Assumptions,
     # FSDP2's, the pipeline's) behind the rank's compute, at most all of it (docs/plan.md, "Step time")
     ep_hidden = sum(c.hidden_s for c in dispatch.values())
     exposed = comm_total - ep_hidden - min(sum(comm["hideable"].values()), compute + elementwise)
-    busy = compute + elementwise + exposed + plan_rank.moe_sync
+    busy = compute + elementwise + exposed + plan_rank.moe_sync + offload_exposed
     bubble = busy * (layout.pp - 1) / (layout.vpp * layout.micro_batches) if layout.pp > 1 else 0.0
     optimizer = a.optimizer_bytes_per_param * local_params / hw.hbm_bytes_per_s
     return {"compute": compute, "elementwise": elementwise, "comm_exposed": exposed, "comm_total": comm_total,
-            "ep_comm_hidden": ep_hidden, "moe_sync": plan_rank.moe_sync, "bubble": bubble,
+            "ep_comm_hidden": ep_hidden, "moe_sync": plan_rank.moe_sync, "offload_exposed": offload_exposed,
+            "bubble": bubble,
             "optimizer": optimizer, "step": busy + bubble + optimizer}, dispatch
 
 
@@ -556,7 +632,9 @@ def estimate(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None
     else:  # the planned ranks stand for all (search ranks layouts; it does not report executed FLOPs)
         executed = sum(r.flops["total"] for r in ranks) * layout.pp / len(ranks) * layout.ranks_per_stage
     phases = [paired_phases(recipe, layout, r.moe_layer, hardware, a) for r in ranks]
-    times = [_time(r, layout, hardware, a, r.params.local, p) for r, p in zip(ranks, phases, strict=True)]
+    copies = [offload_copies(m, layout, hardware, a, r) for r in ranks]
+    times = [_time(r, layout, hardware, a, r.params.local, p, c["exposed_s"] or 0.0)
+             for r, p, c in zip(ranks, phases, copies, strict=True)]
     worst = max(ranks, key=lambda r: r.memory["total"])
     slowest = max(range(len(ranks)), key=lambda i: times[i][0]["step"])
     return Plan(recipe, hardware, layout, a, ranks, worst, model_flops, executed, megatron_flops,
@@ -594,6 +672,18 @@ def _nests(moe, domains: int) -> bool:
     return groups % domains == 0 or domains % groups == 0
 
 
+def _offload_json(plan: Plan, rank: RankPlan) -> dict | None:
+    """parallel.offload's figures for `rank` (None without offloading): what the host pool holds at the rank's
+    peak and the copies on the host link (`offload_copies`)."""
+    regions = plan.layout.recompute.offload
+    if not regions:
+        return None
+    copies = offload_copies(plan.recipe.model, plan.layout, plan.hardware, plan.assumptions, rank)
+    return {"modules": list(regions), "host_bytes": int(rank.host_bytes),
+            "host_link_bytes_per_s": copies["host_link_bytes_per_s"], "exposed_s": copies["exposed_s"],
+            "per_layer": {str(k): {**v, "bytes": int(v["bytes"])} for k, v in copies["per_layer"].items()}}
+
+
 def plan_json(plan: Plan, *, pipeline_rank: int | None = None) -> dict:
     """The JSON of `moe-train plan --json` (docs/interfaces.md, plus extra keys): the most loaded rank's figures,
     or those of a rank of pipeline stage `pipeline_rank` (what `measure --rank` of that stage is held to)."""
@@ -617,6 +707,8 @@ def plan_json(plan: Plan, *, pipeline_rank: int | None = None) -> dict:
         "comm_bus_bytes": {k: int(v) for k, v in sorted(w.comm.bus.items())},
         "comm_links": w.comm.links(layout, plan.hardware),
         "activation_bytes_per_layer": {str(k): int(v) for k, v in w.activation_bytes_per_layer.items()},
+        "offloaded_bytes_per_layer": {str(k): int(v) for k, v in w.offloaded_bytes_per_layer.items()},
+        "offload": _offload_json(plan, w),
         "params": {"dense_per_rank": int(w.params.dense), "experts_per_rank": int(w.params.experts),
                    "local_after_fsdp": w.params.local, "gathered_bytes": _gathered_bytes(plan.recipe, layout, w)},
         "layout": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "cp": layout.cp, "dp": layout.dp,

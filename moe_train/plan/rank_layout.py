@@ -53,7 +53,7 @@ class PlanLayout(MeshShape):
         shape = MeshShape.from_recipe(recipe)
         return cls(
             **vars(shape), vpp=p.vpp, sequence_parallel=p.sequence_parallel,
-            recompute=RecomputePolicy.from_config(p.recompute),
+            recompute=RecomputePolicy.from_config(p.recompute, tuple(p.offload.modules)),
             micro_batch=t.micro_batch_size, global_batch=t.global_batch_size, seq_length=t.seq_length,
             pp_schedule=p.pp_schedule, pp_layout=p.pp_layout, experts_apart=p.experts_apart,
             loss_chunk_tokens=recipe_loss_chunk_tokens(recipe),

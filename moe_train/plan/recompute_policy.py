@@ -20,17 +20,21 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class RecomputePolicy:
-    """parallel.recompute as the planner reads it. `num_layers` counts per model chunk (Megatron-Core)."""
+    """parallel.recompute as the planner reads it. `num_layers` counts per model chunk (Megatron-Core).
+    `offload`: parallel.offload.modules, the regions whose saves leave the device instead (validate keeps them
+    apart from the recomputed ones): the other half of what a layer keeps for backward, so it travels with it."""
 
     granularity: str = "none"
     modules: tuple[str, ...] = ()
     method: str = "uniform"
     num_layers: int = 1
+    offload: tuple[str, ...] = ()
 
     @classmethod
-    def from_config(cls, rc) -> RecomputePolicy:
+    def from_config(cls, rc, offload: tuple[str, ...] = ()) -> RecomputePolicy:
         modules = tuple(rc.modules) if rc.granularity == "selective" else ()
-        return cls(granularity=rc.granularity, modules=modules, method=rc.method, num_layers=rc.num_layers)
+        return cls(granularity=rc.granularity, modules=modules, method=rc.method, num_layers=rc.num_layers,
+                   offload=tuple(sorted(set(offload))))
 
 
 def saves_after_combine(m: ModelConfig) -> bool:

@@ -17,9 +17,10 @@ parameters excluded). What the code saves, and so what is listed:
 - SwiGLU keeps gate, up, silu(gate) and their product (the down projection's input).
 - MoE: the router keeps fp32 scores [T, E], the top-k indices, the normalised top-k weights and their sum;
   the dispatch keeps the permutation (of the rows and of their routing weights); the grouped experts keep their
-  input rows, the gate/up output (one storage), silu(gate), the unweighted product, the rows' weights cast to
-  the activation dtype, and the weighted product (the down projection's input): the weights are applied in the
-  activation (Megatron-Core's weighted SwiGLU), so the combine is a plain sum that keeps only its indices.
+  input rows, the gate/up output (one storage), the rows' weights cast to the activation dtype, and the weighted
+  product (the down projection's input): the weights are applied in the activation (Megatron-Core's weighted
+  SwiGLU, whose backward forms silu(gate) and the unweighted product again: models/moe/weighted_swiglu.py), so
+  the combine is a plain sum that keeps only its indices.
 - Rotary tables: cos/sin are computed once per forward and shared by every layer (counted once, under
   `other`); in a bf16 run FSDP2 hands each layer its own bf16 cast of them, kept by its rotations.
 - fp8 GEMMs with `train.fp8.saved_inputs: fp8` keep their input in fp8 instead (`gemm_input`, models/fp8/gemm.py):
@@ -85,6 +86,7 @@ class ActivationLayout:
     device: str = "cpu"  # launch.device: the kernel table's row (MLA's value padding, the document mask's form)
     fp8_kept: str | None = None  # train.fp8.saved_inputs fp8: the recipe whose fp8 inputs the fp8 GEMMs keep
     fp8_modules: tuple[str, ...] = ()  # train.fp8.modules: the GEMM kinds in fp8
+    fp8_gemms: tuple[str, ...] = ()  # the GEMM kinds in fp8 whatever they keep (train.fp8.modules under fp8)
 
     def kept_fp8(self, kind: str) -> str | None:
         """The recipe in which GEMMs of `kind` (train.fp8.modules' names) keep their input, None: as it came."""
@@ -313,8 +315,8 @@ def _moe(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
         *gemm_input("moe", "experts.input", rows, h, a, fp8, experts=rank_experts),
         Saved("moe", "experts.gate_up", a * rows * 2 * ffn),
         Saved("moe", "experts.probs", a * rows),  # the rows' weights cast once (the recomputed region's input too)
-        Saved("moe_act", "experts.silu", a * rows * ffn),
-        Saved("moe_act", "experts.act", a * rows * ffn),  # silu(gate) * up, which the weighting's product keeps
+        # the weighted SwiGLU keeps only gate, up and the weights (models/moe/weighted_swiglu.py); its output
+        # is the down projection's input
         *gemm_input("moe_act", "experts.down_input", rows, ffn, a, fp8, experts=rank_experts),
     ]
     # The combine sums the (weighted) expert outputs in fp32 and keeps only indices (permute.py `slot_sum`).

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from moe_train.config.hardware import Hardware
-from moe_train.config.rules import check_recipe
-from moe_train.config.schema import Recipe, RecomputeConfig
+from moe_train.config.rules import check_recipe, offloadable
+from moe_train.config.schema import OffloadConfig, Recipe, RecomputeConfig
 
 from .assumptions import Assumptions
 from .estimate import Plan, estimate
@@ -135,6 +135,8 @@ def _apply(recipe: Recipe, overrides: dict) -> Recipe:
         sections.setdefault(section, {})[key] = value
     parallel = dict(sections["parallel"])  # every override here is a parallel.*, train.* or model.moe.* field
     parallel["recompute"] = RecomputeConfig(**parallel["recompute"])
+    # the recipe's offloaded regions that the candidate's policy does not recompute
+    parallel["offload"] = OffloadConfig(modules=offloadable(recipe.parallel.offload.modules, parallel["recompute"]))
     update = {"parallel": recipe.parallel.model_copy(update=parallel),
               "train": recipe.train.model_copy(update=sections["train"])}
     if "model.moe" in sections:

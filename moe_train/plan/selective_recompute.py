@@ -58,8 +58,9 @@ def apply_selective(items: list[Saved], modules: tuple[str, ...], cfg: ModelConf
     core_attn: SDPA keeps its inputs only (its output and logsumexp go). mla_up_proj: see `_mla_up_recomputed`.
     mlp / shared_experts: the MLP keeps its input only (already an item; in bf16 where its fp8 GEMMs kept it in
     fp8; the shared experts' is the router's). moe: the whole layer keeps its input,
-    the post-attention norm's output (a x Ts x h). moe_act: silu(gate) and the unweighted product go; gate, up
-    and the rows' routing weights are its inputs and the weighted product its output, kept by the down projection.
+    the post-attention norm's output (a x Ts x h). moe_act: nothing goes: the weighted SwiGLU keeps only its
+    inputs (gate, up, the rows' routing weights; models/moe/weighted_swiglu.py), which the checkpoint keeps as
+    well, and its output is the down projection's input.
     layernorm: see `_layernorm_recomputed`.
     """
     names = set(modules)
@@ -73,8 +74,6 @@ def apply_selective(items: list[Saved], modules: tuple[str, ...], cfg: ModelConf
         out = [i for i in out if i.region not in ("moe", "moe_act", "shared_experts", "shared_experts_input")]
         out.append(Saved("moe", "moe.input", lay.act_bytes * lay.seq_tokens * cfg.hidden_size))
     elif moe_layer:
-        if "moe_act" in names:
-            out = _without(out, {"experts.silu", "experts.act"})
         if "shared_experts" in names:
             out = _without(out, {f"shared_experts.{n}" for n in SWIGLU})
     elif "mlp" in names:

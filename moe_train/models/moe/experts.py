@@ -19,13 +19,13 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moe_train.kernels import kernels_for
 from moe_train.models.fp8.gemm import Fp8Gemm
 from moe_train.models.linear import batched_mm, expert_offsets, grouped_mm, linear
+from moe_train.models.moe.weighted_swiglu import weighted_swiglu
 
 _GROUPED_MM_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -117,8 +117,8 @@ class GroupedExperts(nn.Module):
 
     def activation(self, gate: torch.Tensor, up: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up * probs (probs [rows, 1]): the region `parallel.recompute`'s moe_act policy recomputes.
-        Kept without recompute: gate, up, silu(gate), their product and probs."""
-        return F.silu(gate) * up * probs
+        Kept for backward: gate, up and probs only (weighted_swiglu.py)."""
+        return weighted_swiglu(gate, up, probs)
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate, up, down) of the experts this rank holds: all of them, or its shard under expert parallelism
