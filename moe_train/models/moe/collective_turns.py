@@ -103,9 +103,10 @@ def run_collective(kind: str, issue: Callable[[], dist.Work], *, group: dist.Pro
 
 
 @contextlib.contextmanager
-def issued_together() -> Iterator[None]:
+def issued_together(*, beside: Callable[[], None] | None = None) -> Iterator[None]:
     """Collectives issued inside are waited on together at the end: one hand-over for a dispatch's rows and
-    their routing weights (which no compute separates)."""
+    their routing weights (which no compute separates). `beside`: compute that runs once they are issued, before
+    the hand-over and the wait (the experts' delayed weight gradients, `parallel.split_wgrad`)."""
     outer = getattr(turn_state, "batch", None)
     turn_state.batch = []
     try:
@@ -113,6 +114,8 @@ def issued_together() -> Iterator[None]:
         batch = turn_state.batch
     finally:
         turn_state.batch = outer
+    if beside is not None:
+        beside()
     _settle(batch)
 
 

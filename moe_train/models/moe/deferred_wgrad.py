@@ -1,0 +1,128 @@
+"""Delayed expert weight gradients (`parallel.split_wgrad`; Megatron-Core's `--delay-wgrad-compute`): the routed
+experts' backward computes each GEMM's input gradient at once and queues its weight gradient (dW = dy^T x), and
+the dispatch's backward runs the queue after issuing its all-to-all and before waiting on it.
+
+Why: the dispatch's backward collective (the rows' and routing weights' gradients going home) needs the experts'
+input gradients only. Their weight gradients, a third of the experts' backward FLOPs, can run while it is in
+flight, in every backward: an overlapped pair's (before the baton goes to the paired forward), the cool-down's
+and the plain step's, where nothing else would fill it. Megatron-Core runs them beside the paired forward's
+dispatch instead; here they sit beside both (the paired forward's dispatch is still in flight when the backward
+issues its own).
+
+Equal results, bit for bit: each GEMM's two gradients are the formulas its autograd node computes
+(models/linear.py, the same kernels on the same operands), and each weight's gradient is handed to that weight's
+own autograd path (the expert DTensor's to_local, the loop's unbind, AccumulateGrad) in one nested backward per
+drain, so it accumulates as the plain step's does, in the same micro-batch's backward. FSDP2 reduces a unit's
+gradients in its post-backward, which fires as soon as the experts' inputs have their gradients, before the
+dispatch's backward: `hold` lets parallel/data_parallel.py postpone it to the end of the drain. A queue still
+holding gradients when its backward ends raises: a weight gradient is never late or lost silently.
+
+FP8 GEMMs keep their own autograd Function (models/fp8/gemm.py): not delayed (validate refuses fp8 with it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from moe_train.models.linear import (
+    batched_mm,
+    batched_mm_input_grad,
+    batched_mm_weight_grad,
+    grouped_mm,
+    grouped_mm_input_grad,
+    grouped_mm_weight_grad,
+    linear,
+    linear_input_grad,
+    linear_weight_grad,
+)
+from moe_train.models.moe.collective_turns import record
+
+
+def _forward(kind: str, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
+    if kind == "grouped":
+        return grouped_mm(x, weight, offsets)
+    return batched_mm(x, weight) if kind == "batched" else linear(x, weight)
+
+
+def _input_grad(kind: str, grad: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
+    if kind == "grouped":
+        return grouped_mm_input_grad(grad, weight, offsets)
+    return batched_mm_input_grad(grad, weight) if kind == "batched" else linear_input_grad(grad, weight)
+
+
+def _weight_grad(kind: str, grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
+    if kind == "grouped":
+        return grouped_mm_weight_grad(grad, x, offsets)
+    return batched_mm_weight_grad(grad, x) if kind == "batched" else linear_weight_grad(grad, x)
+
+
+class DeferredWeightGrads:
+    """One routed-experts module's queue of weight gradients, filled by its backward and run by its dispatch's
+    (`run`, the dispatch collectives' `beside`). One backward of a module runs at a time (an overlapped pair's
+    other half is a forward), so one queue per module serves every micro-batch."""
+
+    def __init__(self) -> None:
+        self._weights: list[torch.Tensor] = []
+        self._grads: list[Callable[[], torch.Tensor]] = []
+        self._held: list[Callable[[], None]] = []
+
+    @torch.compiler.disable  # a Python queue and a nested backward: eager under train.compile (a graph break)
+    def gemm(self, kind: str, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        """The experts' GEMM `kind` (grouped: `grouped_mm` over `offsets`; batched: `batched_mm`; linear) of rows x
+        and a weight, its weight gradient delayed to `run`. Without autograd it is the plain product."""
+        if not (torch.is_grad_enabled() and x.requires_grad and weight.requires_grad):
+            return _forward(kind, x, weight, offsets)
+        return _DelayedWeightGemm.apply(x, offsets, (weight,), kind, self)
+
+    def defer(self, weight: torch.Tensor, grad: Callable[[], torch.Tensor]) -> None:
+        if not self._weights:  # the first of a backward: check at its end that the queue ran
+            torch.autograd.Variable._execution_engine.queue_callback(self._check_ran)
+        self._weights.append(weight)
+        self._grads.append(grad)
+
+    def hold(self, post_backward: Callable[[], None]) -> bool:
+        """Run `post_backward` after the queued gradients instead of now, if any are queued (True then)."""
+        if not self._weights:
+            return False
+        self._held.append(post_backward)
+        return True
+
+    def run(self) -> None:
+        """Compute the queued weight gradients and accumulate them through their weights' autograd paths, then
+        what was held for after them. Nothing queued: nothing to do."""
+        if not self._weights:
+            return
+        record("wgrad", "experts")
+        weights, grads = self._weights, [grad() for grad in self._grads]
+        self._weights, self._grads = [], []
+        torch.autograd.backward(weights, grads)
+        held, self._held = self._held, []
+        for post_backward in held:
+            post_backward()
+
+    def _check_ran(self) -> None:
+        if self._weights:
+            raise RuntimeError("parallel.split_wgrad: the routed experts' delayed weight gradients were never run "
+                               "(no dispatch collective ran their queue in this backward)")
+
+
+class _DelayedWeightGemm(torch.autograd.Function):
+    """y = x W^T (the `kind` of GEMM) with only x's gradient in backward; the weight's is queued. The weight comes
+    boxed (a tuple), so autograd draws no edge to it: its gradient reaches it through `DeferredWeightGrads.run`."""
+
+    @staticmethod
+    def forward(ctx, x, offsets, boxed, kind, queue):
+        (weight,) = boxed
+        ctx.kind, ctx.queue, ctx.weight = kind, queue, weight
+        ctx.save_for_backward(x, weight.detach(), offsets)
+        return _forward(kind, x, weight.detach(), offsets)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, offsets = ctx.saved_tensors
+        kind = ctx.kind
+        ctx.queue.defer(ctx.weight, lambda: _weight_grad(kind, grad, x, offsets))
+        return _input_grad(kind, grad, weight, offsets), None, None, None, None

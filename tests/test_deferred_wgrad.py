@@ -1,0 +1,83 @@
+"""The routed experts' delayed weight gradients (`parallel.split_wgrad`, models/moe/deferred_wgrad.py) in one
+process: the experts' backward with the queue gives the input gradients at once and no weight gradient until the
+queue runs, and then every gradient of the plain backward, bit for bit, on each of the experts' three kernels
+(grouped GEMM, the per-expert loop, the padded batched GEMM) and through the weights' autograd paths (a stacked
+parameter viewed per expert). A queue its backward never ran raises. The multi-rank equality and the order
+(the queue runs inside the dispatch's backward collective) are tests/test_ep_overlap.py's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_train.models.moe.deferred_wgrad import DeferredWeightGrads
+from moe_train.models.moe.experts import GroupedExperts
+
+
+def _experts(seed: int = 0) -> tuple[GroupedExperts, torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)
+    experts = GroupedExperts(num_experts=4, hidden_size=16, ffn_hidden_size=8)
+    for weight in (experts.gate_proj, experts.up_proj, experts.down_proj):
+        torch.nn.init.normal_(weight)
+    counts = torch.tensor([5, 0, 7, 3])
+    rows = torch.randn(int(counts.sum()), 16, requires_grad=True)
+    probs = torch.rand(int(counts.sum()), requires_grad=True)
+    return experts, rows, counts, probs
+
+
+def _run(kind: str, queue: DeferredWeightGrads | None):
+    experts, rows, counts, probs = _experts()
+    experts.deferred_wgrad = queue
+    if kind == "loop":
+        experts.use_grouped_mm = False
+    if kind == "padded":
+        out = experts._padded(rows, counts, probs.unsqueeze(-1), capacity=8)
+    else:
+        out = experts(rows, counts, probs=probs)
+    grad = torch.randn_like(out)
+    return experts, rows, probs, out, grad
+
+
+@pytest.mark.parametrize("kind", ["grouped", "loop", "padded"])
+def test_the_delayed_weight_gradients_equal_the_plain_backward_bit_for_bit(kind: str) -> None:
+    experts, rows, probs, out, grad = _run(kind, None)
+    out.backward(grad)
+    plain = [t.grad for t in (rows, probs, experts.gate_proj, experts.up_proj, experts.down_proj)]
+
+    queue = DeferredWeightGrads()
+    experts, rows, probs, out, grad = _run(kind, queue)
+    weights = (experts.gate_proj, experts.up_proj, experts.down_proj)
+    seen = {}
+
+    def run_queue(_grad: torch.Tensor) -> None:  # where the dispatch's backward would: after the inputs' gradients
+        seen["before"] = [w.grad for w in weights]
+        queue.run()
+
+    rows.register_hook(run_queue)
+    out.backward(grad)
+    assert seen["before"] == [None, None, None]  # nothing reached the weights before the queue ran
+    delayed = [t.grad for t in (rows, probs, *weights)]
+    for got, want in zip(delayed, plain, strict=True):
+        assert torch.equal(got, want)
+    assert not queue.hold(lambda: None)  # drained
+
+
+def test_a_queue_its_backward_never_ran_raises() -> None:
+    experts, rows, probs, out, grad = _run("grouped", DeferredWeightGrads())
+    with pytest.raises(RuntimeError, match="split_wgrad.*never run"):
+        out.backward(grad)
+
+
+def test_hold_waits_for_the_queue_and_runs_after_it() -> None:
+    queue = DeferredWeightGrads()
+    experts, rows, probs, out, grad = _run("grouped", queue)
+    order = []
+    experts.gate_proj.register_post_accumulate_grad_hook(lambda _: order.append("gate accumulated"))
+
+    def hold(_grad: torch.Tensor) -> None:
+        assert queue.hold(lambda: order.append("held"))
+        queue.run()
+
+    rows.register_hook(hold)
+    out.backward(grad)
+    assert order == ["gate accumulated", "held"]
