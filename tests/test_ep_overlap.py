@@ -101,6 +101,30 @@ def test_the_schedule_pairs_each_backward_with_the_next_forward_taking_turns() -
     assert micro_batch() is None and turn_state.pair is None
 
 
+@pytest.mark.parametrize(("sets", "refused"), [
+    (["parallel.ep=2", OVERLAP], None),
+    (["parallel.ep=2"], None),  # without ep_overlap: the plain step's dispatch backward is asynchronous too
+    (["parallel.ep=2", OVERLAP, "model.moe.dispatcher=hierarchical", "launch.nodes=2"], None),
+    ([OVERLAP], "needs expert-parallel communication"),
+    (["parallel.ep=2", "model.moe.dispatcher=allgather"], "allgather is not built yet"),
+    (["parallel.ep=2", "parallel.pp=2"], "pipeline parallelism"),
+    (["parallel.ep=2", "train.precision=fp8", "train.fp8.recipe=rowwise"], "fp8 is not built yet"),
+])
+def test_validate_refuses_split_wgrad_where_it_is_not_built_by_name(sets: list[str], refused: str | None) -> None:
+    """Accepted where built (with or without ep_overlap); refused with a line naming the field and the reason."""
+    from moe_train.config import load_recipe
+    from moe_train.config.loader import RecipeError
+
+    overrides = [*FP32, *sets, SPLIT, "launch.gpus_per_node=2"]
+    if refused is None:
+        assert load_recipe("qwen3-moe-tiny", overrides, check_files=False).parallel.split_wgrad
+        return
+    with pytest.raises(RecipeError) as error:
+        load_recipe("qwen3-moe-tiny", overrides, check_files=False)
+    lines = [line for line in str(error.value).splitlines() if "parallel.split_wgrad: " in line]
+    assert len(lines) == 1 and refused in lines[0], str(error.value)
+
+
 def test_an_error_in_the_forward_half_is_raised_by_the_step() -> None:
     def forward(index: int) -> int:
         if index == 1:

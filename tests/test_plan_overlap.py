@@ -153,7 +153,7 @@ def test_split_wgrad_prices_the_experts_weight_gradients() -> None:
     plain, split = _plan(QWEN), _plan(QWEN, SPLIT)
     both, overlapped = _plan(QWEN, OVERLAP, SPLIT), _plan(QWEN, OVERLAP)
     assert plain.ep_phases.delayed_wgrad_s == 0.0
-    assert split.ep_phases.delayed_wgrad_s > 0.0 and not check_recipe(split.recipe)
+    assert split.ep_phases.delayed_wgrad_s > 0.0 and not check_recipe(split.recipe, check_files=False)
     plain_json, split_json = plan_json(plain), plan_json(split)
     for key in ("memory_bytes", "flops", "comm_bytes", "activation_bytes_per_layer"):
         assert split_json[key] == plain_json[key], key
