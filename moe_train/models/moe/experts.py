@@ -138,13 +138,10 @@ class GroupedExperts(nn.Module):
         gate_proj, up_proj, down_proj = self.local_weights()
         offsets = expert_offsets(tokens_per_expert)
         delayed = self._delayed()
-        if delayed is not None:
-            gate, up = (delayed.gemm("grouped", rows, w, offsets) for w in (gate_proj, up_proj))
-            out = delayed.gemm("grouped", self.activation(gate, up, probs), down_proj, offsets)
-        else:
-            gate = grouped_mm(rows, gate_proj, offsets, fp8=self.fp8)
-            up = grouped_mm(rows, up_proj, offsets, fp8=self.fp8)
-            out = grouped_mm(self.activation(gate, up, probs), down_proj, offsets, fp8=self.fp8)
+        product = (lambda x, w: grouped_mm(x, w, offsets, fp8=self.fp8)) if delayed is None else (
+            lambda x, w: delayed.gemm("grouped", x, w, offsets))
+        gate, up = product(rows, gate_proj), product(rows, up_proj)
+        out = product(self.activation(gate, up, probs), down_proj)
         if out.requires_grad:  # its backward rejects stride-0 gradients, which an out.sum() downstream gives
             out.register_hook(torch.Tensor.contiguous)
         return out
