@@ -4,7 +4,9 @@ layout: the same losses, every gradient of step 1 and every parameter after the 
 The pairs run the plain step's ops on the same values in the same order within each micro-batch, and each
 parameter's gradient accumulates over the micro-batches in the plain order, so nothing may part by a bit
 (tolerance 0). One gloo job per world size runs every case, overlapped and plain; the schedule and the turn-
-taking themselves are checked in one process with plain callables (the fast tier).
+taking themselves are checked in one process with plain callables (the fast tier). `parallel.split_wgrad` (the
+experts' weight gradients delayed into the dispatch's backward all-to-all) rides in the same jobs: its cases
+against the same plain step, bit for bit, and the counted order of where its queue runs.
 """
 
 from __future__ import annotations
