@@ -55,7 +55,8 @@ LAYOUTS_4 = {
 
 # parallel.split_wgrad's cases: the layouts it runs on, overlapped and (ep2-alltoall) in the plain step too
 SPLIT_2 = {"ep2-alltoall": ("overlap-split", "split"), "ep2-deepseek": ("overlap-split",),
-           "ep2-recompute": ("overlap-split",), "ep2-full-recompute": ("overlap-split",)}
+           "ep2-allgather": ("overlap-split",), "ep2-recompute": ("overlap-split",),
+           "ep2-full-recompute": ("overlap-split",)}
 SPLIT_4 = {"ep4-hierarchical": ("overlap-split",), "ep2-edp2-selective": ("overlap-split",)}
 VARIANTS = {"overlap": [OVERLAP], "overlap-split": [OVERLAP, SPLIT], "split": [SPLIT]}
 
@@ -108,7 +109,7 @@ def test_the_schedule_pairs_each_backward_with_the_next_forward_taking_turns() -
     (["parallel.ep=2"], None),  # without ep_overlap: the plain step's dispatch backward is asynchronous too
     (["parallel.ep=2", OVERLAP, "model.moe.dispatcher=hierarchical", "launch.nodes=2"], None),
     ([OVERLAP], "needs expert-parallel communication"),
-    (["parallel.ep=2", "model.moe.dispatcher=allgather"], "allgather is not built yet"),
+    (["parallel.ep=2", "model.moe.dispatcher=allgather"], None),
     (["parallel.ep=2", "parallel.pp=2"], "pipeline parallelism"),
     (["parallel.ep=2", "train.precision=fp8", "train.fp8.recipe=rowwise"], "fp8 is not built yet"),
 ])

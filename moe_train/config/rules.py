@@ -314,9 +314,6 @@ def _split_wgrad(r: Recipe) -> list[Problem]:
         return [_p(field, "needs expert-parallel communication to hide the experts' weight gradients behind: a "
                    "MoE model with ep > 1")]
     out = []
-    if m.moe.dispatcher == "allgather":
-        out.append(_p(field, "with model.moe.dispatcher allgather is not built yet: the delayed weight gradients "
-                      "run in the all-to-all dispatchers' backward collective (alltoall, hierarchical)"))
     if p.pp > 1:
         out.append(_p(field, "with pipeline parallelism (pp > 1) is not built yet: torch's pipeline schedules "
                       "split weight gradients their own way (zero_bubble)"))

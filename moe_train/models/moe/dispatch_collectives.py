@@ -48,9 +48,11 @@ def all_to_all_together(
     return list(_AllToAllTogether.apply(send_splits, recv_splits, group, beside, *tensors))
 
 
-def all_gather_rows(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
-    """x [n, ...] from each rank -> [G*n, ...] in rank order (every rank must pass the same n)."""
-    return _AllGather.apply(x, group)
+def all_gather_rows(x: torch.Tensor, *, group: ProcessGroup, beside: DeferredWeightGrads | None = None
+                    ) -> torch.Tensor:
+    """x [n, ...] from each rank -> [G*n, ...] in rank order (every rank must pass the same n). `beside`: as
+    `all_to_all_together`'s, run by the backward's reduce-scatter."""
+    return _AllGather.apply(x, group, beside)
 
 
 def reduce_scatter_rows(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
@@ -116,13 +118,15 @@ class _AllToAllTogether(torch.autograd.Function):
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, beside):
+        ctx.group, ctx.beside = group, beside
         return _all_gather(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.group), None
+        with issued_together(beside=None if ctx.beside is None else ctx.beside.run):
+            out = _reduce_scatter(grad, ctx.group)
+        return out, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
