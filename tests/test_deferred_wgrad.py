@@ -1,7 +1,8 @@
 """The routed experts' delayed weight gradients (`parallel.split_wgrad`, models/moe/deferred_wgrad.py) in one
 process: the experts' backward with the queue gives the input gradients at once and no weight gradient until the
 queue runs, and then every gradient of the plain backward, bit for bit, on each of the experts' three kernels
-(grouped GEMM, the per-expert loop, the padded batched GEMM) and through the weights' autograd paths (a stacked
+(grouped GEMM, the per-expert loop, the padded batched GEMM; the first two in fp8 rowwise too, keeping
+their inputs in bf16 or in fp8) and through the weights' autograd paths (a stacked
 parameter viewed per expert). A queue its backward never ran raises. The multi-rank equality and the order
 (the queue runs inside the dispatch's backward collective) are tests/test_ep_overlap.py's."""
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_train.models.fp8.gemm import Fp8Gemm, count_fp8_gemms
 from moe_train.models.moe.deferred_wgrad import DeferredWeightGrads
 from moe_train.models.moe.experts import GroupedExperts
 
@@ -25,9 +27,11 @@ def _experts(seed: int = 0) -> tuple[GroupedExperts, torch.Tensor, torch.Tensor,
     return experts, rows, counts, probs
 
 
-def _run(kind: str, queue: DeferredWeightGrads | None):
+def _run(kind: str, queue: DeferredWeightGrads | None, saved: str | None = None):
     experts, rows, counts, probs = _experts()
     experts.deferred_wgrad = queue
+    if saved is not None:  # the routed experts in fp8 rowwise, keeping their inputs in bf16 or in fp8
+        experts.fp8 = Fp8Gemm(recipe="rowwise", saved_inputs=saved)
     if kind == "loop":
         experts.use_grouped_mm = False
     if kind == "padded":
@@ -38,14 +42,15 @@ def _run(kind: str, queue: DeferredWeightGrads | None):
     return experts, rows, probs, out, grad
 
 
-@pytest.mark.parametrize("kind", ["grouped", "loop", "padded"])
-def test_the_delayed_weight_gradients_equal_the_plain_backward_bit_for_bit(kind: str) -> None:
-    experts, rows, probs, out, grad = _run(kind, None)
+@pytest.mark.parametrize(("kind", "saved"), [("grouped", None), ("loop", None), ("padded", None),
+                                             ("grouped", "bf16"), ("grouped", "fp8"), ("loop", "fp8")])
+def test_the_delayed_weight_gradients_equal_the_plain_backward_bit_for_bit(kind: str, saved: str | None) -> None:
+    experts, rows, probs, out, grad = _run(kind, None, saved)
     out.backward(grad)
     plain = [t.grad for t in (rows, probs, experts.gate_proj, experts.up_proj, experts.down_proj)]
 
     queue = DeferredWeightGrads()
-    experts, rows, probs, out, grad = _run(kind, queue)
+    experts, rows, probs, out, grad = _run(kind, queue, saved)
     weights = (experts.gate_proj, experts.up_proj, experts.down_proj)
     seen = {}
 
@@ -54,7 +59,10 @@ def test_the_delayed_weight_gradients_equal_the_plain_backward_bit_for_bit(kind:
         queue.run()
 
     rows.register_hook(run_queue)
-    out.backward(grad)
+    with count_fp8_gemms() as fp8_gemms:
+        out.backward(grad)
+    if saved is not None:  # the queue ran the fp8 weight gradients (3 stacks; the loop: 3 per expert)
+        assert sum(n for (_, product, _), n in fp8_gemms.items() if product == "weight_grad") >= 3, fp8_gemms
     assert seen["before"] == [None, None, None]  # nothing reached the weights before the queue ran
     delayed = [t.grad for t in (rows, probs, *weights)]
     for got, want in zip(delayed, plain, strict=True):

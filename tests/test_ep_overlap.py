@@ -56,7 +56,7 @@ LAYOUTS_4 = {
 # parallel.split_wgrad's cases: the layouts it runs on, overlapped and (ep2-alltoall) in the plain step too
 SPLIT_2 = {"ep2-alltoall": ("overlap-split", "split"), "ep2-deepseek": ("overlap-split",),
            "ep2-allgather": ("overlap-split",), "ep2-recompute": ("overlap-split",),
-           "ep2-full-recompute": ("overlap-split",)}
+           "ep2-full-recompute": ("overlap-split",), "ep2-fp8-rowwise": ("overlap-split",)}
 SPLIT_4 = {"ep4-hierarchical": ("overlap-split",), "ep2-edp2-selective": ("overlap-split",)}
 VARIANTS = {"overlap": [OVERLAP], "overlap-split": [OVERLAP, SPLIT], "split": [SPLIT]}
 
@@ -111,7 +111,7 @@ def test_the_schedule_pairs_each_backward_with_the_next_forward_taking_turns() -
     ([OVERLAP], "needs expert-parallel communication"),
     (["parallel.ep=2", "model.moe.dispatcher=allgather"], None),
     (["parallel.ep=2", "parallel.pp=2"], "pipeline parallelism"),
-    (["parallel.ep=2", "train.precision=fp8", "train.fp8.recipe=rowwise"], "fp8 is not built yet"),
+    (["parallel.ep=2", "train.precision=fp8", "train.fp8.recipe=rowwise"], None),
 ])
 def test_validate_refuses_split_wgrad_where_it_is_not_built_by_name(sets: list[str], refused: str | None) -> None:
     """Accepted where built (with or without ep_overlap); refused with a line naming the field and the reason."""

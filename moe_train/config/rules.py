@@ -317,9 +317,6 @@ def _split_wgrad(r: Recipe) -> list[Problem]:
     if p.pp > 1:
         out.append(_p(field, "with pipeline parallelism (pp > 1) is not built yet: torch's pipeline schedules "
                       "split weight gradients their own way (zero_bubble)"))
-    if r.train.precision == "fp8":
-        out.append(_p(field, "with train.precision fp8 is not built yet: the fp8 GEMMs' autograd Function "
-                      "computes both gradients in one backward (models/fp8/gemm.py)"))
     return out
 
 

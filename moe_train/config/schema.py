@@ -213,7 +213,7 @@ class ParallelConfig(Section):
     split_wgrad: bool = Field(
         False, description="The routed experts' weight gradients delayed to run while the dispatch's backward "
         "all-to-all is in flight (Megatron-Core's --delay-wgrad-compute; models/moe/deferred_wgrad.py), with or "
-        "without ep_overlap. The same numbers bit for bit. Needs ep > 1, pp = 1, no fp8."
+        "without ep_overlap. The same numbers bit for bit. Needs ep > 1 and pp = 1."
     )
     recompute: RecomputeConfig = RecomputeConfig()
     offload: OffloadConfig = OffloadConfig()

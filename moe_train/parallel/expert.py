@@ -51,7 +51,7 @@ def apply_expert_parallel(model: Transformer, recipe: Recipe, ctx: ParallelConte
         module.balance_group = ctx.group("dp")
         if sharded:
             _shard_experts(module.experts, ctx)
-        if recipe.parallel.split_wgrad:  # validate: EP communication, pp 1, fp8 off
+        if recipe.parallel.split_wgrad:  # validate: EP communication, pp 1
             module.experts.deferred_wgrad = module.dispatcher.deferred_wgrad = DeferredWeightGrads()
 
 

@@ -492,8 +492,10 @@ def paired_phases(recipe: Recipe, layout: PlanLayout, work: MoeLayerWork | None,
     if work is None:
         return None
     elementwise = work.elementwise_bytes / hw.hbm_bytes_per_s
-    # split_wgrad: the routed experts' weight gradients, their forward's grouped GEMMs again (no fp8: validate)
-    delayed = work.forward.get("grouped_gemm", 0.0) if recipe.parallel.split_wgrad else 0.0
+    # split_wgrad: the routed experts' weight gradients, their forward's grouped GEMMs again; in fp8 too at the
+    # compute dtype's rate (the experts' fp8 weight gradient runs emulated everywhere: models/fp8/gemm.py)
+    delayed = work.forward.get("grouped_gemm", 0.0) + work.forward.get("fp8_grouped_gemm", 0.0)
+    delayed = delayed if recipe.parallel.split_wgrad else 0.0
     return PairedPhases(micro_batches=layout.micro_batches, overlapped=recipe.parallel.ep_overlap,
                         forward_compute_s=_compute_seconds(work.forward, hw, a) + elementwise / 3,
                         backward_compute_s=_compute_seconds(work.backward, hw, a) + 2 * elementwise / 3,

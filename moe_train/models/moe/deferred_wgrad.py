@@ -17,7 +17,8 @@ gradients in its post-backward, which fires as soon as the experts' inputs have 
 dispatch's backward: `hold` lets parallel/data_parallel.py postpone it to the end of the drain. A queue still
 holding gradients when its backward ends raises: a weight gradient is never late or lost silently.
 
-FP8 GEMMs keep their own autograd Function (models/fp8/gemm.py): not delayed (validate refuses fp8 with it).
+FP8 (the routed experts in `train.fp8.modules`): the same split of models/fp8/gemm.py's products, what its
+GEMMs' autograd Functions compute in one backward (the kept fp8 input under `saved_inputs: fp8` too).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 
+from moe_train.models.fp8.gemm import Fp8Gemm
+from moe_train.models.fp8.scaling import GroupQuantised
 from moe_train.models.linear import (
     batched_mm,
     batched_mm_input_grad,
@@ -40,22 +43,52 @@ from moe_train.models.linear import (
 from moe_train.models.moe.collective_turns import record
 
 
-def _forward(kind: str, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
-    if kind == "grouped":
-        return grouped_mm(x, weight, offsets)
-    return batched_mm(x, weight) if kind == "batched" else linear(x, weight)
+class _Gemm:
+    """One kind of the experts' GEMM, y = x W^T, as its three products: forward, input gradient, weight gradient
+    (the formulas its autograd node computes), and what it keeps of x for the last (fp8 `saved_inputs`)."""
 
+    def __init__(self, kind: str, offsets: torch.Tensor | None, fp8: Fp8Gemm | None) -> None:
+        self.kind, self.offsets, self.fp8 = kind, offsets, fp8
 
-def _input_grad(kind: str, grad: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
-    if kind == "grouped":
-        return grouped_mm_input_grad(grad, weight, offsets)
-    return batched_mm_input_grad(grad, weight) if kind == "batched" else linear_input_grad(grad, weight)
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        kind, offsets, fp8 = self.kind, self.offsets, self.fp8
+        if kind == "grouped":
+            return grouped_mm(x, weight, offsets) if fp8 is None else fp8.grouped_forward(x, weight, offsets)
+        if kind == "batched":
+            return batched_mm(x, weight)
+        return linear(x, weight) if fp8 is None else fp8.forward(x, weight)
 
+    def kept(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What backward keeps of x: x, or with fp8 `saved_inputs: fp8` its fp8 data and scales."""
+        if self.fp8 is None or self.fp8.saved_inputs != "fp8":
+            return (x,)
+        kept = self.fp8.kept_rows(x, self.offsets) if self.kind == "grouped" else self.fp8.kept_input(x)
+        return kept.data, kept.scale
 
-def _weight_grad(kind: str, grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
-    if kind == "grouped":
-        return grouped_mm_weight_grad(grad, x, offsets)
-    return batched_mm_weight_grad(grad, x) if kind == "batched" else linear_weight_grad(grad, x)
+    def input_grad(self, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        kind, offsets, fp8 = self.kind, self.offsets, self.fp8
+        if kind == "grouped":
+            if fp8 is None:
+                return grouped_mm_input_grad(grad, weight, offsets)
+            return fp8.grouped_input_grad(grad.contiguous(), weight, offsets)
+        if kind == "batched":
+            return batched_mm_input_grad(grad, weight)
+        return linear_input_grad(grad, weight, fp8=fp8)
+
+    def weight_grad(self, grad: torch.Tensor, kept: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+        kind, offsets, fp8 = self.kind, self.offsets, self.fp8
+        if fp8 is None:
+            (x,) = kept
+            if kind == "grouped":
+                return grouped_mm_weight_grad(grad, x, offsets)
+            return batched_mm_weight_grad(grad, x) if kind == "batched" else linear_weight_grad(grad, x)
+        if len(kept) == 2:
+            x = GroupQuantised(*kept, fp8.recipe) if kind == "grouped" else fp8.weight_grad_operand(*kept)
+        else:
+            (x,) = kept
+        if kind == "grouped":
+            return fp8.grouped_weight_grad(grad.contiguous(), x, offsets).to(dtype)
+        return fp8.weight_grad(grad, x).to(dtype)
 
 
 class DeferredWeightGrads:
@@ -69,13 +102,15 @@ class DeferredWeightGrads:
         self._held: list[Callable[[], None]] = []
 
     @torch.compiler.disable  # a Python queue and a nested backward: eager under train.compile (a graph break)
-    def gemm(self, kind: str, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor | None = None
-             ) -> torch.Tensor:
+    def gemm(self, kind: str, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor | None = None, *,
+             fp8: Fp8Gemm | None = None) -> torch.Tensor:
         """The experts' GEMM `kind` (grouped: `grouped_mm` over `offsets`; batched: `batched_mm`; linear) of rows x
-        and a weight, its weight gradient delayed to `run`. Without autograd it is the plain product."""
+        and a weight, in fp8 with `fp8` (grouped, linear), its weight gradient delayed to `run`. Without autograd
+        it is the plain product."""
+        product = _Gemm(kind, offsets, fp8)
         if not (torch.is_grad_enabled() and x.requires_grad and weight.requires_grad):
-            return _forward(kind, x, weight, offsets)
-        return _DelayedWeightGemm.apply(x, offsets, (weight,), kind, self)
+            return product.forward(x, weight)
+        return _DelayedWeightGemm.apply(x, (weight,), product, self)
 
     def defer(self, weight: torch.Tensor, grad: Callable[[], torch.Tensor]) -> None:
         if not self._weights:  # the first of a backward: check at its end that the queue ran
@@ -110,19 +145,21 @@ class DeferredWeightGrads:
 
 
 class _DelayedWeightGemm(torch.autograd.Function):
-    """y = x W^T (the `kind` of GEMM) with only x's gradient in backward; the weight's is queued. The weight comes
-    boxed (a tuple), so autograd draws no edge to it: its gradient reaches it through `DeferredWeightGrads.run`."""
+    """y = x W^T (a `_Gemm`) with only x's gradient in backward; the weight's is queued. The weight comes boxed (a
+    tuple), so autograd draws no edge to it: its gradient reaches it through `DeferredWeightGrads.run`."""
 
     @staticmethod
-    def forward(ctx, x, offsets, boxed, kind, queue):
+    def forward(ctx, x, boxed, product, queue):
         (weight,) = boxed
-        ctx.kind, ctx.queue, ctx.weight = kind, queue, weight
-        ctx.save_for_backward(x, weight.detach(), offsets)
-        return _forward(kind, x, weight.detach(), offsets)
+        ctx.product, ctx.queue, ctx.weight = product, queue, weight
+        kept = product.kept(x)
+        ctx.save_for_backward(*kept, weight.detach())
+        return product.forward(x, weight.detach())
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, offsets = ctx.saved_tensors
-        kind = ctx.kind
-        ctx.queue.defer(ctx.weight, lambda: _weight_grad(kind, grad, x, offsets))
-        return _input_grad(kind, grad, weight, offsets), None, None, None, None
+        *kept, weight = ctx.saved_tensors
+        kept = tuple(kept)
+        product, dtype = ctx.product, weight.dtype
+        ctx.queue.defer(ctx.weight, lambda: product.weight_grad(grad, kept, dtype))
+        return product.input_grad(grad, weight), None, None, None

@@ -92,8 +92,8 @@ class GroupedExperts(nn.Module):
         self.use_grouped_mm = True
         self.expert_ids: tuple[int, ...] | None = None  # the expert each row (slot) holds; None: row e is expert e
         self.fp8: Fp8Gemm | None = None  # set by models/fp8/select.py when the routed experts run in fp8
-        # parallel.split_wgrad (set by parallel/expert.py): the GEMMs' weight gradients wait for the dispatch's
-        # backward collective (deferred_wgrad.py)
+        # parallel.split_wgrad (set by parallel/expert.py): the GEMMs' weight gradients (fp8 ones too) wait for
+        # the dispatch's backward collective (deferred_wgrad.py)
         self.deferred_wgrad: DeferredWeightGrads | None = None
 
     def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, *, probs: torch.Tensor,
@@ -130,16 +130,12 @@ class GroupedExperts(nn.Module):
         return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_proj, self.up_proj,
                                                                                self.down_proj))
 
-    def _delayed(self) -> DeferredWeightGrads | None:
-        """The queue the GEMMs' weight gradients wait in (split_wgrad; fp8 GEMMs keep their own backward)."""
-        return self.deferred_wgrad if self.fp8 is None else None
-
     def _grouped(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         gate_proj, up_proj, down_proj = self.local_weights()
         offsets = expert_offsets(tokens_per_expert)
-        delayed = self._delayed()
+        delayed = self.deferred_wgrad
         product = (lambda x, w: grouped_mm(x, w, offsets, fp8=self.fp8)) if delayed is None else (
-            lambda x, w: delayed.gemm("grouped", x, w, offsets))
+            lambda x, w: delayed.gemm("grouped", x, w, offsets, fp8=self.fp8))
         gate, up = product(rows, gate_proj), product(rows, up_proj)
         out = product(self.activation(gate, up, probs), down_proj)
         if out.requires_grad:  # its backward rejects stride-0 gradients, which an out.sum() downstream gives
@@ -162,7 +158,7 @@ class GroupedExperts(nn.Module):
         padded = rows.new_zeros(experts * capacity, rows.shape[1]).index_copy(0, slot, rows)
         padded = padded.view(experts, capacity, rows.shape[1])
         padded_probs = probs.new_zeros(experts * capacity, 1).index_copy(0, slot, probs).view(experts, capacity, 1)
-        delayed = self._delayed()
+        delayed = self.deferred_wgrad  # no fp8 here (forward)
         product = batched_mm if delayed is None else lambda x, w: delayed.gemm("batched", x, w)
         hidden = self.activation(product(padded, gate_proj), product(padded, up_proj), padded_probs)
         out = product(hidden, down_proj)
@@ -176,9 +172,9 @@ class GroupedExperts(nn.Module):
         counts = tokens_per_expert.tolist()
         chunks, chunk_probs = torch.split(rows, counts), torch.split(probs, counts)
         weights = zip(*(w.unbind(0) for w in self.local_weights()), strict=True)
-        delayed = self._delayed()
+        delayed = self.deferred_wgrad
         product = (lambda x, w: linear(x, w, fp8=self.fp8)) if delayed is None else (
-            lambda x, w: delayed.gemm("linear", x, w))
+            lambda x, w: delayed.gemm("linear", x, w, fp8=self.fp8))
         for chunk, p, (gate_proj, up_proj, down_proj) in zip(chunks, chunk_probs, weights, strict=True):
             gate, up = product(chunk, gate_proj), product(chunk, up_proj)
             outputs.append(product(self.activation(gate, up, p), down_proj))
