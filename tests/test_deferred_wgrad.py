@@ -8,8 +8,11 @@ parameter viewed per expert). A queue its backward never ran raises. The multi-r
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from cli_helpers import run_cli
 
 from moe_train.models.fp8.gemm import Fp8Gemm, count_fp8_gemms
 from moe_train.models.moe.deferred_wgrad import DeferredWeightGrads
@@ -89,3 +92,20 @@ def test_hold_waits_for_the_queue_and_runs_after_it() -> None:
     rows.register_hook(hold)
     out.backward(grad)
     assert order == ["gate accumulated", "held"]
+
+
+@pytest.mark.slow
+def test_measure_counts_the_same_step_with_split_wgrad() -> None:
+    """`measure --fake` at EP2: split_wgrad moves work, it adds none: the same FLOPs by phase, collective bytes
+    and activation bytes per layer (its GEMMs save what the plain GEMMs' nodes save: the input, the weight as a
+    weight, the offsets)."""
+    sets = ["parallel.ep=2", "launch.gpus_per_node=2", "train.precision=fp32"]
+    reports = []
+    for split in ("false", "true"):
+        args = [arg for item in [*sets, f"parallel.split_wgrad={split}"] for arg in ("--set", item)]
+        result = run_cli("measure", "qwen3-moe-tiny", *args, "--fake", "--json")
+        assert result.code == 0, (result.stdout, result.stderr)
+        reports.append(json.loads(result.stdout))
+    plain, split = reports
+    for key in ("flops", "comm_bytes", "comm_calls", "activation_bytes_per_layer", "activation_bytes_peak"):
+        assert split[key] == plain[key], key

@@ -151,15 +151,23 @@ class _DelayedWeightGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, boxed, product, queue):
         (weight,) = boxed
-        ctx.product, ctx.queue, ctx.weight = product, queue, weight
+        ctx.product, ctx.queue, ctx.weight = _Gemm(product.kind, None, product.fp8), queue, weight
         kept = product.kept(x)
-        ctx.save_for_backward(*kept, weight.detach())
+        # the weight as it came, not detached: what watches the saves (measure, the offload pool) tells a weight
+        # by its autograd history (measure/activations.py `is_weight`)
+        # and the grouped GEMM's offsets, as its own autograd node saves them
+        ctx.grouped = product.offsets is not None
+        ctx.save_for_backward(*kept, weight, *((product.offsets,) if ctx.grouped else ()))
         return product.forward(x, weight.detach())
 
     @staticmethod
     def backward(ctx, grad):
-        *kept, weight = ctx.saved_tensors
-        kept = tuple(kept)
-        product, dtype = ctx.product, weight.dtype
+        saved = ctx.saved_tensors
+        if ctx.grouped:
+            *kept, weight, offsets = saved
+            product = _Gemm(ctx.product.kind, offsets, ctx.product.fp8)
+        else:
+            (*kept, weight), product = saved, ctx.product
+        kept, weight, dtype = tuple(kept), weight.detach(), weight.dtype
         ctx.queue.defer(ctx.weight, lambda: product.weight_grad(grad, kept, dtype))
         return product.input_grad(grad, weight), None, None, None
