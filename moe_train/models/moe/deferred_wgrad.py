@@ -153,9 +153,8 @@ class _DelayedWeightGemm(torch.autograd.Function):
         (weight,) = boxed
         ctx.product, ctx.queue, ctx.weight = _Gemm(product.kind, None, product.fp8), queue, weight
         kept = product.kept(x)
-        # the weight as it came, not detached: what watches the saves (measure, the offload pool) tells a weight
-        # by its autograd history (measure/activations.py `is_weight`)
-        # and the grouped GEMM's offsets, as its own autograd node saves them
+        # what the GEMM's own autograd node saves: its input, the grouped offsets, and the weight as it came (not
+        # detached: measure and the offload pool tell a weight by its autograd history, measure/activations.py)
         ctx.grouped = product.offsets is not None
         ctx.save_for_backward(*kept, weight, *((product.offsets,) if ctx.grouped else ()))
         return product.forward(x, weight.detach())
