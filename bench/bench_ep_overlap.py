@@ -1,5 +1,6 @@
 """Overlapped micro-batches (`parallel.ep_overlap`) against the plain step on this machine: the exposed fraction
-of the expert-parallel communication and tokens/s, with and without overlap, on 2 and 4 gloo ranks (1 thread
+of the expert-parallel communication and tokens/s, with and without overlap and `parallel.split_wgrad` (the
+experts' weight gradients delayed into the dispatch's backward all-to-all), on 2 and 4 gloo ranks (1 thread
 each), side by side in one run.
 
 Each layout runs plain and overlapped in turn (the same recipe, global batch and FSDP2 cadence: parameters
@@ -8,7 +9,7 @@ median of the steps after the first two), the exposed fraction one step of `moe-
 on real ranks: the summed wait of the compute thread on the dispatchers' collectives over their summed own
 time (`exposed_comm`, docs/measure.md). 4 micro-batches a rank: 3 overlapped pairs a step, F0 and B3 alone.
 
-    python bench/bench_ep_overlap.py [--steps 6] [--rounds 1]
+    python bench/bench_ep_overlap.py [--steps 6] [--rounds 1] [--ranks 2]
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ LAYOUTS = {  # name: (ranks, overrides); 4 micro-batches a rank at dp 2
     "EP2 x TP2 + SP, 4 ranks": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
 }
 OVERLAP = ["parallel.ep_overlap=true"]
+SPLIT = ["parallel.split_wgrad=true"]  # the experts' weight gradients delayed into the dispatch-backward all-to-all
+VARIANTS = (("plain", []), ("split_wgrad", SPLIT), ("ep_overlap", OVERLAP), ("overlap+split", [*OVERLAP, *SPLIT]))
 
 
 def exposed_fraction(overrides: list[str], ranks: int) -> tuple[float, dict]:
@@ -51,13 +54,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--ranks", type=int, default=None, help="only the layouts on this many ranks")
     args = parser.parse_args()
     print(f"load average {os.getloadavg()[0]:.1f} at the start")
     with tempfile.TemporaryDirectory() as tmp:
         for round_index in range(args.rounds):
             for name, (ranks, layout) in LAYOUTS.items():
+                if args.ranks is not None and ranks != args.ranks:
+                    continue
                 rows = {}
-                for label, extra in (("plain", []), ("ep_overlap", OVERLAP)):
+                for label, extra in VARIANTS:
                     overrides = [*COMMON, *layout, *extra]
                     run_dir = Path(tmp) / f"{round_index}-{ranks}-{label}"
                     rate = run(RECIPE, overrides, ranks, 1, run_dir, args.steps)
@@ -70,7 +76,7 @@ def main() -> None:
                         f"{kind} {t['exposed_fraction']:.2f} of {t['own_s']:.3f} s" for kind, t in exposed.items()
                     )
                     print(
-                        f"  {label:<11} {rate:>8,.0f} tokens/s  x{rate / base:.2f}  exposed EP comm {fraction:.2f}"
+                        f"  {label:<13} {rate:>8,.0f} tokens/s  x{rate / base:.2f}  exposed EP comm {fraction:.2f}"
                         f"  ({kinds})"
                     )
     print(f"load average {os.getloadavg()[0]:.1f} at the end")

@@ -1,6 +1,6 @@
 """plan's exposed fraction of the expert-parallel communication against measure's, plain and under
-`parallel.ep_overlap`, on 2 gloo ranks of this machine (EP2 all-to-all, qwen3-moe-tiny fp32, 4 micro-batches a
-rank: 3 overlapped pairs, F0 and B3 alone).
+`parallel.ep_overlap` and `parallel.split_wgrad` (alone and with it), on 2 gloo ranks of this machine (EP2
+all-to-all, qwen3-moe-tiny fp32, 4 micro-batches a rank: 3 overlapped pairs, F0 and B3 alone).
 
 measure: one step of `moe-train measure --nproc 2 --json` per layout, `exposed_comm` (waited / own per
 <group>/<op>, docs/measure.md). plan: `estimate` of the same recipe on a hardware row of this machine, each
@@ -41,6 +41,8 @@ RECIPE = "qwen3-moe-tiny"
 COMMON = ["train.global_batch_size=16", "train.micro_batch_size=2", "parallel.param_gather=per_step",
           "parallel.ep=2", "train.precision=fp32"]
 OVERLAP = ["parallel.ep_overlap=true"]
+SPLIT = ["parallel.split_wgrad=true"]  # the experts' weight gradients delayed into the dispatch-backward all-to-all
+VARIANTS = {"plain": [], "ep_overlap": OVERLAP, "split_wgrad": SPLIT, "overlap+split": [*OVERLAP, *SPLIT]}
 
 
 def measured(overrides: list[str]) -> dict:
@@ -146,8 +148,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"load average {os.getloadavg()[0]:.1f} at the start")
     for round_index in range(args.rounds):
-        plain_measured, overlap_measured = measured(COMMON), measured([*COMMON, *OVERLAP])
-        waited = {k: v["waited_s"] for k, v in plain_measured.items()}
+        got_all = {label: measured([*COMMON, *extra]) for label, extra in VARIANTS.items()}
+        waited = {k: v["waited_s"] for k, v in got_all["plain"].items()}
         print(f"round {round_index + 1}: EP2 all-to-all, 2 ranks, {RECIPE} fp32, 4 micro-batches a rank")
         recipe = load_recipe(RECIPE, [*COMMON, "launch.nodes=1", "launch.gpus_per_node=2"], check_files=False)
         m = recipe.model
@@ -155,7 +157,8 @@ def main() -> None:
         alone = link_alone(rows * m.hidden_size * 4)
         for link_label, link in (("(a) link alone", alone), ("(b) plain step's waits", None)):
             exposed = {}
-            for label, extra, got in (("plain", [], plain_measured), ("ep_overlap", OVERLAP, overlap_measured)):
+            for label, extra in VARIANTS.items():
+                got = got_all[label]
                 plan, gemm, memory, used = planned([*COMMON, *extra], link, waited)
                 phases = plan.ep_phases
                 for key, comm in plan.exposed_comm.items():
@@ -164,13 +167,16 @@ def main() -> None:
                     layers = plan.ranks[0].moe_layer.count
                     per_phase = comm.own_s / (2 * layers * plan.layout.micro_batches)
                     compute = f"{phases.forward_compute_s * 1e3:.2f} / {phases.backward_compute_s * 1e3:.2f}"
-                    print(f"  {link_label} {label:<10} {key}: plan {comm.exposed_fraction:.2f} of {comm.own_s:.3f} s "
+                    print(f"  {link_label} {label:<13} {key}: plan {comm.exposed_fraction:.2f} of {comm.own_s:.3f} s "
                           f"(exchange {per_phase * 1e3:.2f} ms a phase against compute {compute} ms forward / "
                           f"backward); measure "
                           f"{real['exposed_fraction']:.2f} of {real['own_s']:.3f} s (waited {real['waited_s']:.3f} s)")
-            (plan_plain, real_plain), (plan_overlap, real_overlap) = exposed["plain"], exposed["ep_overlap"]
-            print(f"  {link_label}: exposed seconds under ep_overlap / plain: plan {plan_overlap / plan_plain:.2f}, "
-                  f"measure {real_overlap / real_plain:.2f}; link {used / 1e9:.3f} GB/s")
+            plan_plain, real_plain = exposed["plain"]
+            for label in list(VARIANTS)[1:]:
+                plan_seconds, real_seconds = exposed[label]
+                print(f"  {link_label}: exposed seconds under {label} / plain: plan {plan_seconds / plan_plain:.2f}, "
+                      f"measure {real_seconds / real_plain:.2f}")
+            print(f"  {link_label}: link {used / 1e9:.3f} GB/s")
         print(f"  this machine: GEMMs {gemm / 1e9:.1f} GFLOP/s (one thread), copy {memory / 1e9:.1f} GB/s")
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 

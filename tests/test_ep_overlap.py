@@ -4,7 +4,9 @@ layout: the same losses, every gradient of step 1 and every parameter after the 
 The pairs run the plain step's ops on the same values in the same order within each micro-batch, and each
 parameter's gradient accumulates over the micro-batches in the plain order, so nothing may part by a bit
 (tolerance 0). One gloo job per world size runs every case, overlapped and plain; the schedule and the turn-
-taking themselves are checked in one process with plain callables (the fast tier).
+taking themselves are checked in one process with plain callables (the fast tier). `parallel.split_wgrad` (the
+experts' weight gradients delayed into the dispatch's backward all-to-all) rides in the same jobs: its cases
+against the same plain step, bit for bit, and the counted order of where its queue runs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from moe_train.parallel.overlap import overlapped_micro_batches
 EXACT = {"loss": 0.0, "rtol": 0.0, "atol": 0.0}
 FP32 = ["train.micro_batch_size=1", "train.precision=fp32"]  # 4 micro-batches a rank at DP2: 3 pairs a step
 OVERLAP = "parallel.ep_overlap=true"
+SPLIT = "parallel.split_wgrad=true"  # the experts' weight gradients delayed into the dispatch's backward collective
 LAYOUTS_2 = {
     "ep2-alltoall": ("qwen3-moe-tiny", [*FP32, "parallel.ep=2"]),
     "ep2-deepseek": ("deepseek-v3-tiny", [*FP32, "parallel.ep=2"]),  # shared expert, expert bias, MTP's MoE block
@@ -50,18 +53,28 @@ LAYOUTS_4 = {
 }
 
 
-def _run_layouts(tmp_path: Path, world: int, layouts: dict) -> None:
-    cases = []
+# parallel.split_wgrad's cases: the layouts it runs on, overlapped and (ep2-alltoall) in the plain step too
+SPLIT_2 = {"ep2-alltoall": ("overlap-split", "split"), "ep2-deepseek": ("overlap-split",),
+           "ep2-allgather": ("overlap-split",), "ep2-recompute": ("overlap-split",),
+           "ep2-full-recompute": ("overlap-split",), "ep2-fp8-rowwise": ("overlap-split",)}
+SPLIT_4 = {"ep4-hierarchical": ("overlap-split",), "ep2-edp2-selective": ("overlap-split",)}
+VARIANTS = {"overlap": [OVERLAP], "overlap-split": [OVERLAP, SPLIT], "split": [SPLIT]}
+
+
+def _run_layouts(tmp_path: Path, world: int, layouts: dict, split: dict) -> None:
+    """Every layout plain and overlapped, and the split_wgrad variants `split` names, each against the plain."""
+    cases, compared = [], []
     for name, (recipe, overrides) in layouts.items():
         cases.append(case(f"{name}-plain", recipe, overrides))
-        cases.append(case(f"{name}-overlap", recipe, [*overrides, OVERLAP]))
+        for variant in ("overlap", *split.get(name, ())):
+            cases.append(case(f"{name}-{variant}", recipe, [*overrides, *VARIANTS[variant]]))
+            compared.append((name, variant))
     saved = run_ranks(
         "train_layouts", world, {"cases": cases, "run_root": str(tmp_path / f"w{world}")}, tmp_path, timeout=400
     )
-    for name in layouts:
+    for name, variant in compared:
         plain = torch.load(saved[f"{name}-plain"], weights_only=True)
-        overlapped = torch.load(saved[f"{name}-overlap"], weights_only=True)
-        assert_same_run(overlapped, plain, **EXACT)
+        assert_same_run(torch.load(saved[f"{name}-{variant}"], weights_only=True), plain, **EXACT)
 
 
 def test_the_schedule_pairs_each_backward_with_the_next_forward_taking_turns() -> None:
@@ -91,6 +104,30 @@ def test_the_schedule_pairs_each_backward_with_the_next_forward_taking_turns() -
     assert micro_batch() is None and turn_state.pair is None
 
 
+@pytest.mark.parametrize(("sets", "refused"), [
+    (["parallel.ep=2", OVERLAP], None),
+    (["parallel.ep=2"], None),  # without ep_overlap: the plain step's dispatch backward is asynchronous too
+    (["parallel.ep=2", OVERLAP, "model.moe.dispatcher=hierarchical", "launch.nodes=2"], None),
+    ([OVERLAP], "needs expert-parallel communication"),
+    (["parallel.ep=2", "model.moe.dispatcher=allgather"], None),
+    (["parallel.ep=2", "parallel.pp=2"], "pipeline parallelism"),
+    (["parallel.ep=2", "train.precision=fp8", "train.fp8.recipe=rowwise"], None),
+])
+def test_validate_refuses_split_wgrad_where_it_is_not_built_by_name(sets: list[str], refused: str | None) -> None:
+    """Accepted where built (with or without ep_overlap); refused with a line naming the field and the reason."""
+    from moe_train.config import load_recipe
+    from moe_train.config.loader import RecipeError
+
+    overrides = [*FP32, *sets, SPLIT, "launch.gpus_per_node=2"]
+    if refused is None:
+        assert load_recipe("qwen3-moe-tiny", overrides, check_files=False).parallel.split_wgrad
+        return
+    with pytest.raises(RecipeError) as error:
+        load_recipe("qwen3-moe-tiny", overrides, check_files=False)
+    lines = [line for line in str(error.value).splitlines() if "parallel.split_wgrad: " in line]
+    assert len(lines) == 1 and refused in lines[0], str(error.value)
+
+
 def test_an_error_in_the_forward_half_is_raised_by_the_step() -> None:
     def forward(index: int) -> int:
         if index == 1:
@@ -103,12 +140,12 @@ def test_an_error_in_the_forward_half_is_raised_by_the_step() -> None:
 
 @pytest.mark.slow
 def test_overlapped_pairs_equal_the_plain_step_on_two_ranks(tmp_path: Path) -> None:
-    _run_layouts(tmp_path, 2, LAYOUTS_2)
+    _run_layouts(tmp_path, 2, LAYOUTS_2, SPLIT_2)
 
 
 @pytest.mark.slow
 def test_overlapped_pairs_equal_the_plain_step_on_four_ranks(tmp_path: Path) -> None:
-    _run_layouts(tmp_path, 4, LAYOUTS_4)
+    _run_layouts(tmp_path, 4, LAYOUTS_4, SPLIT_4)
 
 
 def overlapped_comms(events: list[list]) -> tuple[int, int]:
@@ -137,8 +174,11 @@ def test_each_dispatch_and_combine_runs_beside_a_compute_phase_of_the_paired_mic
     a compute phase (attention or experts, forward or backward) of the other, for as long as the other has one
     left. The plain step in the same job records no pair at all, and its collectives wait their whole time."""
     overrides = [*FP32, "parallel.ep=2"]
-    cases = [case("overlap", "qwen3-moe-tiny", [*overrides, OVERLAP]), case("plain", "qwen3-moe-tiny", overrides)]
+    cases = [case("overlap", "qwen3-moe-tiny", [*overrides, OVERLAP]), case("plain", "qwen3-moe-tiny", overrides),
+             case("split", "qwen3-moe-tiny", [*overrides, OVERLAP, SPLIT])]
     result = run_ranks("overlap_order", 2, {"cases": cases, "run_root": str(tmp_path / "order")}, tmp_path, timeout=300)
+    _check_delayed_weight_gradients(result["split"]["events"], micro_batches=4, moe_layers=2)
+    assert not [e for e in events_of(result, "overlap") if e[0] == "wgrad"]  # split_wgrad off: no queue runs
     events = result["overlap"]["events"]
     checked, hidden = overlapped_comms(events)
     # per pair at least the forward half's 2 layers x (dispatch + combine), which the backward half outlasts
@@ -154,6 +194,49 @@ def test_each_dispatch_and_combine_runs_beside_a_compute_phase_of_the_paired_mic
         assert kind.endswith("/all_to_all"), times
         assert ep["count"] > 0 and 0 < ep["waited_s"] <= ep["own_s"]
         assert ep["exposed_fraction"] == pytest.approx(ep["waited_s"] / ep["own_s"])
+
+
+def events_of(result: dict, layout: str) -> list[list]:
+    return result[layout]["events"]
+
+
+def delayed_weight_gradients(events: list[list]) -> list[tuple[int, bool]]:
+    """Per run of a layer's delayed weight gradients (a `wgrad` event): (its micro-batch, whether it ran inside
+    that layer's dispatch-backward collective: after the layer's experts' backward began, the micro-batch's
+    events since are only collectives issued (none waited on), and its next event is the hand-over or the wait
+    of those collectives)."""
+    runs = []
+    for index, (event, _kind, micro, _partner) in enumerate(events):
+        if event != "wgrad":
+            continue
+        before = [e for e in events[:index] if e[2] == micro]
+        experts = max(i for i, e in enumerate(before) if e[:2] == ["compute", "experts.bwd"])
+        since = [e[0] for e in before[experts + 1:]]
+        after = next((e[0] for e in events[index + 1:] if e[2] == micro), None)
+        runs.append((micro, bool(since) and set(since) == {"issue"} and after in ("hand_over", "wait")))
+    return runs
+
+
+def test_the_order_check_fails_a_queue_run_outside_the_dispatch_collective() -> None:
+    """The check above on recorded orders: the queue run between the dispatch-backward collective's issue and its
+    hand-over passes; run in the experts' backward (nothing issued yet), after the wait, or at the end of the
+    backward, it fails."""
+    layer = [["compute", "experts.bwd", 0, 1], ["issue", "all_to_all", 0, 1], ["issue", "all_to_all", 0, 1]]
+    settle = [["hand_over", "all_to_all", 0, 1], ["wait", "all_to_all", 0, 1], ["done", "all_to_all", 0, 1]]
+    rest = [["compute", "self_attn.bwd", 0, 1], ["issue", "all_to_all", 0, 1], ["hand_over", "all_to_all", 0, 1]]
+    wgrad = ["wgrad", "experts", 0, 1]
+    assert delayed_weight_gradients([*layer, wgrad, *settle, *rest]) == [(0, True)]
+    assert delayed_weight_gradients([layer[0], wgrad, *layer[1:], *settle, *rest]) == [(0, False)]
+    assert delayed_weight_gradients([*layer, *settle, wgrad, *rest]) == [(0, False)]
+    assert delayed_weight_gradients([*layer, *settle, *rest, wgrad, ["done", "all_to_all", 0, 1]]) == [(0, False)]
+
+
+def _check_delayed_weight_gradients(events: list[list], *, micro_batches: int, moe_layers: int) -> None:
+    """split_wgrad: each micro-batch's backward runs every MoE layer's queue once, each inside the layer's dispatch-
+    backward collective (between its issue and its wait)."""
+    runs = delayed_weight_gradients(events)
+    assert sorted(micro for micro, _ in runs) == sorted(list(range(micro_batches)) * moe_layers), events
+    assert all(inside for _, inside in runs), runs
 
 
 @pytest.mark.slow

@@ -122,6 +122,46 @@ def test_ep_overlap_changes_only_the_hidden_time() -> None:
     assert overlapped["exposed_comm"]["ep/all_to_all"]["exposed_fraction"] == pytest.approx(1 / m)
 
 
+SPLIT = "parallel.split_wgrad=true"
+
+
+def test_delayed_weight_gradients_hide_each_backwards_dispatch_half() -> None:
+    """split_wgrad: every backward (paired or not) hides min(its dispatch half, its delayed weight gradients'
+    seconds) of its EP communication; the forwards' hide only behind a partner, as before; in a pair at most the
+    whole phase. Without pairs (M = 1, or ep_overlap off) that is all that hides."""
+    forward, backward, m = 2.0, 4.0, 4  # one layer's EP seconds per step in the forwards and the backwards
+    half = backward / m / 2
+    for overlapped, wgrad in itertools.product((False, True), (0.0, half / 4, half, 10.0)):
+        phases = PairedPhases(micro_batches=m, overlapped=overlapped, forward_compute_s=0.1,
+                              backward_compute_s=0.1, delayed_wgrad_s=wgrad)
+        plain = PairedPhases(micro_batches=m, overlapped=overlapped, forward_compute_s=0.1, backward_compute_s=0.1)
+        (f, b), (f0, b0) = phases.hidden_shares(forward, backward), plain.hidden_shares(forward, backward)
+        fill = min(half, wgrad)
+        pairs = m - 1 if overlapped else 0
+        assert f == f0
+        assert b * backward == pytest.approx(pairs * min(backward / m, 0.1 + fill) + (m - pairs) * fill, rel=1e-12)
+        assert b0 <= b <= 1.0
+    lone = PairedPhases(micro_batches=1, overlapped=True, forward_compute_s=9.0, backward_compute_s=9.0,
+                        delayed_wgrad_s=9.0)
+    assert lone.hidden_shares(forward, backward) == (0.0, 0.5)  # B0 alone: its dispatch half behind its dW
+
+
+def test_split_wgrad_prices_the_experts_weight_gradients() -> None:
+    """In the plan: the delayed weight gradients are the routed experts' forward grouped-GEMM seconds of one
+    MoE layer; split_wgrad moves no byte and no FLOP, and hides more with ep_overlap than without, and some
+    without it (the cool-down's and the plain step's backwards too)."""
+    plain, split = _plan(QWEN), _plan(QWEN, SPLIT)
+    both, overlapped = _plan(QWEN, OVERLAP, SPLIT), _plan(QWEN, OVERLAP)
+    assert plain.ep_phases.delayed_wgrad_s == 0.0
+    assert split.ep_phases.delayed_wgrad_s > 0.0 and not check_recipe(split.recipe, check_files=False)
+    plain_json, split_json = plan_json(plain), plan_json(split)
+    for key in ("memory_bytes", "flops", "comm_bytes", "activation_bytes_per_layer"):
+        assert split_json[key] == plain_json[key], key
+    assert plain.time["ep_comm_hidden"] == 0.0 < split.time["ep_comm_hidden"]
+    assert overlapped.time["ep_comm_hidden"] < both.time["ep_comm_hidden"]
+    assert both.time["step"] < overlapped.time["step"]
+
+
 def test_communication_beyond_the_partners_compute_stays_exposed() -> None:
     """EP32 across 4 H100 nodes with the all-to-all dispatcher: a MoE layer's exchange outlasts the partner's
     compute, so each pair hides exactly the partner's compute (the plan's PairedPhases) and the exposed

@@ -299,8 +299,7 @@ def _overlap(r: Recipe) -> list[Problem]:
     """parallel.ep_overlap's combinations not built (docs/parallel.md, "Overlapped micro-batches")."""
     p, out = r.parallel, []
     if p.split_wgrad:
-        out.append(_p("parallel.split_wgrad", "delayed expert weight gradients are not built yet: ep_overlap "
-                      "overlaps the dispatch and combine without them (set it false)"))
+        out.extend(_split_wgrad(r))
     if not p.ep_overlap:
         return out
     if r.model.moe is None or p.ep * p.etp == 1:
@@ -314,6 +313,21 @@ def _overlap(r: Recipe) -> list[Problem]:
         out.append(_p("parallel.ep_overlap", "with pipeline parallelism (pp > 1) is not built yet: the overlapped "
                       "pairs are micro-batches of one rank's step (pp = 1); torch's pipeline schedules run each "
                       "stage's forward and backward one after the other"))
+    return out
+
+
+def _split_wgrad(r: Recipe) -> list[Problem]:
+    """parallel.split_wgrad's combinations not built. With or without ep_overlap: the dispatch's backward
+    collective is asynchronous in every step, so the delayed weight gradients fill it in the plain step too."""
+    p, m = r.parallel, r.model
+    field = "parallel.split_wgrad"
+    if m.moe is None or p.ep * p.etp == 1:
+        return [_p(field, "needs expert-parallel communication to hide the experts' weight gradients behind: a "
+                   "MoE model with ep > 1")]
+    out = []
+    if p.pp > 1:
+        out.append(_p(field, "with pipeline parallelism (pp > 1) is not built yet: torch's pipeline schedules "
+                      "split weight gradients their own way (zero_bubble)"))
     return out
 
 
@@ -616,7 +630,7 @@ RULES: tuple[Rule, ...] = (
     Rule(_moe, reads=("model", "parallel")),
     Rule(_layout, reads=("model", "parallel", "train", "launch")),
     Rule(_pipeline, reads=("model", "parallel")),
-    Rule(_overlap, reads=("model", "parallel")),
+    Rule(_overlap, reads=("model", "parallel", "train")),
     Rule(_recompute, reads=("model", "parallel")),
     Rule(_offload, reads=("model", "parallel")),
     Rule(_batch, reads=("train", "parallel", "launch")),

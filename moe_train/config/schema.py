@@ -235,8 +235,9 @@ class ParallelConfig(Section):
         "combine of one runs while the other computes (parallel/overlap.py). The same numbers bit for bit."
     )
     split_wgrad: bool = Field(
-        False, description="With ep_overlap: the experts' weight gradients delayed to fill the combine's "
-        "backward (Megatron-Core's --delay-wgrad-compute). Not built yet: validate refuses true."
+        False, description="The routed experts' weight gradients delayed to run while the dispatch's backward "
+        "all-to-all is in flight (Megatron-Core's --delay-wgrad-compute; models/moe/deferred_wgrad.py), with or "
+        "without ep_overlap. The same numbers bit for bit. Needs ep > 1 and pp = 1."
     )
     recompute: RecomputeConfig = RecomputeConfig()
     offload: OffloadConfig = OffloadConfig()

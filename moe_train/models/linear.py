@@ -77,6 +77,29 @@ def batched_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x, weight.transpose(-2, -1))
 
 
+# The input and weight gradients of `grouped_mm` and `batched_mm` (compute dtype), written as their autograd
+# formulas compute them (the same kernels on the same operands, so bit for bit: tests/test_deferred_wgrad.py), for
+# the routed experts' delayed weight gradients (models/moe/deferred_wgrad.py), which take the two apart.
+def grouped_mm_input_grad(grad: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """grad [N, out] @ weight [E, out, in] per expert -> [N, in]."""
+    return torch._grouped_mm(grad, weight, offs=offsets)
+
+
+def grouped_mm_weight_grad(grad: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Expert e's grad_e^T @ rows_e -> [E, out, in], summed over its own rows."""
+    return torch._grouped_mm(grad.t(), rows, offs=offsets)
+
+
+def batched_mm_input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """grad [E, rows, out] @ weight [E, out, in] -> [E, rows, in]."""
+    return torch.bmm(grad, weight)
+
+
+def batched_mm_weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """(x [E, rows, in]^T @ grad [E, rows, out])^T -> [E, out, in], summed over the rows."""
+    return torch.bmm(x.transpose(1, 2), grad).transpose(1, 2)
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state-dict names) whose product runs through `linear`; `fp8` (a class
     default of None, set per module by models/fp8/select.py) is what its GEMMs run in fp8 with."""

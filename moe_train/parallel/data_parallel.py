@@ -59,6 +59,8 @@ def apply_fsdp(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> None
     for block in blocks:
         if block.is_moe and apart:
             fully_shard(block.mlp.experts, mesh=expert, **options)
+            if block.mlp.experts.deferred_wgrad is not None:
+                _post_backward_after_delayed_grads(block.mlp.experts)
         fully_shard(block, mesh=dense, **options)
     for module in model.mtp.values():  # its projection and norms around the block
         fully_shard(module, mesh=dense, **options)
@@ -69,6 +71,22 @@ def apply_fsdp(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> None
             module.set_force_sum_reduction_for_comms(True)
     if dense.size() > 1:  # one shard: nothing to gather, so prefetching only holds the next block earlier
         _prefetch_one_block_ahead([_units(block, apart) for block in blocks])
+
+
+def _post_backward_after_delayed_grads(experts: FSDPModule) -> None:
+    """`parallel.split_wgrad`: the experts unit's post-backward (its gradients' reduce-scatter, or their fp32
+    accumulation) fires once the experts' inputs have their gradients, before the dispatch's backward runs the
+    delayed weight gradients; it waits for them (models/moe/deferred_wgrad.py `hold`). FSDP2 calls the param
+    group's post_backward by attribute from its hook and its end-of-backward callback, which skips a group
+    already past it; torch's own pipelining calls it directly for the same reason (weights split from inputs)."""
+    group = experts._get_fsdp_state()._fsdp_param_group
+    post_backward = group.post_backward
+
+    def after_delayed_grads(*grads: torch.Tensor) -> None:
+        if not experts.deferred_wgrad.hold(lambda: post_backward(*grads)):
+            post_backward(*grads)
+
+    group.post_backward = after_delayed_grads
 
 
 def _units(block: nn.Module, apart: bool) -> list[FSDPModule]:

@@ -8,8 +8,9 @@ partial outputs are summed by the allgather dispatcher's reduce-scatter over the
 The expert stacks become DTensors over the expert mesh's (ep, etp) dimensions (dim 0, the expert index, over
 ep), so checkpoints keep the full [E, ...] shapes and reshard; FSDP2 then shards each rank's experts further
 over edp (data_parallel.py). The router stays replicated: every rank routes its own tokens over all experts.
-Each MoE layer is also handed the groups its balancing losses count over. At ep = etp = 1 the experts stay
-whole and either dispatcher exchanges nothing.
+Each MoE layer is also handed the groups its balancing losses count over, and under `parallel.split_wgrad` one
+queue its experts' delayed weight gradients wait in and its dispatcher runs (models/moe/deferred_wgrad.py).
+At ep = etp = 1 the experts stay whole and either dispatcher exchanges nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from moe_train.config.mesh_shape import dispatch_node_ranks, ep_node_split_problem, ep_split
 from moe_train.models.moe import MoELayer
+from moe_train.models.moe.deferred_wgrad import DeferredWeightGrads
 from moe_train.models.moe.dispatcher import dispatcher_for
 
 if TYPE_CHECKING:
@@ -49,6 +51,8 @@ def apply_expert_parallel(model: Transformer, recipe: Recipe, ctx: ParallelConte
         module.balance_group = ctx.group("dp")
         if sharded:
             _shard_experts(module.experts, ctx)
+        if recipe.parallel.split_wgrad:  # validate: EP communication, pp 1
+            module.experts.deferred_wgrad = module.dispatcher.deferred_wgrad = DeferredWeightGrads()
 
 
 def node_split(ctx: ParallelContext, *, node_ranks: int):

@@ -527,13 +527,19 @@ def paired_phases(recipe: Recipe, layout: PlanLayout, work: MoeLayerWork | None,
                   a: Assumptions) -> PairedPhases | None:
     """What one MoE layer's EP communication hides behind under the recipe's `parallel.ep_overlap`: one MoE
     layer's compute and memory-bound seconds in a micro-batch's forward (a third of its memory-bound traffic:
-    each saved byte written and read forward, its gradient and the re-reads backward) and backward."""
+    each saved byte written and read forward, its gradient and the re-reads backward) and backward; under
+    `parallel.split_wgrad` its routed experts' weight-gradient seconds (plan/overlap.py)."""
     if work is None:
         return None
     elementwise = work.elementwise_bytes / hw.hbm_bytes_per_s
+    # split_wgrad: the routed experts' weight gradients, their forward's grouped GEMMs again; in fp8 too at the
+    # compute dtype's rate (the experts' fp8 weight gradient runs emulated everywhere: models/fp8/gemm.py)
+    delayed = work.forward.get("grouped_gemm", 0.0) + work.forward.get("fp8_grouped_gemm", 0.0)
+    delayed = delayed if recipe.parallel.split_wgrad else 0.0
     return PairedPhases(micro_batches=layout.micro_batches, overlapped=recipe.parallel.ep_overlap,
                         forward_compute_s=_compute_seconds(work.forward, hw, a) + elementwise / 3,
-                        backward_compute_s=_compute_seconds(work.backward, hw, a) + 2 * elementwise / 3)
+                        backward_compute_s=_compute_seconds(work.backward, hw, a) + 2 * elementwise / 3,
+                        delayed_wgrad_s=_compute_seconds({"grouped_gemm": delayed}, hw, a))
 
 
 def _exposed_comm(plan_rank: RankPlan, phases: PairedPhases | None, layout: PlanLayout, hw: Hardware,

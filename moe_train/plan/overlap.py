@@ -14,6 +14,13 @@ segment of the partner's layer (its attention and router, or its experts) and a 
 half that ends first leaves the other's last collectives exposed; the model does not split the layer into
 those segments. All MoE layers of a rank are alike (forced even routing), so one layer's figures stand for all.
 
+`parallel.split_wgrad` (models/moe/deferred_wgrad.py) runs the routed experts' weight gradients (their forward's
+grouped-GEMM FLOPs again) while the layer's dispatch-backward all-to-all is in flight, in every backward, paired
+or not (the cool-down's, and without ep_overlap every one). That collective is taken as half of the layer's
+backward EP communication (the combine's backward moves the same rows the other way; the dispatch's also carries
+the routing weights' 4 bytes a row): each backward phase hides min(its dispatch half, the delayed weight
+gradients' seconds) behind them, and in a pair at most the whole phase behind those and the partner's compute.
+
 No torch: the planner runs on the login node.
 """
 
@@ -53,6 +60,7 @@ class PairedPhases:
     overlapped: bool
     forward_compute_s: float
     backward_compute_s: float
+    delayed_wgrad_s: float = 0.0  # split_wgrad: one MoE layer's expert weight gradients in one backward; 0 off
 
     @property
     def pairs(self) -> int:
@@ -62,16 +70,24 @@ class PairedPhases:
     def hidden_shares(self, forward_s: float, backward_s: float) -> tuple[float, float]:
         """(share of `forward_s`, share of `backward_s` hidden): one layer's EP seconds per step in the forward
         phases and in the backward phases, over all M micro-batches. A forward's communication hides behind the
-        partner's backward compute and the reverse, at most that compute, in the pairs only."""
+        partner's backward compute and the reverse, at most that compute, in the pairs only; with split_wgrad a
+        backward's dispatch half also behind its own delayed weight gradients, in every backward."""
         m = self.micro_batches
-        if self.pairs == 0:
+        if self.pairs == 0 and self.delayed_wgrad_s == 0:
             return 0.0, 0.0
 
-        def share(comm: float, partner: float) -> float:
+        def share(comm: float, partner: float, own: float) -> float:
+            """Of `comm` (over the M phases): each phase's part behind `own` (every phase) and, paired, behind
+            the partner's compute too."""
+            if comm <= 0:
+                return 0.0
             per_phase = comm / m
-            return self.pairs * min(per_phase, partner) / comm if comm > 0 else 0.0
+            paired = min(per_phase, partner + own)
+            return (self.pairs * paired + (m - self.pairs) * own) / comm
 
-        return share(forward_s, self.backward_compute_s), share(backward_s, self.forward_compute_s)
+        fill = min(backward_s / m / 2, self.delayed_wgrad_s)  # a backward's dispatch half behind its weight grads
+        return (share(forward_s, self.backward_compute_s, 0.0),
+                share(backward_s, self.forward_compute_s, fill))
 
     def hidden_s(self, forward_s: float, backward_s: float) -> float:
         """Seconds hidden of one layer's EP communication per step (forward and backward phases' seconds)."""

@@ -122,7 +122,10 @@ def layouts(recipe: Recipe, *, nvlink_domain: int | None = None) -> list[dict]:
         if m.moe is None:
             out.append(base)
             continue
-        out += [{**base, "model.moe.dispatcher": name}
+        # the recipe's delayed expert weight gradients where the engine builds them (config/rules.py)
+        out += [{**base, "model.moe.dispatcher": name,
+                 **({"parallel.split_wgrad": pp == 1 and ep * etp > 1}
+                    if recipe.parallel.split_wgrad else {})}
                 for name in dispatchers(recipe, ep=ep, etp=etp, nvlink_domain=domain)]
     return out
 

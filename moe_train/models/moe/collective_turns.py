@@ -103,16 +103,19 @@ def run_collective(kind: str, issue: Callable[[], dist.Work], *, group: dist.Pro
 
 
 @contextlib.contextmanager
-def issued_together() -> Iterator[None]:
+def issued_together(*, beside: Callable[[], None] | None = None) -> Iterator[None]:
     """Collectives issued inside are waited on together at the end: one hand-over for a dispatch's rows and
-    their routing weights (which no compute separates)."""
-    outer = getattr(turn_state, "batch", None)
-    turn_state.batch = []
+    their routing weights (which no compute separates). `beside`: compute that runs once they are issued, before
+    the hand-over and the wait (the experts' delayed weight gradients, `parallel.split_wgrad`)."""
+    outer, outer_beside = getattr(turn_state, "batch", None), getattr(turn_state, "beside", False)
+    turn_state.batch, turn_state.beside = [], beside is not None
     try:
         yield
         batch = turn_state.batch
     finally:
-        turn_state.batch = outer
+        turn_state.batch, turn_state.beside = outer, outer_beside
+    if beside is not None:
+        beside()
     _settle(batch)
 
 
@@ -121,7 +124,8 @@ def _issue(kind: str, issue: Callable[[], dist.Work], group: dist.ProcessGroup) 
     issued.work = issue()
     issued.issue_s = time.perf_counter() - issued.issued
     future = getattr(issued.work, "get_future", None)
-    if future is not None and turn_state_pair() is not None:
+    # the completion time where compute runs between the issue and the wait: the paired half's, or `beside`'s
+    if future is not None and (turn_state_pair() is not None or getattr(turn_state, "beside", False)):
         with contextlib.suppress(RuntimeError):  # a backend without futures: completion is the wait's end
             future().add_done_callback(lambda _: issued.done.append(time.perf_counter()))
     record("issue", kind)

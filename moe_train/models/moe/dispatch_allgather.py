@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from moe_train.models.moe.deferred_wgrad import DeferredWeightGrads
 from moe_train.models.moe.dispatch_collectives import all_gather_rows, reduce_scatter_rows
 from moe_train.models.moe.expert_group import ExpertShard
 from moe_train.models.moe.permute import Permutation, permute, scatter_sum, slot_sum, unpermute
@@ -57,6 +58,9 @@ class AllGatherDispatcher:
         self.shard = ExpertShard.of(num_experts=num_experts, group=group, expert_tp_size=expert_tp_size)
         self.num_experts = num_experts
         self.num_local_experts = self.shard.num_local_experts
+        # parallel.split_wgrad: the experts' delayed weight gradients, run by the first of the dispatch's backward
+        # reduce-scatters (the hidden states' or the routing weights', whichever autograd reaches first)
+        self.deferred_wgrad: DeferredWeightGrads | None = None
 
     def dispatch(
         self,
@@ -99,9 +103,9 @@ class AllGatherDispatcher:
         routing = F.pad(routing, (0, 0, 0, max_tokens - tokens), value=-1)
         routing = all_gather_rows(routing, group=shard.group)
         hidden = F.pad(hidden, (0, 0, 0, max_tokens - tokens))
-        hidden = all_gather_rows(hidden, group=shard.group)
+        hidden = all_gather_rows(hidden, group=shard.group, beside=self.deferred_wgrad)
         weights = F.pad(topk_weights, (0, 0, 0, max_tokens - tokens))
-        weights = all_gather_rows(weights, group=shard.group)
+        weights = all_gather_rows(weights, group=shard.group, beside=self.deferred_wgrad)
         local = routing - shard.first_expert
         is_local = (local >= 0) & (local < self.num_local_experts)
         rows, probs, counts, permutation = permute(

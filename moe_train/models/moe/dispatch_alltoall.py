@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moe_train.models.moe.deferred_wgrad import DeferredWeightGrads
 from moe_train.models.moe.dispatch_collectives import all_to_all_rows, all_to_all_together
 from moe_train.models.moe.expert_group import ExpertShard
 from moe_train.models.moe.permute import Permutation, permute, slot_sum, unpermute
@@ -52,6 +53,8 @@ class AllToAllDispatcher:
         self.shard = ExpertShard.of(num_experts=num_experts, group=group)
         self.num_experts = num_experts
         self.num_local_experts = self.shard.num_local_experts
+        # parallel.split_wgrad: the experts' delayed weight gradients, run in the dispatch's backward collective
+        self.deferred_wgrad: DeferredWeightGrads | None = None
 
     def dispatch(
         self,
@@ -106,6 +109,7 @@ class AllToAllDispatcher:
         )
         arrived, probs = all_to_all_together(  # one wait for both, forward and backward (ep_overlap)
             [rows, probs], send_splits=send_splits, recv_splits=recv_splits, group=shard.group,
+            beside=self.deferred_wgrad,
         )
         if self.num_local_experts == 1:
             local_order = None  # one local expert: source-major order already is expert-major

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from moe_train.models.moe.collective_turns import issued_together, run_collective
+from moe_train.models.moe.deferred_wgrad import DeferredWeightGrads
 
 
 def all_to_all_rows(
@@ -37,16 +38,21 @@ def all_to_all_together(
     send_splits: list[int],
     recv_splits: list[int],
     group: ProcessGroup,
+    beside: DeferredWeightGrads | None = None,
 ) -> list[torch.Tensor]:
     """Several row tensors with the same splits (a dispatch's rows, their expert ids, their routing weights),
     issued together and waited on together, in forward and in backward: one wait, so
-    under `parallel.ep_overlap` the paired micro-batch's compute runs beside all of them at once."""
-    return list(_AllToAllTogether.apply(send_splits, recv_splits, group, *tensors))
+    under `parallel.ep_overlap` the paired micro-batch's compute runs beside all of them at once. `beside`: the
+    experts' delayed weight gradients (`parallel.split_wgrad`), run once the backward's collectives are issued
+    and before they are waited on."""
+    return list(_AllToAllTogether.apply(send_splits, recv_splits, group, beside, *tensors))
 
 
-def all_gather_rows(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
-    """x [n, ...] from each rank -> [G*n, ...] in rank order (every rank must pass the same n)."""
-    return _AllGather.apply(x, group)
+def all_gather_rows(x: torch.Tensor, *, group: ProcessGroup, beside: DeferredWeightGrads | None = None
+                    ) -> torch.Tensor:
+    """x [n, ...] from each rank -> [G*n, ...] in rank order (every rank must pass the same n). `beside`: as
+    `all_to_all_together`'s, run by the backward's reduce-scatter."""
+    return _AllGather.apply(x, group, beside)
 
 
 def reduce_scatter_rows(x: torch.Tensor, *, group: ProcessGroup) -> torch.Tensor:
@@ -93,8 +99,8 @@ class _AllToAll(torch.autograd.Function):
 
 class _AllToAllTogether(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, send_splits, recv_splits, group, *tensors):
-        ctx.splits, ctx.group = (send_splits, recv_splits), group
+    def forward(ctx, send_splits, recv_splits, group, beside, *tensors):
+        ctx.splits, ctx.group, ctx.beside = (send_splits, recv_splits), group, beside
         ctx.set_materialize_grads(False)  # an output without a gradient sends nothing back, as on its own
         with issued_together():
             outs = [_all_to_all(t, send_splits, recv_splits, group) for t in tensors]
@@ -104,20 +110,23 @@ class _AllToAllTogether(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         send_splits, recv_splits = ctx.splits
-        with issued_together():  # which outputs have gradients is the graph's, the same on every rank
+        beside = None if ctx.beside is None else ctx.beside.run
+        with issued_together(beside=beside):  # which outputs have gradients is the graph's, the same on every rank
             back = [None if grad is None else _all_to_all(grad, recv_splits, send_splits, ctx.group) for grad in grads]
-        return None, None, None, *back
+        return None, None, None, None, *back
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, beside):
+        ctx.group, ctx.beside = group, beside
         return _all_gather(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.group), None
+        with issued_together(beside=None if ctx.beside is None else ctx.beside.run):
+            out = _reduce_scatter(grad, ctx.group)
+        return out, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from moe_train.config.routing_shapes import ForcedRouting
+from moe_train.models.moe.deferred_wgrad import DeferredWeightGrads
 from moe_train.models.moe.dispatch_alltoall import AllToAllDispatcher, AllToAllPlan
 from moe_train.models.moe.dispatch_collectives import all_to_all_rows, all_to_all_together
 from moe_train.models.moe.permute import scatter_sum
@@ -66,6 +67,16 @@ class HierarchicalDispatcher:
         self.num_experts = num_experts
         self.num_local_experts = self.inner.num_local_experts
         self.forced: ForcedRouting | None = None  # measure's forced routing over the nodes (set_even_routing)
+
+    @property
+    def deferred_wgrad(self) -> DeferredWeightGrads | None:
+        """parallel.split_wgrad's queue: run by the first dispatch collective of the backward, the node's (or,
+        with one rank a node, the network's)."""
+        return self.inner.deferred_wgrad
+
+    @deferred_wgrad.setter
+    def deferred_wgrad(self, queue: DeferredWeightGrads | None) -> None:
+        self.inner.deferred_wgrad = queue
 
     def dispatch(
         self,
@@ -115,6 +126,7 @@ class HierarchicalDispatcher:
         if self.node_group is not None:
             rows, ids, weights = all_to_all_together(  # one wait for the three, forward and backward (ep_overlap)
                 [rows, ids, weights], send_splits=send_splits, recv_splits=recv_splits, group=self.node_group,
+                beside=self.deferred_wgrad,
             )
         out, probs, counts, plan = self.inner.dispatch(rows, ids.clamp(min=0), weights, keep=ids >= 0, **inner)
         return out, probs, counts, HierarchicalPlan(token_ids, send_splits, recv_splits, plan, tokens)

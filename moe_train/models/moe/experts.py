@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from moe_train.kernels import kernels_for
 from moe_train.models.fp8.gemm import Fp8Gemm
 from moe_train.models.linear import batched_mm, expert_offsets, grouped_mm, linear
+from moe_train.models.moe.deferred_wgrad import DeferredWeightGrads
 from moe_train.models.moe.weighted_swiglu import weighted_swiglu
 
 _GROUPED_MM_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -91,6 +92,9 @@ class GroupedExperts(nn.Module):
         self.use_grouped_mm = True
         self.expert_ids: tuple[int, ...] | None = None  # the expert each row (slot) holds; None: row e is expert e
         self.fp8: Fp8Gemm | None = None  # set by models/fp8/select.py when the routed experts run in fp8
+        # parallel.split_wgrad (set by parallel/expert.py): the GEMMs' weight gradients (fp8 ones too) wait for
+        # the dispatch's backward collective (deferred_wgrad.py)
+        self.deferred_wgrad: DeferredWeightGrads | None = None
 
     def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, *, probs: torch.Tensor,
                 capacity: int | None = None) -> torch.Tensor:
@@ -129,9 +133,11 @@ class GroupedExperts(nn.Module):
     def _grouped(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         gate_proj, up_proj, down_proj = self.local_weights()
         offsets = expert_offsets(tokens_per_expert)
-        gate = grouped_mm(rows, gate_proj, offsets, fp8=self.fp8)
-        up = grouped_mm(rows, up_proj, offsets, fp8=self.fp8)
-        out = grouped_mm(self.activation(gate, up, probs), down_proj, offsets, fp8=self.fp8)
+        delayed = self.deferred_wgrad
+        product = (lambda x, w: grouped_mm(x, w, offsets, fp8=self.fp8)) if delayed is None else (
+            lambda x, w: delayed.gemm("grouped", x, w, offsets, fp8=self.fp8))
+        gate, up = product(rows, gate_proj), product(rows, up_proj)
+        out = product(self.activation(gate, up, probs), down_proj)
         if out.requires_grad:  # its backward rejects stride-0 gradients, which an out.sum() downstream gives
             out.register_hook(torch.Tensor.contiguous)
         return out
@@ -152,8 +158,10 @@ class GroupedExperts(nn.Module):
         padded = rows.new_zeros(experts * capacity, rows.shape[1]).index_copy(0, slot, rows)
         padded = padded.view(experts, capacity, rows.shape[1])
         padded_probs = probs.new_zeros(experts * capacity, 1).index_copy(0, slot, probs).view(experts, capacity, 1)
-        hidden = self.activation(batched_mm(padded, gate_proj), batched_mm(padded, up_proj), padded_probs)
-        out = batched_mm(hidden, down_proj)
+        delayed = self.deferred_wgrad  # no fp8 here (forward)
+        product = batched_mm if delayed is None else lambda x, w: delayed.gemm("batched", x, w)
+        hidden = self.activation(product(padded, gate_proj), product(padded, up_proj), padded_probs)
+        out = product(hidden, down_proj)
         return out.reshape(experts * capacity, -1).index_select(0, slot)
 
     @torch.compiler.disable  # compiled, each expert's data-dependent rows would be a graph break of its own
@@ -164,7 +172,10 @@ class GroupedExperts(nn.Module):
         counts = tokens_per_expert.tolist()
         chunks, chunk_probs = torch.split(rows, counts), torch.split(probs, counts)
         weights = zip(*(w.unbind(0) for w in self.local_weights()), strict=True)
+        delayed = self.deferred_wgrad
+        product = (lambda x, w: linear(x, w, fp8=self.fp8)) if delayed is None else (
+            lambda x, w: delayed.gemm("linear", x, w, fp8=self.fp8))
         for chunk, p, (gate_proj, up_proj, down_proj) in zip(chunks, chunk_probs, weights, strict=True):
-            gate, up = linear(chunk, gate_proj, fp8=self.fp8), linear(chunk, up_proj, fp8=self.fp8)
-            outputs.append(linear(self.activation(gate, up, p), down_proj, fp8=self.fp8))
+            gate, up = product(chunk, gate_proj), product(chunk, up_proj)
+            outputs.append(product(self.activation(gate, up, p), down_proj))
         return torch.cat(outputs)
