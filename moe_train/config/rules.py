@@ -132,14 +132,16 @@ def _model(r: Recipe) -> list[Problem]:
     return out
 
 
-# Every mesh dimension but the data-parallel ones (FSDP shards gpt-oss's parameters as any others).
-GPT_OSS_LAYOUTS = tuple(dict.fromkeys(d for d in DENSE_DIMS + EXPERT_DIMS if d not in ("dp", "edp")))
+# Every mesh dimension but the data-parallel ones (FSDP shards gpt-oss's parameters as any others) and ep (its
+# expert biases shard with the experts: parallel/expert.py).
+GPT_OSS_LAYOUTS = tuple(d for d in dict.fromkeys(DENSE_DIMS + EXPERT_DIMS) if not d.endswith("dp") and d != "ep")
 
 
 def _gpt_oss(r: Recipe) -> list[Problem]:
-    """gpt-oss's own fields, and what is not built for it: tensor, context, expert and pipeline parallelism
-    (row-parallel o_proj and expert biases, sharded sinks, a windowed ring are not built), packed documents on
-    CUDA (its sinks and windows take an additive mask, not FlexAttention's block mask: moe_train/kernels.py)."""
+    """gpt-oss's own fields, and what is not built for it: tensor, context, expert-tensor and pipeline
+    parallelism (the row-parallel o_proj and down biases, sharded sinks, a windowed ring are not built), packed
+    documents on CUDA (its sinks and windows take an additive mask, not FlexAttention's block mask:
+    moe_train/kernels.py)."""
     m, p, out = r.model, r.parallel, []
     moe = m.moe
     if m.family != "gpt_oss":
