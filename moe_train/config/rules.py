@@ -134,7 +134,8 @@ def _model(r: Recipe) -> list[Problem]:
 
 # Every mesh dimension but the data-parallel ones (FSDP shards gpt-oss's parameters as any others) and ep (its
 # expert biases shard with the experts: parallel/expert.py).
-GPT_OSS_LAYOUTS = tuple(d for d in dict.fromkeys(DENSE_DIMS + EXPERT_DIMS) if not d.endswith("dp") and d != "ep")
+GPT_OSS_LAYOUTS = tuple(d for d in dict.fromkeys(DENSE_DIMS + EXPERT_DIMS) if not d.endswith("dp")
+                        and d not in ("ep", "tp"))
 
 
 def _gpt_oss(r: Recipe) -> list[Problem]:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.tensor import DTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask
 
@@ -216,6 +217,7 @@ class Attention(nn.Module):
         k = apply_rotary(k.transpose(1, 2), cos, sin)
         if self.measures_max_logits and self.training:
             track_max_logits(self, head_max_logits(q, k, mask, self.head_dim**-0.5))
-        extra = {} if self.window is None and self.sinks is None else {"window": self.window, "sinks": self.sinks}
+        sinks = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks  # tp: this rank's heads
+        extra = {} if self.window is None and sinks is None else {"window": self.window, "sinks": sinks}
         out = self.core_attention(q, k, v, mask, enable_gqa=q.shape[1] != k.shape[1], **extra)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))

@@ -169,8 +169,8 @@ def block_tensors(m: ModelConfig, *, moe_layer: bool, tp: int, sequence_parallel
             if m.attention_bias:
                 out.append(Tensor((rows // tp,), "block", "tp" if tp > 1 else "dense"))
         out.append(_linear(h, heads * d, "block", shard=1, tp=tp, gemm="attention"))
-        if m.attention_output_bias:  # gpt-oss (tp 1 only: validate)
-            out.append(Tensor((h,), "block", "dense"))
+        if m.attention_output_bias:  # gpt-oss: whole on every tp rank, added after the reduce (partial under SP)
+            out.append(Tensor((h,), "block", "dense", sp))
         if m.attention_sinks:
             out.append(Tensor((heads // tp,), "block", "tp" if tp > 1 else "dense"))
         if m.qk_norm:  # one weight per head_dim, on this rank's heads
