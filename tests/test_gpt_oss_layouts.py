@@ -6,9 +6,9 @@ sharded with the heads, o_proj's bias added once after the reduce), EP2 (the exp
 biases sharded over the two ranks) and DP2 (FSDP2 over the sinks, the q/k/v/o biases and the router bias);
 each is held to the single process as every layout test is (helpers.assert_same_run): the loss of every step,
 every gradient of step 1 (the sinks' and every bias's among them), every parameter and buffer after the last
-step, the expert balance figures of every step. The biases start at 0 (models/init.py) and move at step 1, so steps 2 and 3 run
-each layout's sharded bias adds on values that differ per element. CP, ETP and PP are refused for gpt_oss by
-validate (tests/test_config_errors.py), not built.
+step, the expert balance figures of every step. The biases start at 0 (models/init.py) and move at step 1, so
+steps 2 and 3 run each layout's sharded bias adds on values that differ per element. CP, ETP and PP are refused
+for gpt_oss by validate (tests/test_config_errors.py), not built.
 """
 
 from __future__ import annotations
