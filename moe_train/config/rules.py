@@ -18,8 +18,6 @@ from .fp8_auto import with_fp8_resolved
 from .hardware import HardwareError, hardware_table
 from .loss_chunks import recipe_loss_chunk_tokens
 from .mesh_shape import (
-    DENSE_DIMS,
-    EXPERT_DIMS,
     dispatch_node_ranks,
     ep_node_split_problem,
     expert_data_parallel_size,
@@ -132,17 +130,15 @@ def _model(r: Recipe) -> list[Problem]:
     return out
 
 
-# Every mesh dimension but the data-parallel ones (FSDP shards gpt-oss's parameters as any others) and ep (its
-# expert biases shard with the experts: parallel/expert.py).
-GPT_OSS_LAYOUTS = tuple(d for d in dict.fromkeys(DENSE_DIMS + EXPERT_DIMS) if not d.endswith("dp")
-                        and d not in ("ep", "tp"))
+# The layouts not built for gpt-oss (its windowed attention over a CP ring, its down bias under ETP); dp, tp, ep
+# and pp are (tests/test_gpt_oss_layouts.py).
+GPT_OSS_LAYOUTS = ("cp", "etp")
 
 
 def _gpt_oss(r: Recipe) -> list[Problem]:
-    """gpt-oss's own fields, and what is not built for it: tensor, context, expert-tensor and pipeline
-    parallelism (the row-parallel o_proj and down biases, sharded sinks, a windowed ring are not built), packed
-    documents on CUDA (its sinks and windows take an additive mask, not FlexAttention's block mask:
-    moe_train/kernels.py)."""
+    """gpt-oss's own fields, and what is not built for it: context and expert-tensor parallelism (a windowed
+    ring, the down bias under ETP are not built), packed documents on CUDA (its sinks and windows take an
+    additive mask, not FlexAttention's block mask: moe_train/kernels.py)."""
     m, p, out = r.model, r.parallel, []
     moe = m.moe
     if m.family != "gpt_oss":
@@ -161,8 +157,8 @@ def _gpt_oss(r: Recipe) -> list[Problem]:
         out.append(_p("model.qk_norm", "gpt_oss has no QK-norm"))
     for name in GPT_OSS_LAYOUTS:
         if getattr(p, name) > 1:
-            out.append(_p(f"parallel.{name}", f"{getattr(p, name)} is not built for family gpt_oss (its biases, "
-                          "sinks and sliding windows under this layout are not built): 1 only"))
+            out.append(_p(f"parallel.{name}", f"{getattr(p, name)} is not built for family gpt_oss (its sliding "
+                          "windows over a context ring, its down bias under etp): 1 only"))
     if r.data.reset_at_eod and r.launch.device == "cuda":
         out.append(_p("data.reset_at_eod", "gpt_oss's sinks and sliding windows on CUDA take no FlexAttention block "
                       "mask yet (moe_train/kernels.py sinks_and_windows)"))
