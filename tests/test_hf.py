@@ -460,3 +460,36 @@ def test_glm_recipes_are_the_published_configs(recipe, published):
         assert getattr(exported, field) == published[field], field
     assert exported.rope_parameters["partial_rotary_factor"] == 0.5
     assert exported.rope_parameters["rope_theta"] == 1e6
+
+
+# openai/gpt-oss-20b's config.json as published (transformers 4.55's format: rope_scaling and rope_theta at the
+# top level), as recalled, and gpt-oss-120b's fields where they differ.
+GPT_OSS_20B_CONFIG = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+    "initializer_range": 0.02, "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+    "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+    "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                            "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                            "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088,
+}
+GPT_OSS_120B_CONFIG = {**GPT_OSS_20B_CONFIG, "num_hidden_layers": 36, "num_local_experts": 128,
+                       "layer_types": ["sliding_attention", "full_attention"] * 18}
+
+
+@pytest.mark.parametrize(("recipe", "published"), [("gpt-oss-20b", GPT_OSS_20B_CONFIG),
+                                                   ("gpt-oss-120b", GPT_OSS_120B_CONFIG)])
+def test_gpt_oss_recipes_are_the_published_configs(recipe, published):
+    """The built-in gpt-oss recipes' model sections are what import_hf reads from the published config.json,
+    field for field; and transformers reads our export of it as the same architecture."""
+    ours = load_recipe(recipe).model
+    assert config_from_hf(published) == ours
+    exported = transformers.GptOssConfig(**config_to_hf(ours))
+    for field in ("attention_bias", "num_local_experts", "num_experts_per_tok", "head_dim", "sliding_window",
+                  "layer_types", "swiglu_limit", "router_aux_loss_coef", "intermediate_size"):
+        assert getattr(exported, field) == published[field], field
+    assert exported.rope_parameters["truncate"] is False and exported.rope_parameters["factor"] == 32.0
