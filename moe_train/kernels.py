@@ -27,7 +27,7 @@ kernel refuses a v head dim other than q/k's (torch 2.13: "Flash attention requi
 dimension"), so MLA zero-pads v to it there; on CUDA cuDNN, the memory-efficient kernel and FlexAttention take
 v as it is (torch's sdp_utils and flex_attention's checks), so the padding's extra bytes and FLOPs are not spent.
 
-Readers: moe_train/models/attention.py (`documents`, `sdpa_backends`), moe_train/models/fp8/gemm.py
+Readers: moe_train/models/attention.py (`documents`, `sdpa_backends`, `sinks_and_windows`), moe_train/models/fp8/gemm.py
 (`fp8_linear`, `fp8_grouped`, through `fp8_kernel`), moe_train/models/mla.py and plan/saved_tensors.py
 (`mla_value`), moe_train/models/moe/experts.py (`grouped_mm_min_major`, `experts_fallback`, through
 `expert_kernel`), `train.compile`'s default (`compile`: moe_train/parallel/compile.py).
@@ -53,6 +53,16 @@ class Kernels:
 
     documents: Literal["sdpa_additive_mask", "flex_block_mask"]  # attention over packed documents
     causal: Literal["sdpa"]  # attention without restarts: SDPA with is_causal (flash / cuDNN / the CPU's flash)
+    # gpt-oss's attention sinks and sliding windows: one additive mask (banded, plus a sink column over zero key
+    # and value rows: models/attention.py `window_and_sink_mask`) through SDPA, equal to transformers on the CPU.
+    # A mask that needs a gradient (the sinks') is one the CPU's flash kernel refuses (torch 2.13: "No available
+    # kernel" with FLASH_ATTENTION alone), so SDPA runs MATH there, which keeps the [b, h, s, s+1] scores and
+    # probabilities for backward (measure: 825 KB a layer of gpt-oss-tiny at 2 x 64 tokens, 1.6x the flash
+    # kernel's); the sinks through the flash kernel's log-sum-exp (out x sigmoid(lse - sink)) would keep only
+    # its output. On CUDA the same path is taken, which backend runs it not checked on a GPU here; FlexAttention
+    # (a window mask_mod, the sink through its log-sum-exp) is the kernel to build there, and until then packed
+    # documents (a block mask) are refused by validate for gpt-oss on CUDA.
+    sinks_and_windows: Literal["sdpa_additive_mask"] = "sdpa_additive_mask"
     sdpa_backends: tuple[SdpaBackend, ...]  # SDPA's backends in the order tried (torch's SDPBackend names)
     mla_value: Literal["padded", "own"]  # MLA's v: zero-padded to q/k's head dim, or its own (v_head_dim)
     grouped_mm_min_major: int | None  # compute capability major from which torch._grouped_mm runs; None: always

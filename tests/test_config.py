@@ -16,8 +16,9 @@ from moe_train.config import builtin_recipes, dump_recipe, load_recipe
 from moe_train.config.pp_layout import parse_layout
 from moe_train.plan.params import count_parameters
 
-TINY = ["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny", "glm4-moe-tiny"]
-FULL = ["deepseek-v3", "qwen3-235b-a22b", "qwen3-30b-a3b", "qwen3-8b", "glm4.5", "glm4.5-air"]
+TINY = ["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny", "glm4-moe-tiny", "gpt-oss-tiny"]
+FULL = ["deepseek-v3", "qwen3-235b-a22b", "qwen3-30b-a3b", "qwen3-8b", "glm4.5", "glm4.5-air", "gpt-oss-20b",
+        "gpt-oss-120b"]
 
 
 def test_builtins_are_listed_and_load():
@@ -86,7 +87,9 @@ def test_resolved_recipe_is_frozen_and_round_trips(tmp_path):
 # exact counts of the published configs to 0.2%, and agree with the cards to their rounding. zai-org/GLM-4.5
 # "355 billion total parameters and 32 billion active", GLM-4.5-Air "106 billion total ... 12 billion active": the
 # cards' active figures leave out the embedding and head (32.08B and 12.18B here), their totals sit between the
-# counts without and with the MTP module (352.8B / 356.8B; 106.9B / 109.2B).
+# counts without and with the MTP module (352.8B / 356.8B; 106.9B / 109.2B). openai/gpt-oss-20b "21B parameters
+# with 3.6B active", gpt-oss-120b "117B ... 5.1B active": the cards' active figures leave out the input embedding
+# (3.61B and 5.13B here, 0.58B less than ours with both).
 @pytest.mark.parametrize(
     ("name", "total", "active"),
     [
@@ -96,12 +99,24 @@ def test_resolved_recipe_is_frozen_and_round_trips(tmp_path):
         ("qwen3-8b", 8.19e9, 8.19e9),
         ("glm4.5", 352.80e9, 33.63e9),
         ("glm4.5-air", 106.85e9, 13.42e9),
+        ("gpt-oss-20b", 20.91e9, 4.19e9),
+        ("gpt-oss-120b", 116.83e9, 5.71e9),
     ],
 )
 def test_full_size_recipes_are_the_published_architectures(name, total, active):
     params = count_parameters(load_recipe(name).model)
     assert params.total == pytest.approx(total, rel=2e-3)
     assert params.active == pytest.approx(active, rel=2e-3)
+
+
+@pytest.mark.parametrize(("name", "card_total", "card_active"), [("gpt-oss-20b", 21e9, 3.6e9),
+                                                                ("gpt-oss-120b", 117e9, 5.1e9)])
+def test_gpt_oss_counts_round_to_the_cards(name, card_total, card_active):
+    """The cards' figures to their rounding (0.5B, 0.05B), active without the input embedding."""
+    m = load_recipe(name).model
+    params = count_parameters(m)
+    assert abs(params.total - card_total) < 0.5e9
+    assert abs(params.active - m.vocab_size * m.hidden_size - card_active) < 0.05e9
 
 
 def test_qwen3_0_6b_count_with_tied_embeddings():

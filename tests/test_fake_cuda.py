@@ -187,7 +187,8 @@ def test_the_fp8_gathered_weight_meets_the_real_kernel_padded():
     assert tally == {("linear", "forward", "real"): 1, ("linear", "input_grad", "real"): 1}
 
 
-@pytest.mark.parametrize("name", fast_sample(["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny", "glm4-moe-tiny"], 3))
+@pytest.mark.parametrize("name", fast_sample(["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny", "glm4-moe-tiny",
+                                              "gpt-oss-tiny"], 3))
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_a_model_forward_of_each_family_runs_on_fake_cuda(name, precision):
     """The whole forward with its loss, bf16 and fp8 (tensorwise: real linear and grouped GEMMs on sm90), on

@@ -83,7 +83,8 @@ def expected_gemms(cfg) -> int:
     return layers + 1 + mtp
 
 
-@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny", "glm4-moe-tiny"])
+@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny", "glm4-moe-tiny",
+                                  "gpt-oss-tiny"])
 def test_every_forward_gemm_runs_through_the_site(name: str):
     torch.set_num_threads(1)
     cfg = load_recipe(name).model.model_copy(update={"num_layers": 2})

@@ -1,4 +1,5 @@
-"""Our models against transformers 5.24 (Qwen3, Qwen3-MoE, DeepSeek-V3, GLM-4.5), through import_hf and export_hf.
+"""Our models against transformers 5.24 (Qwen3, Qwen3-MoE, DeepSeek-V3, GLM-4.5, gpt-oss), through import_hf and
+export_hf.
 
 Each case builds a small random transformers model, saves it with save_pretrained, imports it into
 build_model(model_cfg) with strict keys, and compares fp32 logits (1e-4); then exports our weights and loads
@@ -57,6 +58,14 @@ def glm4_moe(**kw):
     return transformers.Glm4MoeConfig(**{**base, **kw})
 
 
+def gpt_oss(**kw):
+    base = dict(vocab_size=200, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+                swiglu_limit=1.0, max_position_embeddings=256,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return transformers.GptOssConfig(**{**base, **kw})
+
+
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "beta_fast": 32.0, "beta_slow": 1.0}
 
@@ -78,6 +87,13 @@ CASES = {
         use_qk_norm=False, n_group=2, topk_group=1, num_experts_per_tok=3, n_shared_experts=2,
         first_k_dense_replace=0, routed_scaling_factor=1.0, tie_word_embeddings=True,
         rope_parameters={**YARN, "partial_rotary_factor": 0.25}),
+    # gpt-oss: sinks, q/k/v/o biases, sliding (layers 0, 2; window 8 < the 24 tokens) and full layers, biased
+    # experts with a clamp that binds (limit 1 on O(1) activations), a biased softmax router over the top k
+    "gptoss-sinks-window8-clamp1": lambda: gpt_oss(),
+    # gpt-oss's YaRN with the unrounded ramp (truncate false), 4 of 6 experts, the published clamp
+    "gptoss-yarn-untruncated-e6k4": lambda: gpt_oss(
+        num_experts_per_tok=4, num_local_experts=6, swiglu_limit=7.0, sliding_window=5,
+        rope_parameters={**YARN, "truncate": False, "beta_slow": 1.0, "factor": 8.0}),
     "dsv3-groups2-mscale": lambda: deepseek_v3(n_group=2, topk_group=1, num_experts_per_tok=3,
                                                routed_scaling_factor=1.0, v_head_dim=32,
                                                rope_parameters={**YARN, "mscale": 0.707, "mscale_all_dim": 1.0}),
@@ -101,9 +117,15 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
                 buffer.copy_(0.05 * torch.randn(buffer.shape, generator=generator))
 
 
+def attention_of(config) -> str:
+    """transformers' attention implementation: SDPA, or eager for gpt-oss (its SDPA path takes no sinks)."""
+    return "eager" if config.model_type == "gpt_oss" else "sdpa"
+
+
 def hf_model(case: str, seed: int = 0):
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(CASES[case](), attn_implementation="sdpa")
+    config = CASES[case]()
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention_of(config))
     randomize_(model, seed)
     return model.eval()
 
@@ -162,7 +184,8 @@ def test_import_export_matches_transformers(case, tmp_path):
         assert_routing_margins(model, ids)
 
     export_hf(model_cfg, model.state_dict(), tmp_path / "export")
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", attn_implementation="sdpa")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export",
+                                                                 attn_implementation=attention_of(reference.config))
     assert type(reloaded) is type(reference)
     with torch.no_grad():
         again = reloaded.eval()(ids).logits
@@ -356,7 +379,8 @@ def test_fp8_block_scaled_weights_are_dequantized(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["qwen3-gqa2-untied", "qwen3moe-e8k2-untied", "dsv3-groups4-yarn",
-                                  "glm4moe-bias-qknorm-half-rotary", "glm4moe-air-groups2-yarn-quarter"])
+                                  "glm4moe-bias-qknorm-half-rotary", "glm4moe-air-groups2-yarn-quarter",
+                                  "gptoss-sinks-window8-clamp1", "gptoss-yarn-untruncated-e6k4"])
 def test_gradients_match_transformers(case, tmp_path):
     """Same loss, same weights: every parameter's gradient equals transformers' (in-memory fused names)."""
     reference = hf_model(case).train()
@@ -376,14 +400,23 @@ def test_gradients_match_transformers(case, tmp_path):
     model.balancing.start_step(scale=1.0 if with_aux else 0.0)
     F.cross_entropy(model(ids).flatten(0, 1), labels.flatten()).backward()
     theirs = {name: param.grad for name, param in reference.named_parameters()}
+    gpt_oss = model_cfg.family == "gpt_oss"
     for name in [name for name in theirs if name.endswith(".mlp.experts.gate_up_proj")]:  # ours: gate_proj, up_proj
         prefix = name.removesuffix("gate_up_proj")
-        theirs[prefix + "gate_proj"], theirs[prefix + "up_proj"] = theirs.pop(name).chunk(2, dim=1)
+        fused = theirs.pop(name)
+        if gpt_oss:  # [E, H, 2I], gate and up interleaved; down [E, I, H]; the biases interleaved too
+            theirs[prefix + "gate_proj"], theirs[prefix + "up_proj"] = (fused[..., j::2].mT for j in (0, 1))
+            bias = theirs.pop(prefix + "gate_up_proj_bias")
+            theirs[prefix + "gate_proj_bias"], theirs[prefix + "up_proj_bias"] = bias[:, 0::2], bias[:, 1::2]
+            theirs[prefix + "down_proj"] = theirs[prefix + "down_proj"].mT
+        else:
+            theirs[prefix + "gate_proj"], theirs[prefix + "up_proj"] = fused.chunk(2, dim=1)
     compared = 0
     for name, param in model.named_parameters():
         if name.startswith("mtp."):
             continue
-        hf_name = name if name == "lm_head.weight" else "model." + name.replace("mlp.router.", "mlp.gate.")
+        ours_as_hf = name if gpt_oss else name.replace("mlp.router.", "mlp.gate.")  # gpt-oss's router is ours
+        hf_name = name if name == "lm_head.weight" else "model." + ours_as_hf
         expected = theirs.pop(hf_name)
         if name in ("embed_tokens.weight", "lm_head.weight"):
             assert param.grad[model_cfg.vocab_size :].abs().sum() == 0
@@ -427,3 +460,36 @@ def test_glm_recipes_are_the_published_configs(recipe, published):
         assert getattr(exported, field) == published[field], field
     assert exported.rope_parameters["partial_rotary_factor"] == 0.5
     assert exported.rope_parameters["rope_theta"] == 1e6
+
+
+# openai/gpt-oss-20b's config.json as published (transformers 4.55's format: rope_scaling and rope_theta at the
+# top level), as recalled, and gpt-oss-120b's fields where they differ.
+GPT_OSS_20B_CONFIG = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+    "initializer_range": 0.02, "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+    "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+    "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                            "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                            "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088,
+}
+GPT_OSS_120B_CONFIG = {**GPT_OSS_20B_CONFIG, "num_hidden_layers": 36, "num_local_experts": 128,
+                       "layer_types": ["sliding_attention", "full_attention"] * 18}
+
+
+@pytest.mark.parametrize(("recipe", "published"), [("gpt-oss-20b", GPT_OSS_20B_CONFIG),
+                                                   ("gpt-oss-120b", GPT_OSS_120B_CONFIG)])
+def test_gpt_oss_recipes_are_the_published_configs(recipe, published):
+    """The built-in gpt-oss recipes' model sections are what import_hf reads from the published config.json,
+    field for field; and transformers reads our export of it as the same architecture."""
+    ours = load_recipe(recipe).model
+    assert config_from_hf(published) == ours
+    exported = transformers.GptOssConfig(**config_to_hf(ours))
+    for field in ("attention_bias", "num_local_experts", "num_experts_per_tok", "head_dim", "sliding_window",
+                  "layer_types", "swiglu_limit", "router_aux_loss_coef", "intermediate_size"):
+        assert getattr(exported, field) == published[field], field
+    assert exported.rope_parameters["truncate"] is False and exported.rope_parameters["factor"] == 32.0

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from moe_train.config.schema import ModelConfig, MoEConfig, RopeConfig, RouterConfig, YarnScaling
 from moe_train.models import build_model
-from moe_train.models.attention import document_mask
+from moe_train.models.attention import attend, attention_mask, document_mask
 from moe_train.models.moe.aux_loss import seq_aux_loss
 from moe_train.models.norm import RMSNorm
 
@@ -427,3 +427,26 @@ def test_two_gloo_ranks_reproduce_the_single_process_model(target, tmp_path):
     problems = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
     assert not problems, problems
     assert [p.exitcode for p in ranks] == [0, 0], "a rank crashed (exit codes above)"
+
+
+def test_sinks_and_window_with_packed_documents_equal_the_softmax_written_out():
+    """gpt-oss's attention over packed documents: each query attends to the keys of its own document among its
+    last `window` positions, itself included, plus its head's sink (a logit with no value), in fp64 against
+    softmax([scores, sink]) over exactly those keys, written out here; the sinks' gradient too."""
+    generator = torch.Generator().manual_seed(0)
+    b, heads, kv_heads, s, d, window = 2, 4, 2, 12, 8, 3
+    q, k, v = (torch.randn(b, n, s, d, generator=generator, dtype=torch.float64) for n in (heads, kv_heads, kv_heads))
+    sinks = torch.randn(heads, generator=generator, dtype=torch.float64, requires_grad=True)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8]])
+    out = attend(q, k, v, attention_mask(positions), window=window, sinks=sinks, enable_gqa=True)
+    docs = (positions == 0).cumsum(-1)
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    allowed = (docs[:, :, None] == docs[:, None, :]) & (j <= i) & (j > i - window)  # [b, s, s]
+    scores = q @ k.repeat_interleave(heads // kv_heads, dim=1).mT * d**-0.5
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    joined = torch.cat((scores, sinks.view(1, heads, 1, 1).expand(b, heads, s, 1)), dim=-1).softmax(-1)
+    expected = joined[..., :-1] @ v.repeat_interleave(heads // kv_heads, dim=1)
+    assert (out - expected).abs().max().item() < 1e-12
+    (grad,) = torch.autograd.grad(out.square().sum(), sinks)
+    (want,) = torch.autograd.grad(expected.square().sum(), sinks)
+    assert (grad - want).abs().max().item() < 1e-12 and want.abs().max().item() > 0

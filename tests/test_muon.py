@@ -99,6 +99,24 @@ def test_muon_takes_hidden_matrices_and_adamw_the_rest() -> None:
     assert "layers.1.mlp.router.weight" in muon and "layers.1.mlp.shared_experts.up_proj.weight" in decay
 
 
+def test_expert_bias_stacks_are_vectors_to_both_optimizers() -> None:
+    """gpt-oss's routed experts carry [E, width] bias stacks: one vector an expert, so neither orthogonalised by
+    Muon nor decayed by AdamW, although they have two dimensions."""
+    recipe = load_recipe("gpt-oss-tiny", ["model.num_layers=2", "train.precision=fp32", "train.optimizer=muon",
+                                          'model.layer_types=["sliding_attention","full_attention"]'])
+    model = build_model(recipe.model, seed=1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    stacks = [n for n, p in model.named_parameters() if n.endswith("_proj_bias") and p.ndim == 2]
+    assert len(stacks) == 6  # gate, up and down of two layers
+    muon, decay, no_decay = ([names[id(p)] for p in g["params"]] for g in muon_param_groups(model, train=recipe.train))
+    assert set(stacks) <= set(no_decay) and not set(stacks) & set(muon + decay)
+    assert "layers.0.mlp.experts.gate_proj" in muon
+    from moe_train.train.optimizer import param_groups
+
+    decayed, undecayed = ({names[id(p)] for p in g["params"]} for g in param_groups(model, weight_decay=0.1))
+    assert set(stacks) <= undecayed and not set(stacks) & decayed
+
+
 def test_one_update_written_out_by_hand() -> None:
     """Two steps on one [2, 3] matrix with ns_steps 1, nesterov, Moonlight's scale and decoupled decay, each
     term computed here from the definitions (not from train/muon.py)."""
@@ -168,7 +186,7 @@ def test_muon_fields_are_checked() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3-moe-tiny", "deepseek-v3-tiny"])
+@pytest.mark.parametrize("name", ["qwen3-moe-tiny", "deepseek-v3-tiny", "gpt-oss-tiny"])
 def test_plan_counts_muon_state_and_flops_as_measured(name: str, no_process_group) -> None:
     """plan's optimizer bytes and FLOPs under train.optimizer muon equal measure's (a real step at world size 1).
     Bytes: one momentum buffer per Muon element, two moments per AdamW one, fp32 and bf16 moments, less AdamW's
@@ -195,6 +213,8 @@ def test_plan_counts_muon_state_and_flops_as_measured(name: str, no_process_grou
         )
         if name == "deepseek-v3-tiny":
             overrides = [*overrides, "model.first_k_dense=1"]
+        if name == "gpt-oss-tiny":
+            overrides = [*overrides, 'model.layer_types=["sliding_attention","full_attention"]']
         recipe = load_recipe(name, overrides)
         report = measure(recipe, Target())
         planned = plan_json(estimate(recipe, HARDWARE["h100"]))

@@ -53,6 +53,8 @@ MODELS_MAY_USE_DISTRIBUTED = frozenset({
     "models/moe/layer.py",  # global_aux_loss's token counts over tp and dp
     # Today's exception, removed by the `models` helper (issue 20 item 6): the experts unwrap DTensor weights.
     "models/moe/experts.py",
+    # The same exception for gpt-oss's attention sinks: under tp a DTensor sharded with the heads, unwrapped.
+    "models/attention.py",
 })
 MESH_DIMS = {"pp", "dp", "cp", "tp", "edp", "ep", "etp"}
 

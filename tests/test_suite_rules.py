@@ -129,6 +129,8 @@ ALL_SLOW: dict[str, str] = {
                            "test_fp8_kernels' and test_fp8_saved_inputs' fast tests",
     "test_glm_layouts.py": "glm4-moe-tiny under the parallel layouts, one gloo job; the family itself is test_hf's, "
                            "test_plan_measure's and test_config's fast tests",
+    "test_gpt_oss_layouts.py": "gpt-oss-tiny under TP2+SP, TP2, EP2, PP2, DP2, one gloo job; the family itself "
+                                "is test_hf's and test_config's fast tests",
     "test_muon_layouts.py": "Muon under the parallel layouts, one gloo job; Muon itself is test_muon's fast tests",
     "test_processes.py": "proves tests/processes.py's kill of a real launcher's process tree (test infrastructure, "
                          "no moe_train code)",

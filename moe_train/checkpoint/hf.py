@@ -11,6 +11,9 @@ differences, all handled here:
 - GLM-4.5 has DeepSeek-V3's MoE names (gate, e_score_correction_bias, shared_experts) and MTP layout.
 - MTP (DeepSeek-V3, GLM-4.5): file layer `num_layers + k` is our `mtp.{k}` (enorm, hnorm, eh_proj, shared_head.norm
   -> norm, the rest -> block); its copies of the shared embedding and head are skipped on import, not written.
+- gpt-oss: experts fused and transposed, gate_up_proj [E, H, 2I] with gate and up interleaved (gate the even
+  columns), gate_up_proj_bias [E, 2I] likewise, down_proj [E, I, H]; ours are the three stacks plus
+  `{gate,up,down}_proj_bias`. Router (`mlp.router.weight`, `.bias`) and `self_attn.sinks` are our names.
 - Tied embeddings: files have no lm_head.weight; our state_dict has both names (one tensor).
 Files are read without transformers installed; export writes each file to a temporary name, then renames.
 """
@@ -28,11 +31,11 @@ from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
 from moe_train.atomic import atomic_path, write_atomic
-from moe_train.config.schema import ModelConfig, MoEConfig, RopeConfig, RouterConfig, YarnScaling
+from moe_train.config.schema import ClampedSwiGLU, ModelConfig, MoEConfig, RopeConfig, RouterConfig, YarnScaling
 from moe_train.models import build_model
 
 FAMILIES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-            "glm4_moe": "Glm4MoeForCausalLM"}
+            "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
 EXPERT_STACK = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)$")
 LAYER = re.compile(r"^model\.layers\.(?P<index>\d+)\.(?P<rest>.*)$")
@@ -168,6 +171,8 @@ def config_from_hf(hf: dict[str, Any], *, mtp_layers: int = 0) -> ModelConfig:
             mtp_layers=mtp_layers,
             moe=_sigmoid_moe(hf, shared_experts=1),
         )
+    elif family == "gpt_oss":
+        fields.update(_gpt_oss_fields(hf))
     else:
         fields.update(head_dim=hf.get("head_dim"), qk_norm=True, attention_bias=bool(hf.get("attention_bias", False)))
     if family == "qwen3_moe":
@@ -185,6 +190,36 @@ def config_from_hf(hf: dict[str, Any], *, mtp_layers: int = 0) -> ModelConfig:
             ),
         )
     return ModelConfig(**fields)
+
+
+def _gpt_oss_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's model fields (transformers' GptOssConfig defaults where the file omits one): q/k/v/o biases,
+    sinks, the layer types (default: sliding on even layers), biased clamped-SwiGLU experts (their width is
+    intermediate_size) and a softmax router with a bias over the top-k logits (our softmax renormalised over
+    the top k), trained with transformers' all-layers balancing loss (router_aux_loss_coef)."""
+    bias = bool(hf.get("attention_bias", True))
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    return dict(
+        head_dim=hf.get("head_dim", 64),
+        qk_norm=False,
+        attention_bias=bias,
+        attention_output_bias=bias,
+        attention_sinks=True,
+        sliding_window=hf.get("sliding_window", 128),
+        layer_types=tuple(types),
+        moe=MoEConfig(
+            num_experts=hf.get("num_local_experts", 128),
+            top_k=hf.get("num_experts_per_tok", 4),
+            ffn_hidden_size=hf["intermediate_size"],
+            expert_biases=True,
+            clamped_swiglu=ClampedSwiGLU(limit=hf.get("swiglu_limit", 7.0), alpha=hf.get("swiglu_alpha", 1.702)),
+            router=RouterConfig(
+                score_function="softmax", normalize_topk=True, learned_bias=True,
+                load_balancing="all_layers_aux_loss", aux_loss_coeff=hf.get("router_aux_loss_coef", 1e-3),
+            ),
+        ),
+    )
 
 
 def _sigmoid_moe(hf: dict[str, Any], *, shared_experts: int) -> MoEConfig:
@@ -229,15 +264,16 @@ def _rope_from_hf(hf: dict[str, Any], *, partial_default: float = 1.0) -> RopeCo
         beta_slow=params.get("beta_slow") or 1.0,
         mscale=params.get("mscale") or 0.0,
         mscale_all_dim=params.get("mscale_all_dim") or 0.0,
+        truncate=params.get("truncate", True),
     )
-    if params.get("attention_factor") is not None or params.get("truncate", True) is not True:
-        raise HFConversionError("config.json: yarn attention_factor/truncate overrides are not supported")
+    if params.get("attention_factor") is not None:
+        raise HFConversionError("config.json: yarn attention_factor overrides are not supported")
     return RopeConfig(theta=theta, scaling=yarn, partial_rotary_factor=partial)
 
 
 def state_dict_from_hf(model_cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Rename, stack experts and pad the vocabulary: HF tensors -> a strict state_dict of build_model(model_cfg)."""
-    tensors = _stack_experts(tensors)
+    tensors = _unfuse_gpt_oss_experts(tensors) if model_cfg.family == "gpt_oss" else _stack_experts(tensors)
     state: dict[str, torch.Tensor] = {}
     for hf_name, tensor in tensors.items():
         name = _our_name(hf_name, model_cfg.num_layers, model_cfg.mtp_layers)
@@ -275,6 +311,46 @@ def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             raise HFConversionError(f"{prefix}: per-expert gate/up/down weights are incomplete")
         for proj in ("gate", "up", "down"):
             out[f"{prefix}.{proj}_proj"] = torch.stack([projs[proj][e] for e in range(count)])
+    return out
+
+
+def _unfuse_gpt_oss_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """gpt-oss's interleaved, transposed expert tensors -> our stacks and their biases (module docstring)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = name.removesuffix("gate_up_proj")
+            out[prefix + "gate_proj"] = tensor[..., 0::2].transpose(1, 2).contiguous()
+            out[prefix + "up_proj"] = tensor[..., 1::2].transpose(1, 2).contiguous()
+        elif name.endswith(".mlp.experts.gate_up_proj_bias"):
+            prefix = name.removesuffix("gate_up_proj_bias")
+            out[prefix + "gate_proj_bias"] = tensor[:, 0::2].contiguous()
+            out[prefix + "up_proj_bias"] = tensor[:, 1::2].contiguous()
+        elif name.endswith(".mlp.experts.down_proj"):
+            out[name] = tensor.transpose(1, 2).contiguous()
+        else:
+            out[name] = tensor
+    return out
+
+
+def _fuse_gpt_oss_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `_unfuse_gpt_oss_experts` (HF names already applied)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if name.endswith(".mlp.experts.gate_proj"):
+            prefix = name.removesuffix("gate_proj")
+            up = tensors[prefix + "up_proj"]
+            out[prefix + "gate_up_proj"] = torch.stack((tensor, up), dim=2).flatten(1, 2).transpose(1, 2)
+        elif name.endswith(".mlp.experts.gate_proj_bias"):
+            prefix = name.removesuffix("gate_proj_bias")
+            up = tensors[prefix + "up_proj_bias"]
+            out[prefix + "gate_up_proj_bias"] = torch.stack((tensor, up), dim=2).flatten(1)
+        elif name.endswith((".mlp.experts.up_proj", ".mlp.experts.up_proj_bias")):
+            continue
+        elif name.endswith(".mlp.experts.down_proj"):
+            out[name] = tensor.transpose(1, 2)
+        else:
+            out[name] = tensor
     return out
 
 
@@ -418,7 +494,36 @@ def config_to_hf(cfg: ModelConfig, *, dtype: torch.dtype = torch.float32) -> dic
         )
     if cfg.family == "glm4_moe":
         hf.update(head_dim=cfg.attention_head_dim, use_qk_norm=cfg.qk_norm)
+    if cfg.family == "gpt_oss":
+        hf.update(_gpt_oss_to_hf(cfg))
     return hf
+
+
+def _gpt_oss_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """GptOssConfig's fields; refused where it cannot express ours (one attention_bias for q/k/v and o)."""
+    moe = cfg.moe
+    if cfg.attention_bias != cfg.attention_output_bias or not cfg.attention_sinks or cfg.qk_norm:
+        raise HFConversionError("model: GptOssForCausalLM has one attention_bias for q/k/v and o_proj, sinks and no "
+                                "QK-norm")
+    router = moe.router
+    if (not moe.expert_biases or moe.clamped_swiglu is None or not router.learned_bias
+            or moe.shared_expert_ffn_hidden_size or router.score_function != "softmax" or not router.normalize_topk
+            or router.expert_bias or router.num_groups not in (None, 1)
+            or router.topk_scaling_factor != 1.0):
+        raise HFConversionError("model.moe: GptOssForCausalLM needs expert_biases, clamped_swiglu, a softmax router "
+                                "with learned_bias renormalised over the top k, no groups, scaling or shared experts")
+    return dict(
+        head_dim=cfg.attention_head_dim,
+        sliding_window=cfg.sliding_window,
+        layer_types=list(cfg.layer_types or ["full_attention"] * cfg.num_layers),
+        intermediate_size=moe.ffn_hidden_size,
+        num_local_experts=moe.num_experts,
+        num_experts_per_tok=moe.top_k,
+        swiglu_limit=moe.clamped_swiglu.limit,
+        swiglu_alpha=moe.clamped_swiglu.alpha,
+        router_aux_loss_coef=moe.router.aux_loss_coeff,
+        output_router_logits=False,
+    )
 
 
 def _sigmoid_moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -461,6 +566,7 @@ def _rope_to_hf(rope: RopeConfig, *, partial: bool = False) -> dict[str, Any]:
         "beta_slow": yarn.beta_slow,
         "mscale": yarn.mscale,
         "mscale_all_dim": yarn.mscale_all_dim,
+        "truncate": yarn.truncate,
     }
 
 
@@ -472,22 +578,24 @@ def state_dict_to_hf(cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> d
             continue
         if name in ("embed_tokens.weight", "lm_head.weight"):
             tensor = tensor[: cfg.vocab_size]
-        hf_name = _hf_name(name, cfg.num_layers)
+        hf_name = _hf_name(name, cfg.num_layers, router_named_gate=cfg.family != "gpt_oss")
         expert_stack = EXPERT_STACK.match(hf_name)
-        if expert_stack is not None:
+        if expert_stack is not None and cfg.family != "gpt_oss":
             for e, weight in enumerate(tensor):
                 out[f"{expert_stack['prefix']}.{e}.{expert_stack['proj']}.weight"] = weight
         else:
             out[hf_name] = tensor
-    return out
+    return _fuse_gpt_oss_experts(out) if cfg.family == "gpt_oss" else out
 
 
-def _hf_name(name: str, num_layers: int) -> str:
+def _hf_name(name: str, num_layers: int, *, router_named_gate: bool = True) -> str:
+    """`router_named_gate`: the file calls the router `mlp.gate` (every family but gpt-oss: `mlp.router`)."""
     if name == "lm_head.weight":
         return name
-    name = name.replace("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias").replace(
-        "mlp.router.weight", "mlp.gate.weight"
-    )
+    if router_named_gate:
+            name = name.replace("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias").replace(
+            "mlp.router.weight", "mlp.gate.weight"
+        )
     if name.startswith("mtp."):
         _, depth, rest = name.split(".", 2)
         layer = f"model.layers.{num_layers + int(depth)}"

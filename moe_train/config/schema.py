@@ -64,6 +64,8 @@ class YarnScaling(Section):
     beta_slow: Number = 1.0
     mscale: Number = 1.0
     mscale_all_dim: Number = 0.0
+    truncate: bool = Field(True, description="Round the ramp's correction dimensions to integers (transformers' "
+                           "default); false: gpt-oss's unrounded ramp.")
 
 
 class RopeConfig(Section):
@@ -82,6 +84,8 @@ class RouterConfig(Section):
     group_top_k: StrictInt | None = Field(None, ge=1, description="Groups each token may route into.")
     topk_scaling_factor: Number = Field(1.0, gt=0)
     expert_bias: bool = Field(False, description="Aux-loss-free balancing: a bias used for selection only.")
+    learned_bias: bool = Field(False, description="A trained bias added to the router's logits before the choice "
+                               "and the scores (gpt-oss's router.bias).")
     bias_update_rate: Number = Field(1e-3, ge=0)
     load_balancing: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "all_layers_aux_loss", "none"] = Field(
         "aux_loss",
@@ -96,11 +100,21 @@ class RouterConfig(Section):
         "router's logits, which skews real routing (bench/bench_routing.py, the placement tests); null: none.")
 
 
+class ClampedSwiGLU(Section):
+    """gpt-oss's expert activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+
+    limit: Number = Field(7.0, gt=0)
+    alpha: Number = Field(1.702, gt=0)
+
+
 class MoEConfig(Section):
     num_experts: StrictInt = Field(ge=1, le=MAX_EXPERTS)
     top_k: StrictInt = Field(ge=1)
     ffn_hidden_size: StrictInt = Field(ge=1, description="Hidden size of each routed expert's SwiGLU.")
     shared_expert_ffn_hidden_size: StrictInt = Field(0, ge=0, description="0: no shared expert.")
+    expert_biases: bool = Field(False, description="Biases on every routed expert's gate, up and down "
+                                "projections (gpt-oss).")
+    clamped_swiglu: ClampedSwiGLU | None = Field(None, description="null: the plain SwiGLU; gpt-oss's clamped one.")
     router: RouterConfig = RouterConfig()
     dispatcher: Literal["alltoall", "allgather", "hierarchical"] = Field(
         "alltoall", description="hierarchical: node-aware all-to-all, a token crosses the network once per "
@@ -115,7 +129,7 @@ class MoEConfig(Section):
 
 
 class ModelConfig(Section):
-    family: Literal["qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe"]
+    family: Literal["qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"]
     num_layers: StrictInt = Field(ge=1, le=MAX_LAYERS)
     hidden_size: StrictInt = Field(ge=1)
     num_attention_heads: StrictInt = Field(ge=1)
@@ -141,6 +155,14 @@ class ModelConfig(Section):
     first_k_dense: StrictInt = Field(0, ge=0)
     mtp_layers: StrictInt = Field(0, ge=0, le=MAX_LAYERS)
     mtp_loss_weight: Number = Field(0.3, ge=0)
+    # gpt_oss only (FAMILY_FIELDS)
+    attention_output_bias: bool = Field(False, description="A bias on o_proj (gpt-oss).")
+    attention_sinks: bool = Field(False, description="A learned logit per head joined to every query's softmax, "
+                                  "with no value (gpt-oss's sinks).")
+    sliding_window: StrictInt | None = Field(None, ge=1, description="Tokens a sliding_attention layer sees, "
+                                             "itself included (transformers' sliding_window).")
+    layer_types: tuple[Literal["sliding_attention", "full_attention"], ...] | None = Field(
+        None, description="Each layer's attention, transformers' layer_types; null: every layer full.")
     moe: MoEConfig | None = None
 
     @property
@@ -159,6 +181,12 @@ class ModelConfig(Section):
             return self.qk_rope_head_dim
         return int(self.attention_head_dim * self.rope.partial_rotary_factor)
 
+    def attention_window(self, index: int) -> int | None:
+        """The sliding window of layer `index` (None: full causal attention)."""
+        if self.layer_types is None or self.layer_types[index] != "sliding_attention":
+            return None
+        return self.sliding_window
+
     def padded_vocab_size(self) -> int:
         """The vocabulary padded to a multiple of make_vocab_size_divisible_by. Never by tp (Megatron-LM pads by
         divisible_by x tp): every layout must have the same parameter shapes to reshard (docs/decisions.md), so
@@ -176,6 +204,7 @@ class ModelConfig(Section):
 
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 DENSE_FIRST_MTP_FIELDS = ("first_k_dense", "mtp_layers", "mtp_loss_weight")
+GPT_OSS_FIELDS = ("attention_output_bias", "attention_sinks", "sliding_window", "layer_types")
 # The model fields only some families have (a recipe of another family that sets one is refused, rules.py);
 # every other field is common to all. GQA's attention_bias and rope.partial_rotary_factor are refused for MLA.
 FAMILY_FIELDS = {
@@ -183,9 +212,10 @@ FAMILY_FIELDS = {
     "qwen3_moe": (),
     "deepseek_v3": MLA_FIELDS + DENSE_FIRST_MTP_FIELDS,
     "glm4_moe": DENSE_FIRST_MTP_FIELDS,
+    "gpt_oss": GPT_OSS_FIELDS,
 }
-FAMILY_ONLY_FIELDS = MLA_FIELDS + DENSE_FIRST_MTP_FIELDS
-MOE_FAMILIES = ("qwen3_moe", "deepseek_v3", "glm4_moe")
+FAMILY_ONLY_FIELDS = MLA_FIELDS + DENSE_FIRST_MTP_FIELDS + GPT_OSS_FIELDS
+MOE_FAMILIES = ("qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
 
 
 # ------------------------------------------------------------------------------------------------ parallel

@@ -1,4 +1,4 @@
-"""Grouped-query attention (Qwen3, GLM-4.5), and the document mask shared with MLA.
+"""Grouped-query attention (Qwen3, GLM-4.5, gpt-oss), and the document mask shared with MLA.
 
 Attention runs through F.scaled_dot_product_attention, which on CPU and GPU picks a fused kernel. Packed
 sequences (data.reset_at_eod) restart their position ids at 0 at each document start; attention restarts
@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.tensor import DTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask
 
@@ -97,10 +98,40 @@ def sdpa_backends(device_type: str) -> list[SDPBackend]:
     return [getattr(SDPBackend, name) for name in kernels_for(device_type).sdpa_backends]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None,
-           **kwargs) -> torch.Tensor:
+def window_and_sink_mask(q: torch.Tensor, mask: torch.Tensor | None, window: int | None,
+                         sinks: torch.Tensor | None) -> torch.Tensor:
+    """The additive mask of gpt-oss's attention (the kernel table's `sinks_and_windows`): the causal or
+    document mask, banded to the last `window` keys of each query (itself included: transformers'
+    kv > q - window) and, with `sinks` [heads], one more key column whose score is the head's sink: softmax over
+    [scores, sink], the sink's share dropped (its key and value are zero rows the caller appends). [b|1, heads|1,
+    s, s (+1)], in fp32 (fp64 under fp64 q); the sink column carries the sinks' gradient through SDPA."""
+    seq, dtype = q.shape[-2], torch.float64 if q.dtype == torch.float64 else torch.float32
+    index = torch.arange(seq, device=q.device)
+    allowed = index[:, None] >= index[None, :]
+    if window is not None:
+        allowed = allowed & (index[None, :] > index[:, None] - window)
+    additive = torch.zeros(seq, seq, dtype=dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+    if mask is not None:
+        additive = additive + mask.to(dtype)
+    additive = additive.expand(*(additive.shape[:-2] if additive.dim() > 2 else (1, 1)), seq, seq)
+    if sinks is None:
+        return additive
+    column = sinks.to(dtype).view(1, -1, 1, 1).expand(additive.shape[0], -1, seq, 1)
+    return torch.cat((additive.expand(-1, sinks.shape[0], -1, -1), column), dim=-1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None, *,
+           window: int | None = None, sinks: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
     """Attention over [b, heads, s, d]: causal SDPA, SDPA restricted by an additive document mask, or
-    FlexAttention under a block mask (what `attention_mask` built for this device)."""
+    FlexAttention under a block mask (what `attention_mask` built for this device). A sliding `window` or
+    attention `sinks` (gpt-oss) go through one additive mask (`window_and_sink_mask`) on every device; with sinks
+    k and v gain a zero row, the sink's key (its score is the mask's) and its value (it contributes nothing)."""
+    if window is not None or sinks is not None:
+        if isinstance(mask, BlockMask):
+            raise NotImplementedError("attention sinks and sliding windows under a FlexAttention block mask")
+        mask = window_and_sink_mask(q, mask, window, sinks)
+        if sinks is not None:
+            k, v = (torch.cat((t, t.new_zeros(*t.shape[:2], 1, t.shape[-1])), dim=2) for t in (k, v))
     if isinstance(mask, BlockMask):
         return _compiled_flex_attention()(q, k, v, block_mask=mask, **kwargs)
     if mask is not None and mask.is_floating_point() and q.dtype == torch.float64:
@@ -153,17 +184,21 @@ class CoreAttention(nn.Module):
 
 class Attention(nn.Module):
     """Multi-head attention with num_query_groups key/value heads, optional RMSNorm over head_dim on q and k
-    (qk_norm), optional q/k/v biases (attention_bias, GLM-4.5) and rotary embeddings over the first
-    `rotary_dim` features of each head (the angles' width decides: models/rope.py)."""
+    (qk_norm), optional q/k/v biases (attention_bias, GLM-4.5), an o_proj bias, sinks and a sliding window
+    (gpt-oss) and rotary embeddings over the first `rotary_dim` features of each head (the angles' width
+    decides: models/rope.py)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, *, layer_index: int = 0) -> None:
+        """`layer_index`: which of `cfg.layer_types` this layer is (its sliding window, gpt-oss)."""
         super().__init__()
         heads, kv_heads, self.head_dim = cfg.num_attention_heads, cfg.kv_heads, cfg.attention_head_dim
         bias = cfg.attention_bias
         self.q_proj = Linear(cfg.hidden_size, heads * self.head_dim, bias=bias)
         self.k_proj = Linear(cfg.hidden_size, kv_heads * self.head_dim, bias=bias)
         self.v_proj = Linear(cfg.hidden_size, kv_heads * self.head_dim, bias=bias)
-        self.o_proj = Linear(heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_output_bias)
+        self.window = cfg.attention_window(layer_index)
+        self.sinks = nn.Parameter(torch.empty(heads)) if cfg.attention_sinks else None
         self.q_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.core_attention = CoreAttention()
@@ -182,5 +217,7 @@ class Attention(nn.Module):
         k = apply_rotary(k.transpose(1, 2), cos, sin)
         if self.measures_max_logits and self.training:
             track_max_logits(self, head_max_logits(q, k, mask, self.head_dim**-0.5))
-        out = self.core_attention(q, k, v, mask, enable_gqa=q.shape[1] != k.shape[1])
+        sinks = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks  # tp: this rank's heads
+        extra = {} if self.window is None and sinks is None else {"window": self.window, "sinks": sinks}
+        out = self.core_attention(q, k, v, mask, enable_gqa=q.shape[1] != k.shape[1], **extra)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))

@@ -27,7 +27,7 @@ class DecoderBlock(nn.Module):
         super().__init__()
         self.layer_index = layer_index
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.self_attn = MLA(cfg) if cfg.family == "deepseek_v3" else Attention(cfg)
+        self.self_attn = MLA(cfg) if cfg.family == "deepseek_v3" else Attention(cfg, layer_index=layer_index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.is_moe = cfg.is_moe_layer(layer_index)
         if self.is_moe:

@@ -4,7 +4,8 @@ Every tensor draws from its own torch.Generator seeded by a SHA-256 of (seed, na
 between processes), on the CPU in fp32, whatever the target device, dtype or build order. So a model split
 into pipeline stages, sharded by FSDP, TP or EP, or built on another device starts from the same weights as the
 single-process model: a parallel layout can be tested for equality with the plain run.
-Rules: RMSNorm weights 1; biases and buffers (the router's expert bias, telemetry; not its placement table) 0;
+Rules: RMSNorm weights 1; biases (linear, router, expert stacks) and buffers (the router's expert bias,
+telemetry; not its placement table) 0;
 every other tensor N(0, init_std). An expert stack [E, ...] draws each expert separately, by the name
 `{stack}.{e}`: a rank draws only the experts of its shard (a DeepSeek-V3 expert stack is tens of GB per projection
 in fp32 and must never be drawn whole on one rank); any other sharded tensor draws the whole tensor and keeps its
@@ -74,7 +75,7 @@ def init_weights(model: nn.Module, *, seed: int, init_std: float) -> None:
         local = param.to_local() if isinstance(param, DTensor) else param
         if name in norm_weights:
             local.fill_(1.0)
-        elif name.endswith(".bias"):
+        elif name.endswith((".bias", "_bias")):  # linear and expert-stack biases (`<stack>_bias`)
             local.zero_()
         else:
             local.copy_(_draw(name, param, expert_stack=name in expert_stacks, seed=seed, std=init_std,

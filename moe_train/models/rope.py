@@ -41,8 +41,10 @@ def inverse_frequencies(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float
         wavelengths = yarn.original_max_position_embeddings / (rotations * 2 * math.pi)
         return dim * math.log(wavelengths) / (2 * math.log(rope.theta))
 
-    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:  # transformers' default; gpt-oss keeps the unrounded dimensions
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torch import nn
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from moe_train.config.mesh_shape import dispatch_node_ranks, ep_node_split_problem, ep_split
 from moe_train.models.moe import MoELayer
@@ -83,9 +83,11 @@ def node_split(ctx: ParallelContext, *, node_ranks: int):
 
 
 def _shard_experts(experts: nn.Module, ctx: ParallelContext) -> None:
-    """Experts over ep (dim 0); the FFN dimension I over etp: rows of gate/up [E, I, H], columns of down [E, H, I]."""
+    """Experts over ep (dim 0); the FFN dimension I over etp: rows of gate/up [E, I, H], columns of down [E, H, I],
+    and gpt-oss's gate/up biases [E, I] with their rows; its down bias [E, H] is whole on every etp rank (etp > 1
+    with it is refused by validate: each rank's partial sum would add it)."""
     mesh = ctx.expert["ep", "etp"]
     for name, param in list(experts.named_parameters(recurse=False)):
-        ffn_dim = 2 if name == "down_proj" else 1
-        sharded = distribute_tensor(param.data, mesh, [Shard(0), Shard(ffn_dim)], src_data_rank=None)
+        ffn = {"down_proj": Shard(2), "down_proj_bias": Replicate()}.get(name, Shard(1))
+        sharded = distribute_tensor(param.data, mesh, [Shard(0), ffn], src_data_rank=None)
         experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))

@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 
 # Modules whose replicated parameters get a partial gradient on each tp rank carry this attribute (True).
 PARTIAL_GRADIENT = "tp_partial_gradient"
+PARTIAL_BIAS = "tp_partial_bias"  # a row-parallel Linear whose replicated bias has a partial gradient (SP)
 SEQUENCE_SHARD = "tp_sequence_shard"  # on a sequence-gathered activation: this rank's slice of it
 SEQUENCE_DIM = -2  # of [b, s, h] activations, and of the [tokens, h] rows inside MoE layers
 
@@ -128,7 +129,10 @@ class RowParallelLinear(Linear):
     tp_region: Region
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp_region.leave_region(linear(x, _local(self.weight), fp8=self.fp8))
+        out = self.tp_region.leave_region(linear(x, _local(self.weight), fp8=self.fp8))
+        # A bias (gpt-oss's o_proj) is whole on every rank and added once, after the reduce; under sequence
+        # parallelism each rank adds it to its sequence slice, so its gradient is partial (PARTIAL_BIAS).
+        return out if self.bias is None else out + self.bias
 
 
 class RegionEntry(nn.Module):
@@ -208,10 +212,9 @@ PARTIAL = {  # module kind: (always, under sequence parallelism)
 
 
 def _shard_weight(module: Linear, mesh: DeviceMesh, dim: int) -> None:
-    """The weight by rows (0, column-parallel, with its bias) or columns (1, row-parallel: no bias built)."""
-    if module.bias is not None:
-        if dim == 1:
-            raise ValueError("tensor parallelism of a row-parallel linear layer with a bias is not built")
+    """The weight by rows (0, column-parallel, with its bias) or columns (1, row-parallel: its bias stays whole,
+    added after the reduce)."""
+    if module.bias is not None and dim == 0:
         module.bias = nn.Parameter(distribute_tensor(module.bias.data, mesh, [Shard(0)]))
     module.weight = nn.Parameter(distribute_tensor(module.weight.data, mesh, [Shard(dim)]))
 
@@ -241,6 +244,8 @@ class _Planner:
             target = _submodule(module, name, Linear)
             _shard_weight(target, self.mesh, 1 if style == ROW else 0)
             target.__class__ = RowParallelLinear if style == ROW else ColumnParallelLinear
+            if style == ROW and target.bias is not None and shared.sequence_parallel:
+                setattr(target, PARTIAL_BIAS, True)
             target.tp_region = shared if kind in ENTERS_ONCE else self.region()
             if style != ROW:
                 target.enters_region = style == COLUMN_ENTERING
@@ -249,6 +254,8 @@ class _Planner:
             _swap_class(module, _EntersRegion)
         if kind in PARTIAL:
             self.partial_gradient(kind, module)
+        if getattr(module, "sinks", None) is not None:  # gpt-oss: one sink per head, sharded with the heads
+            module.sinks = nn.Parameter(distribute_tensor(module.sinks.data, self.mesh, [Shard(0)]))
 
     def partial_gradient(self, kind: str, module: nn.Module) -> None:
         always, sliced = PARTIAL[kind]
@@ -323,9 +330,9 @@ def reduce_replicated_gradients(model: nn.Module, group: dist.ProcessGroup) -> N
     grads = [
         _local(param.grad)
         for module in model.modules()
-        if getattr(module, PARTIAL_GRADIENT, False)
-        for param in module.parameters(recurse=False)
-        if param.grad is not None
+        for name, param in module.named_parameters(recurse=False)
+        if (getattr(module, PARTIAL_GRADIENT, False) or (name == "bias" and getattr(module, PARTIAL_BIAS, False)))
+        and param.grad is not None
     ]
     if not grads or dist.get_world_size(group) == 1:
         return

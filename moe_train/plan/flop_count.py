@@ -7,7 +7,8 @@ of `seq_length`:
   the kv up projection, o);
 - attention's quadratic term: QK^T and AV over the full `seq_length` keys. The causal mask is not discounted,
   the way `torch.utils.flop_counter` counts scaled dot-product attention, so measured and predicted figures
-  agree (`causal=True`: Megatron-Core's convention, half of s x s, which its published TFLOP/s use);
+  agree (`causal=True`: Megatron-Core's convention, half of s x s, which its published TFLOP/s use); attention
+  sinks add one key (`attended_keys`), sliding windows none (their masked keys are computed);
 - SwiGLU MLPs (3 matrices): dense layers, and on MoE layers the router, the `top_k` active routed experts
   and the shared expert;
 - the output head over the real vocabulary (model FLOPs: the model also computes the padding columns, masked in
@@ -33,8 +34,15 @@ def _attention(cfg: ModelConfig, seq_length: int, causal: bool = False) -> float
         qk_dim, v_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
     else:
         qk_dim = v_dim = cfg.attention_head_dim
-    quadratic = seq_length * cfg.num_attention_heads * (qk_dim + v_dim) * (0.5 if causal else 1.0)
+    quadratic = attended_keys(cfg, seq_length, causal) * cfg.num_attention_heads * (qk_dim + v_dim)
     return 2.0 * (attention_matrices(cfg) + quadratic)
+
+
+def attended_keys(cfg: ModelConfig, seq_length: int, causal: bool = False) -> float:
+    """Keys a query's QK^T and AV run over: `seq_length`, or half of it (`causal`), and one more with attention
+    sinks (gpt-oss: the sink's zero key and value row, which SDPA multiplies as any other). Sliding windows
+    (gpt-oss) mask keys without skipping them, so the count is the same (measure's FLOP counter agrees)."""
+    return seq_length * (0.5 if causal else 1.0) + (1 if cfg.attention_sinks else 0)
 
 
 def _ffn(cfg: ModelConfig, layer: int) -> float:
@@ -85,7 +93,7 @@ def _regions(cfg: ModelConfig, moe_layer: bool, seq_length: int, padded: bool) -
         out["mla_down_proj"] = 2.0 * h * ((cfg.q_lora_rank or 0) + cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     else:
         qk_dim = v_dim = cfg.attention_head_dim
-    out["core_attn"] = 2.0 * seq_length * heads * (qk_dim + v_dim)
+    out["core_attn"] = 2.0 * attended_keys(cfg, seq_length) * heads * (qk_dim + v_dim)
     if moe_layer:
         moe = cfg.moe
         out["router"] = 2.0 * moe.num_experts * h

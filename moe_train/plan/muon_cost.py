@@ -39,8 +39,11 @@ def newton_schulz_flops(rows: int, cols: int, *, steps: int) -> int:
 
 def muon_trained(tensor: Tensor) -> bool:
     """Whether train.optimizer muon gives `tensor` to Muon under the default `train.muon.exclude`: every attention,
-    MLP and shared-expert weight and each routed expert's matrices (train/muon.py's muon_param_groups)."""
-    return tensor.unit == "experts" or tensor.gemm in ("attention", "mlp", "shared_experts")
+    MLP and shared-expert weight and each routed expert's matrices, not their bias stacks ([E, width]; train/muon.py's
+    muon_param_groups)."""
+    if tensor.unit == "experts":
+        return len(tensor.shape) == 3
+    return tensor.gemm in ("attention", "mlp", "shared_experts")
 
 
 def whole_matrices(tensor: Tensor, layout: PlanLayout) -> tuple[int, int, int]:

@@ -37,12 +37,26 @@ def attention_matrices(m: ModelConfig) -> int:
 
 
 def _attention_vectors(m: ModelConfig) -> int:
-    """Attention's vector parameters: MLA's latent norms; GQA's QK-norm weights and q/k/v biases."""
+    """Attention's vector parameters: MLA's latent norms; GQA's QK-norm weights, q/k/v biases, the o_proj bias
+    and the sinks (one per head)."""
     if m.family == "deepseek_v3":
         return (m.q_lora_rank or 0) + m.kv_lora_rank
     d = m.attention_head_dim
     biases = (m.num_attention_heads + 2 * m.kv_heads) * d if m.attention_bias else 0
-    return (2 * d if m.qk_norm else 0) + biases
+    biases += m.hidden_size if m.attention_output_bias else 0
+    sinks = m.num_attention_heads if m.attention_sinks else 0
+    return (2 * d if m.qk_norm else 0) + biases + sinks
+
+
+def _ffn_vectors(m: ModelConfig, *, moe_layer: bool, active: bool) -> int:
+    """A MoE layer's vector parameters (gpt-oss): the router's logit bias and each expert's gate, up and down
+    biases (top_k experts' when `active`)."""
+    if not moe_layer:
+        return 0
+    moe = m.moe
+    router = moe.num_experts if moe.router.learned_bias else 0
+    experts = moe.top_k if active else moe.num_experts
+    return router + (experts * (2 * moe.ffn_hidden_size + m.hidden_size) if moe.expert_biases else 0)
 
 
 def ffn_matrices(m: ModelConfig, *, moe_layer: bool, active: bool) -> int:
@@ -60,7 +74,7 @@ def _layer(m: ModelConfig, *, moe_layer: bool, active: bool) -> int:
     """Parameters of one decoder layer: attention, its norms, the two pre-norms and the MLP."""
     return attention_matrices(m) + _attention_vectors(m) + 2 * m.hidden_size + ffn_matrices(
         m, moe_layer=moe_layer, active=active
-    )
+    ) + _ffn_vectors(m, moe_layer=moe_layer, active=active)
 
 
 def count_parameters(m: ModelConfig, *, padded: bool = False) -> ParameterCount:
@@ -159,6 +173,10 @@ def block_tensors(m: ModelConfig, *, moe_layer: bool, tp: int, sequence_parallel
             if m.attention_bias:
                 out.append(Tensor((rows // tp,), "block", "tp" if tp > 1 else "dense"))
         out.append(_linear(h, heads * d, "block", shard=1, tp=tp, gemm="attention"))
+        if m.attention_output_bias:  # gpt-oss: whole on every tp rank, added after the reduce (partial under SP)
+            out.append(Tensor((h,), "block", "dense", sp))
+        if m.attention_sinks:
+            out.append(Tensor((heads // tp,), "block", "tp" if tp > 1 else "dense"))
         if m.qk_norm:  # one weight per head_dim, on this rank's heads
             out += [Tensor((d,), "block", "dense", tp > 1), Tensor((d,), "block", "dense", tp > 1)]
     if not moe_layer:
@@ -167,11 +185,16 @@ def block_tensors(m: ModelConfig, *, moe_layer: bool, tp: int, sequence_parallel
                 _linear(f, h, "block", shard=0, tp=tp, gemm="mlp"), _linear(h, f, "block", shard=1, tp=tp, gemm="mlp"))
     moe = m.moe
     out.append(Tensor((moe.num_experts, h), "block", "dense", tp > 1))  # the router
+    if moe.router.learned_bias:
+        out.append(Tensor((moe.num_experts,), "block", "dense", tp > 1))
     experts, f = moe.num_experts // ep, moe.ffn_hidden_size // etp
     inner, outer = (1, 2) if etp > 1 else (None, None)  # etp cuts the expert width: gate/up's rows, down's columns
     out += [Tensor((experts, f, h), "experts", "experts", split=inner),
             Tensor((experts, f, h), "experts", "experts", split=inner),
             Tensor((experts, h, f), "experts", "experts", split=outer)]
+    if moe.expert_biases:  # gpt-oss (etp = 1 only: validate)
+        out += [Tensor((experts, f), "experts", "experts"), Tensor((experts, f), "experts", "experts"),
+                Tensor((experts, h), "experts", "experts")]
     if moe.shared_expert_ffn_hidden_size:
         fs = moe.shared_expert_ffn_hidden_size
         out += [_linear(fs, h, "block", shard=0, tp=tp, gemm="shared_experts"),

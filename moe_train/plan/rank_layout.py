@@ -45,7 +45,9 @@ class PlanLayout(MeshShape):
     ep_split: tuple[int, int] = (1, 1)  # (epnode, eplocal) of the hierarchical dispatcher; else (1, ep)
     device: str = "cpu"  # launch.device: the kernel table's row (moe_train/kernels.py) the ranks run
     fp8_modules: tuple[str, ...] = ()  # the GEMM kinds in fp8 (train.fp8.modules under precision fp8)
-    causal_kernel: bool = True  # attention runs SDPA with is_causal (no document restarts: data.reset_at_eod)
+    # attention runs SDPA with is_causal: no document restarts (data.reset_at_eod), no sinks or sliding windows
+    # (gpt-oss: an additive mask, every pair scored)
+    causal_kernel: bool = True
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> PlanLayout:
@@ -61,7 +63,8 @@ class PlanLayout(MeshShape):
                       and recipe.model.moe.dispatcher == "hierarchical" else (1, p.ep)),
             device=recipe.launch.device,
             fp8_modules=tuple(sorted(set(t.fp8.modules))) if t.precision == "fp8" else (),
-            causal_kernel=not recipe.data.reset_at_eod,
+            causal_kernel=not recipe.data.reset_at_eod and not recipe.model.attention_sinks
+            and recipe.model.sliding_window is None,
         )
 
     @property

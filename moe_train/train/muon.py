@@ -79,14 +79,20 @@ def excluded(name: str, exclude: tuple[str, ...]) -> bool:
     return any(part in exclude for part in name.split(".")[:-1])
 
 
+def is_vector(name: str, param: torch.Tensor) -> bool:
+    """Norms, biases and the routed experts' bias stacks ([E, width], `<stack>_bias`: one vector an expert, gpt-oss):
+    never orthogonalised nor decayed, whatever their number of dimensions."""
+    return param.ndim < 2 or name.endswith("_bias")
+
+
 def muon_param_groups(model: nn.Module, *, train: TrainConfig) -> list[dict]:
     """Three groups: Muon (matrices of >= 2 dimensions outside `exclude`), AdamW decayed (the excluded matrices)
-    and AdamW undecayed (1-D: norms, biases), as optimizer.param_groups splits them for AdamW alone."""
+    and AdamW undecayed (`is_vector`: norms, biases), as optimizer.param_groups splits them for AdamW alone."""
     muon, decay, no_decay = [], [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if param.ndim < 2:
+        if is_vector(name, param):
             no_decay.append(param)
         elif excluded(name, train.muon.exclude):
             decay.append(param)

@@ -17,16 +17,17 @@ from torch import nn
 from torch.optim.adamw import adamw
 
 from moe_train.config.schema import TrainConfig
-from moe_train.train.muon import Muon, muon_param_groups
+from moe_train.train.muon import Muon, is_vector, muon_param_groups
 
 
 def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
-    """Split trainable parameters into a decayed group (>= 2-D) and an undecayed one (1-D: norms, biases)."""
+    """Split trainable parameters into a decayed group (matrices) and an undecayed one (`is_vector`: norms,
+    biases, the experts' bias stacks)."""
     decay, no_decay = [], []
-    for _, param in model.named_parameters():
+    for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (decay if param.ndim >= 2 else no_decay).append(param)
+        (no_decay if is_vector(name, param) else decay).append(param)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from moe_train.config.schema import ClampedSwiGLU
 from moe_train.kernels import kernels_for
 from moe_train.models.fp8.gemm import Fp8Gemm
 from moe_train.models.linear import batched_mm, expert_offsets, grouped_mm, linear
@@ -81,14 +82,23 @@ class GroupedExperts(nn.Module):
     `use_grouped_mm` False forces the loop (benchmarks, and the equivalence test).
     """
 
-    def __init__(self, *, num_experts: int, hidden_size: int, ffn_hidden_size: int):
+    def __init__(self, *, num_experts: int, hidden_size: int, ffn_hidden_size: int, biases: bool = False,
+                 clamp: ClampedSwiGLU | None = None):
+        """`biases`: gate, up and down biases per expert (gpt-oss); `clamp`: gpt-oss's clamped SwiGLU."""
         super().__init__()
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size
+        self.clamp = clamp
         self.gate_proj = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
         self.up_proj = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
+        if biases:  # named `<stack>_bias`: init.py zeroes them, as transformers does
+            self.gate_proj_bias = nn.Parameter(torch.empty(num_experts, ffn_hidden_size))
+            self.up_proj_bias = nn.Parameter(torch.empty(num_experts, ffn_hidden_size))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+        else:
+            self.gate_proj_bias = self.up_proj_bias = self.down_proj_bias = None
         self.use_grouped_mm = True
         self.expert_ids: tuple[int, ...] | None = None  # the expert each row (slot) holds; None: row e is expert e
         self.fp8: Fp8Gemm | None = None  # set by models/fp8/select.py when the routed experts run in fp8
@@ -121,8 +131,34 @@ class GroupedExperts(nn.Module):
 
     def activation(self, gate: torch.Tensor, up: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up * probs (probs [rows, 1]): the region `parallel.recompute`'s moe_act policy recomputes.
-        Kept for backward: gate, up and probs only (weighted_swiglu.py)."""
-        return weighted_swiglu(gate, up, probs)
+        Kept for backward: gate, up and probs only (weighted_swiglu.py). gpt-oss's clamped form (`clamp`):
+        g = min(gate, limit), (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g) * probs, transformers'
+        GptOssExperts maths (autograd's own saves)."""
+        if self.clamp is None:
+            return weighted_swiglu(gate, up, probs)
+        limit = self.clamp.limit
+        gate = gate.clamp(max=limit)
+        return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * self.clamp.alpha)) * probs
+
+    def local_biases(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(gate, up, down) biases of the experts this rank holds, or None without biases."""
+        if self.gate_proj_bias is None:
+            return None
+        return tuple(b.to_local() if isinstance(b, DTensor) else b for b in (self.gate_proj_bias, self.up_proj_bias,
+                                                                              self.down_proj_bias))
+
+    def _biased(self, gate: torch.Tensor, up: torch.Tensor, biases: tuple[torch.Tensor, ...] | None,
+                experts: torch.Tensor | slice | int) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate and up with their experts' biases (`experts`: each row's expert, or one expert's index)."""
+        if biases is None:
+            return gate, up
+        return gate + biases[0][experts], up + biases[1][experts]
+
+    @staticmethod
+    def _down_bias(out: torch.Tensor, biases: tuple[torch.Tensor, ...] | None, experts, probs: torch.Tensor):
+        """The down projection's bias, weighted by the row's routing weight as the product is (transformers:
+        (act @ down + bias) * p; ours: down(p * act) + p * bias)."""
+        return out if biases is None else out + probs * biases[2][experts]
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate, up, down) of the experts this rank holds: all of them, or its shard under expert parallelism
@@ -132,12 +168,16 @@ class GroupedExperts(nn.Module):
 
     def _grouped(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         gate_proj, up_proj, down_proj = self.local_weights()
+        biases = self.local_biases()
         offsets = expert_offsets(tokens_per_expert)
         delayed = self.deferred_wgrad
         product = (lambda x, w: grouped_mm(x, w, offsets, fp8=self.fp8)) if delayed is None else (
             lambda x, w: delayed.gemm("grouped", x, w, offsets, fp8=self.fp8))
         gate, up = product(rows, gate_proj), product(rows, up_proj)
-        out = product(self.activation(gate, up, probs), down_proj)
+        experts = None if biases is None else torch.repeat_interleave(
+            torch.arange(gate_proj.shape[0], device=rows.device), tokens_per_expert, output_size=rows.shape[0])
+        gate, up = self._biased(gate, up, biases, experts)
+        out = self._down_bias(product(self.activation(gate, up, probs), down_proj), biases, experts, probs)
         if out.requires_grad:  # its backward rejects stride-0 gradients, which an out.sum() downstream gives
             out.register_hook(torch.Tensor.contiguous)
         return out
@@ -160,8 +200,12 @@ class GroupedExperts(nn.Module):
         padded_probs = probs.new_zeros(experts * capacity, 1).index_copy(0, slot, probs).view(experts, capacity, 1)
         delayed = self.deferred_wgrad  # no fp8 here (forward)
         product = batched_mm if delayed is None else lambda x, w: delayed.gemm("batched", x, w)
-        hidden = self.activation(product(padded, gate_proj), product(padded, up_proj), padded_probs)
-        out = product(hidden, down_proj)
+        biases = self.local_biases()
+        if biases is not None:  # [E, 1, width]: each expert's bias over its block of rows
+            biases = tuple(b.unsqueeze(1) for b in biases)
+        gate, up = self._biased(product(padded, gate_proj), product(padded, up_proj), biases, slice(None))
+        out = self._down_bias(product(self.activation(gate, up, padded_probs), down_proj), biases, slice(None),
+                              padded_probs)
         return out.reshape(experts * capacity, -1).index_select(0, slot)
 
     @torch.compiler.disable  # compiled, each expert's data-dependent rows would be a graph break of its own
@@ -175,7 +219,9 @@ class GroupedExperts(nn.Module):
         delayed = self.deferred_wgrad
         product = (lambda x, w: linear(x, w, fp8=self.fp8)) if delayed is None else (
             lambda x, w: delayed.gemm("linear", x, w, fp8=self.fp8))
-        for chunk, p, (gate_proj, up_proj, down_proj) in zip(chunks, chunk_probs, weights, strict=True):
-            gate, up = product(chunk, gate_proj), product(chunk, up_proj)
-            outputs.append(product(self.activation(gate, up, p), down_proj))
+        biases = self.local_biases()
+        for e, (chunk, p, (gate_proj, up_proj, down_proj)) in enumerate(zip(chunks, chunk_probs, weights,
+                                                                            strict=True)):
+            gate, up = self._biased(product(chunk, gate_proj), product(chunk, up_proj), biases, e)
+            outputs.append(self._down_bias(product(self.activation(gate, up, p), down_proj), biases, e, p))
         return torch.cat(outputs)

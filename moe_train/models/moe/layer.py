@@ -93,7 +93,8 @@ class MoELayer(nn.Module):
         self.balancing = StepBalancing() if balancing is None else balancing
         self.router = Router(hidden_size=hidden_size, moe=moe)
         self.experts = GroupedExperts(
-            num_experts=moe.num_experts, hidden_size=hidden_size, ffn_hidden_size=moe.ffn_hidden_size
+            num_experts=moe.num_experts, hidden_size=hidden_size, ffn_hidden_size=moe.ffn_hidden_size,
+            biases=moe.expert_biases, clamp=moe.clamped_swiglu,
         )
         if moe.shared_expert_ffn_hidden_size > 0:
             self.shared_experts = MLP(hidden_size=hidden_size, ffn_hidden_size=moe.shared_expert_ffn_hidden_size)

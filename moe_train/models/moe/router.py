@@ -30,7 +30,8 @@ class Routing:
 
 
 class Router(nn.Module):
-    """Linear scoring, optional aux-loss-free expert bias, optional group-limited top-k.
+    """Linear scoring (with a trained logit bias: gpt-oss), optional aux-loss-free expert bias, optional
+    group-limited top-k.
 
     `expert_bias` only changes which experts are chosen, never the weights, and never receives a gradient: the
     trainer moves it with `update_expert_bias` after each optimizer step.
@@ -69,6 +70,9 @@ class Router(nn.Module):
         self.even_routing = False
         self.forced = ForcedRouting.of(moe)
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        # gpt-oss: a trained logit bias (transformers' router.bias). Its softmax over the top-k logits is this
+        # router's softmax scores renormalised over the top k (normalize_topk), the same numbers.
+        self.bias = nn.Parameter(torch.empty(moe.num_experts)) if cfg.learned_bias else None
         if cfg.expert_bias:
             # fp32 whatever the model dtype: updates of 1e-3 would vanish in bf16 next to scores near 1.
             self.register_buffer("expert_bias", torch.empty(moe.num_experts, dtype=torch.float32), persistent=True)
@@ -103,6 +107,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> Routing:
         """x [T, H] -> Routing."""
         logits = _Fp32Logits.apply(x, self.weight)
+        if self.bias is not None:
+            logits = logits + self.bias.float()
         if self.logit_bias is not None:
             logits = logits + torch.tensor(self.logit_bias, dtype=logits.dtype, device=logits.device)
         scores = logits.softmax(dim=-1) if self.score_function == "softmax" else logits.sigmoid()
