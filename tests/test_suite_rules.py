@@ -132,6 +132,8 @@ ALL_SLOW: dict[str, str] = {
     "test_gpt_oss_layouts.py": "gpt-oss-tiny under TP2+SP, TP2, EP2, PP2, DP2, one gloo job; the family itself "
                                 "is test_hf's and test_config's fast tests",
     "test_muon_layouts.py": "Muon under the parallel layouts, one gloo job; Muon itself is test_muon's fast tests",
+    "test_offload_layouts.py": "activation offloading under the parallel layouts, one gloo job; the pool and every "
+                               "region are test_offload's fast tests, the planned bytes test_plan_measure's",
     "test_processes.py": "proves tests/processes.py's kill of a real launcher's process tree (test infrastructure, "
                          "no moe_train code)",
     "test_resilience.py": "one 4-rank job; resume, rejected steps and the notice file in one process are "
