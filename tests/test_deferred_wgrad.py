@@ -95,7 +95,7 @@ def test_hold_waits_for_the_queue_and_runs_after_it() -> None:
 
 
 @pytest.mark.slow
-def test_measure_counts_the_same_step_with_split_wgrad() -> None:
+def test_measure_counts_the_same_step_with_split_wgrad(no_process_group) -> None:
     """`measure --fake` at EP2: split_wgrad moves work, it adds none: the same FLOPs by phase, collective bytes
     and activation bytes per layer (its GEMMs save what the plain GEMMs' nodes save: the input, the weight as a
     weight, the offsets)."""
