@@ -3,7 +3,8 @@
 A layout lists what each pipeline stage holds: `E` the embedding, `t` a decoder layer, `m` an MTP module, `L`
 the loss (final norm and head), `|` a stage break; `X*n` repeats X and parentheses group, so
 `Et*3|(tt|)*29m|L` is 32 stages for DeepSeek-V3's 61 layers. Stages are numbered in virtual order: with pp
-ranks and vpp chunks each, stage s runs on rank s % pp.
+ranks and vpp chunks each, stage s runs on rank s % pp; in a V (`parallel.pp_schedule` dualpipev, vpp 2) stage s
+runs on rank s for s < pp and on rank 2 pp - 1 - s after, so rank 0 holds the first and the last stage.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class StageContents:
 
 @functools.lru_cache(maxsize=512)
 def pipeline_stages(*, pp: int, vpp: int, layout: str | None, num_layers: int,
-                    mtp_layers: int) -> tuple[StageContents, ...]:
+                    mtp_layers: int, v_shape: bool = False) -> tuple[StageContents, ...]:
     """Every virtual stage of a (valid) pipeline, in order: the layout string's, or the even split. Layers are
     dealt out in order, so each appears in exactly one stage. Cached (and so a tuple): the planner's search asks
     for the same few pipelines many times."""
@@ -110,7 +111,7 @@ def pipeline_stages(*, pp: int, vpp: int, layout: str | None, num_layers: int,
     out, next_layer, next_mtp = [], 0, 0
     for index, stage in enumerate(stages):
         out.append(StageContents(
-            index=index, rank=index % pp, layers=tuple(range(next_layer, next_layer + stage.layers)),
+            index=index, rank=v_rank(index, pp) if v_shape else index % pp, layers=tuple(range(next_layer, next_layer + stage.layers)),
             mtp=tuple(range(next_mtp, next_mtp + stage.mtp)), embedding=stage.embedding, loss=stage.loss,
         ))
         next_layer += stage.layers
@@ -118,7 +119,13 @@ def pipeline_stages(*, pp: int, vpp: int, layout: str | None, num_layers: int,
     return tuple(out)
 
 
+def v_rank(index: int, pp: int) -> int:
+    """The rank of virtual stage `index` in a V of 2 pp stages (torch's "v" style: down the ranks, then back)."""
+    return index if index < pp else 2 * pp - 1 - index
+
+
 def stages_of(recipe: Recipe) -> tuple[StageContents, ...]:
     """The virtual stages of a recipe's pipeline: what the engine builds, measure keeps and the plan counts."""
     p, m = recipe.parallel, recipe.model
-    return pipeline_stages(pp=p.pp, vpp=p.vpp, layout=p.pp_layout, num_layers=m.num_layers, mtp_layers=m.mtp_layers)
+    return pipeline_stages(pp=p.pp, vpp=p.vpp, layout=p.pp_layout, num_layers=m.num_layers, mtp_layers=m.mtp_layers,
+                           v_shape=p.pp_schedule == "dualpipev")

@@ -294,8 +294,11 @@ def _pipeline(r: Recipe) -> list[Problem]:
         out.append(_p("parallel.vpp", "virtual stages need pp > 1"))
     if p.pp_schedule == "interleaved_1f1b" and p.vpp == 1:
         out.append(_p("parallel.pp_schedule", "interleaved_1f1b needs vpp > 1"))
-    if p.vpp > 1 and p.pp_schedule not in ("interleaved_1f1b", "zero_bubble"):
-        out.append(_p("parallel.pp_schedule", f"vpp {p.vpp} needs interleaved_1f1b or zero_bubble"))
+    if p.pp_schedule == "dualpipev" and (p.pp == 1 or p.vpp != 2):
+        out.append(_p("parallel.pp_schedule", f"dualpipev needs pp > 1 and vpp 2 (two stages per rank in a V), got "
+                      f"pp {p.pp}, vpp {p.vpp}"))
+    elif p.vpp > 1 and p.pp_schedule not in ("interleaved_1f1b", "zero_bubble", "dualpipev"):
+        out.append(_p("parallel.pp_schedule", f"vpp {p.vpp} needs interleaved_1f1b, zero_bubble or dualpipev"))
     if p.pp_layout is None:
         if m.num_layers % stages:
             out.append(
@@ -344,10 +347,10 @@ def _overlap(r: Recipe) -> list[Problem]:
         out.append(_p("parallel.param_gather", "ep_overlap runs two micro-batches through a block at once, so FSDP2 "
                       "keeps its parameters gathered over the step: set param_gather per_step (or null) and "
                       "reshard_after_forward false (or null)"))
-    if p.pp > 1:
-        out.append(_p("parallel.ep_overlap", "with pipeline parallelism (pp > 1) is not built yet: the overlapped "
-                      "pairs are micro-batches of one rank's step (pp = 1); torch's pipeline schedules run each "
-                      "stage's forward and backward one after the other"))
+    if p.pp > 1 and p.pp_schedule != "dualpipev":
+        out.append(_p("parallel.ep_overlap", f"with pipeline parallelism is built for pp_schedule dualpipev only, "
+                      f"not {p.pp_schedule}: its steady state pairs a forward and a backward of two micro-batches "
+                      "on a rank's two stages; 1f1b's would wait on each other across ranks"))
     return out
 
 
@@ -444,6 +447,9 @@ def _batch(r: Recipe) -> list[Problem]:
             out.append(_p("train.global_batch_size", f"{p.pp_schedule} needs the micro-batch count per step "
                           f"(global_batch_size / (micro_batch_size * dp) = {micro_batches}) to be a multiple of "
                           f"pp {p.pp}"))
+        if p.pp_schedule == "dualpipev" and micro_batches < 2 * p.pp:
+            out.append(_p("train.global_batch_size", f"dualpipev needs at least 2 pp = {2 * p.pp} micro-batches per "
+                          f"step, got global_batch_size / (micro_batch_size * dp) = {micro_batches}"))
         if p.pp_schedule == "1f1b" and micro_batches < p.pp:
             out.append(_p("train.global_batch_size", f"1f1b needs at least pp = {p.pp} micro-batches per step to fill "
                           f"the pipeline, got global_batch_size / (micro_batch_size * dp) = {micro_batches}"))

@@ -242,7 +242,9 @@ class ParallelConfig(Section):
     tp: StrictInt = Field(1, ge=1)
     pp: StrictInt = Field(1, ge=1)
     vpp: StrictInt = Field(1, ge=1, description="Virtual pipeline stages per pipeline rank.")
-    pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe", "zero_bubble"] = "1f1b"
+    pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe", "zero_bubble", "dualpipev"] = Field(
+        "1f1b", description="dualpipev: torch's DualPipeV (vpp 2, the stages in a V: rank r holds stages r and "
+        "2 pp - 1 - r), with full backwards; under ep_overlap its paired forward+backward actions run overlapped.")
     pp_layout: str | None = Field(None, description="Megatron notation, e.g. 'Et*3|(tt|)*29m|L'.")
     cp: StrictInt = Field(1, ge=1, description="Context parallelism: each sequence split over cp ranks (2*cp chunks, "
                     "rank r holding chunks r and 2*cp-1-r).")

@@ -43,10 +43,12 @@ from moe_train.models.moe.collective_turns import Baton, turn_state
 
 
 def run_pair(
-    backward: Callable[[], None], forward: Callable[[], object], *, backward_micro_batch: int, forward_micro_batch: int
+    backward: Callable[[], None], forward: Callable[[], object], *, backward_micro_batch: int | str,
+    forward_micro_batch: int | str,
 ) -> object:
     """Run `backward` (this thread, first) and `forward` (a helper thread) as one overlapped pair; returns what
-    `forward` returns. An exception in either half is raised here once both have ended."""
+    `forward` returns. An exception in either half is raised here once both have ended. The micro-batches label
+    the halves in the recorded order: an index (pp = 1), or a stage's pass in torch's notation (`0F3`, dualpipev)."""
     baton = Baton()
     results: dict[int, object] = {}
     errors: list[BaseException] = []

@@ -15,8 +15,9 @@ Megatron-Core does for shared embeddings: both copies take the same step and sta
 counted once in the gradient norm (`duplicate_parameters`) and its checkpoint key is the embedding's own.
 
 Schedules are torch.distributed.pipelining's, given static stage inputs and outputs (a hidden-state tensor
-between stages, the loss terms after the last): 1f1b, gpipe, interleaved_1f1b (vpp > 1) and zero_bubble
-(torch's interleaved zero-bubble schedule). Every stage receives the micro-batch's token ids, labels and position
+between stages, the loss terms after the last): 1f1b, gpipe, interleaved_1f1b (vpp > 1), zero_bubble
+(torch's interleaved zero-bubble schedule) and dualpipev (torch's DualPipeV with full backwards, vpp 2 in a V;
+under `parallel.ep_overlap` its overlapped forward+backward actions run as pairs: parallel/dual_pipe.py). Every stage receives the micro-batch's token ids, labels and position
 ids as keyword arguments (the data is read on every pipeline rank; docs/decisions.md: the last stage reads its input ids
 from the data), so rotary tables and document masks are rebuilt per stage and MTP finds its tokens. The loss
 already divides by the whole step's tokens and micro-batches, so the schedule sums gradients unscaled
@@ -205,6 +206,9 @@ class Pipeline:
             ScheduleInterleaved1F1B,
             ScheduleInterleavedZeroBubble,
         )
+        from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+        from moe_train.parallel.dual_pipe import DualPipeVFullBackward, overlapped_forward_backward
 
         p, train = recipe.parallel, recipe.train
         self.micro_batches = train.global_batch_size // (train.micro_batch_size * ctx.size("dp"))
@@ -217,12 +221,15 @@ class Pipeline:
                                         output_args=outputs, group=ctx.group("pp")))
         self.holds_loss = any(chunk.stage.loss for chunk in chunks)
         single = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
-        multi = {"interleaved_1f1b": ScheduleInterleaved1F1B, "zero_bubble": ScheduleInterleavedZeroBubble}
+        multi = {"interleaved_1f1b": ScheduleInterleaved1F1B, "zero_bubble": ScheduleInterleavedZeroBubble,
+                 "dualpipev": DualPipeVFullBackward}
         kind = p.pp_schedule
         stage_arg = stages[0] if kind in single else stages
         schedule_class = single.get(kind) or multi[kind]
         self.schedule = schedule_class(stage_arg, self.micro_batches, loss_fn=self._micro_batch_loss,
                                        scale_grads=False)
+        if p.ep_overlap:  # validate admits it with dualpipev only: its OVERLAP_F_B actions become overlapped pairs
+            self.schedule.register_custom_function(OVERLAP_F_B, overlapped_forward_backward(self.schedule))
 
     def _micro_batch_loss(self, terms: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
         return self._loss(LossTerms(*terms))

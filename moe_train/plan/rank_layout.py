@@ -90,7 +90,7 @@ def rank_chunks(layout: PlanLayout, cfg: ModelConfig) -> list[list[Chunk]]:
     (the engine's assignment: config/pp_layout.py `pipeline_stages`)."""
     per_rank: list[list[Chunk]] = [[] for _ in range(layout.pp)]
     stages = pipeline_stages(pp=layout.pp, vpp=layout.vpp, layout=layout.pp_layout, num_layers=cfg.num_layers,
-                             mtp_layers=cfg.mtp_layers)
+                             mtp_layers=cfg.mtp_layers, v_shape=layout.pp_schedule == "dualpipev")
     for stage in stages:
         moe = sum(1 for index in stage.layers if cfg.is_moe_layer(index))
         per_rank[stage.rank].append(Chunk(stage.index, list(stage.layers), stage.embedding, len(stage.mtp),

@@ -66,8 +66,9 @@ class _Issued:
     done: list[float]  # filled by the work's completion callback (gloo's thread), when it has one
 
 
-def micro_batch() -> int | None:
-    """The micro-batch this thread is running inside an overlapped pair (None outside one)."""
+def micro_batch() -> int | str | None:
+    """The micro-batch this thread is running inside an overlapped pair (None outside one): its index, or under
+    a pipeline the stage's pass (`0F3`: stage 0's forward of micro-batch 3)."""
     return getattr(turn_state, "micro_batch", None)
 
 

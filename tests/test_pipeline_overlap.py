@@ -1,0 +1,80 @@
+"""Overlapped micro-batches with pipeline parallelism (`parallel.ep_overlap` under `parallel.pp_schedule`
+dualpipev: parallel/dual_pipe.py) against the plain dualpipev step of the same layout, bit for bit, and against
+the single process; the recorded order of one overlapped step on a pipeline stage; and plan's count of the pairs
+against the schedule torch builds.
+
+PP2 x EP2 on 4 gloo ranks (the experts over the two data-parallel ranks of each stage), 4 layers in 4 stages (a
+V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2), 4 micro-batches a step: each rank runs 3 overlapped
+pairs a step. The pairs run the plain schedule's two sub-actions, on two stages that share no parameter, so
+nothing may part by a bit (tolerance 0); the plain dualpipev step is held to the single process as every layout
+test is (helpers.assert_same_run).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import SHRINK_LAYOUT, assert_same_run
+from multirank import run_ranks
+from workers.record import record_run
+
+STEPS = 2  # the gradients of step 1, the parameters after step 2 (one update), both steps' losses
+EXACT = {"loss": 0.0, "rtol": 0.0, "atol": 0.0}
+MODEL = ["train.micro_batch_size=1", "train.precision=fp32", "model.num_layers=4"]
+DUALPIPEV = ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=dualpipev", "parallel.ep=2"]
+OVERLAP = "parallel.ep_overlap=true"
+# (id, model/train overrides also given to the single process)
+CASES = {
+    "alltoall": [],
+    "allgather": ["model.moe.dispatcher=allgather"],
+    "selective-recompute": ["parallel.recompute.granularity=selective", "parallel.recompute.modules=[moe]"],
+}
+
+
+def _spec(case_id: str, model: list[str]) -> dict:
+    return {"id": case_id, "recipe": "qwen3-moe-tiny", "steps": STEPS,
+            "overrides": [*SHRINK_LAYOUT, *MODEL, *model, *DUALPIPEV]}
+
+
+@pytest.mark.slow
+def test_dualpipev_overlapped_pairs_equal_the_plain_step_and_the_single_process(tmp_path: Path) -> None:
+    cases = []
+    for name, model in CASES.items():
+        cases += [_spec(f"{name}-plain", model), _spec(f"{name}-overlap", [*model, OVERLAP])]
+    order = _spec("order", [OVERLAP])
+    result = run_ranks("pipeline_overlap", 4, {"cases": [*cases, order], "run_root": str(tmp_path / "pp")}, tmp_path,
+                       timeout=400)
+    saved = result["saved"]
+    for name, model in CASES.items():
+        plain = torch.load(saved[f"{name}-plain"], weights_only=True)
+        assert_same_run(torch.load(saved[f"{name}-overlap"], weights_only=True), plain, **EXACT)
+        single = record_run("qwen3-moe-tiny", [*SHRINK_LAYOUT, *MODEL, *model], world=1, run_dir=tmp_path / name,
+                            steps=STEPS)
+        assert_same_run(plain, single)
+    _check_order(result["order"])
+
+
+def _check_order(order: dict) -> None:
+    """Rank 0's recorded step: every overlapped pair of the built schedule ran (a pair's halves name each
+    other), and inside each pair every dispatch/combine collective of one half was issued before a compute phase
+    of the other and waited on after it, for as long as the other had compute left."""
+    events, pairs = order["events"], order["pairs"]
+    ran = {(e[2], e[3]) for e in events if e[3] is not None}
+    for forward, backward in pairs["0"]:
+        assert (forward, backward) in ran and (backward, forward) in ran, (forward, backward, sorted(ran))
+    checked = hidden = 0
+    for index, (event, _kind, micro, partner) in enumerate(events):
+        if event != "issue" or partner is None:
+            continue
+        waited = next(i for i in range(index + 1, len(events)) if events[i][0] == "wait" and events[i][2] == micro)
+        later = [i for i in range(index + 1, len(events)) if events[i][0] == "compute" and events[i][2] == partner]
+        if later and later[0] < max(i for i, e in enumerate(events) if e[2] == partner):
+            checked += 1
+            hidden += later[0] < waited
+    # per pair at least one stage's layer of each half: a dispatch and a combine each way
+    assert checked >= 2 * len(pairs["0"]), events
+    assert hidden == checked, events
+    # the plain passes outside the pairs (warm-up, cool-down) record no partner
+    assert any(e[3] is None and e[0] == "issue" for e in events)
