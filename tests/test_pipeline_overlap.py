@@ -78,3 +78,47 @@ def _check_order(order: dict) -> None:
     assert hidden == checked, events
     # the plain passes outside the pairs (warm-up, cool-down) record no partner
     assert any(e[3] is None and e[0] == "issue" for e in events)
+
+
+TWO = ["launch.gpus_per_node=4", "train.micro_batch_size=1", "model.num_layers=4"]
+
+
+@pytest.mark.parametrize(("sets", "field", "refused"), [
+    ([*DUALPIPEV, OVERLAP], None, None),
+    (["parallel.pp=2", "parallel.ep=2", OVERLAP], "parallel.ep_overlap", "dualpipev only, not 1f1b"),
+    (["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.ep=2", OVERLAP],
+     "parallel.ep_overlap", "dualpipev only, not interleaved_1f1b"),
+    (["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.ep=2"], "parallel.pp_schedule",
+     "dualpipev needs pp > 1 and vpp 2"),
+    ([*DUALPIPEV, "train.global_batch_size=4"], "train.global_batch_size", "dualpipev needs at least 2 pp = 4"),
+    ([*DUALPIPEV, OVERLAP, "parallel.split_wgrad=true"], "parallel.split_wgrad", "pipeline parallelism"),
+])
+def test_validate_refuses_what_dualpipev_and_its_overlap_cannot_do_by_name(sets: list[str], field: str | None,
+                                                                           refused: str | None) -> None:
+    """One line naming the field and the reason (exit 2 at the CLI, as every RecipeError)."""
+    from moe_train.config import load_recipe
+    from moe_train.config.loader import RecipeError
+
+    overrides = [*SHRINK_LAYOUT, *TWO, *sets]
+    if refused is None:
+        recipe = load_recipe("qwen3-moe-tiny", overrides, check_files=False)
+        assert recipe.parallel.ep_overlap and recipe.parallel.pp_schedule == "dualpipev"
+        return
+    with pytest.raises(RecipeError) as error:
+        load_recipe("qwen3-moe-tiny", overrides, check_files=False)
+    lines = [line for line in str(error.value).splitlines() if f"{field}: " in line]
+    assert len(lines) == 1 and refused in lines[0], str(error.value)
+
+
+def test_the_engine_refuses_dualpipev_with_the_embedding_shared_in_the_v() -> None:
+    """MTP or a tied head on the last stage, which a V puts on the first stage's rank: validate and plan accept
+    it, the engine refuses it by name (config/support.py)."""
+    from moe_train.config import load_recipe
+    from moe_train.config.support import unsupported
+
+    tied = load_recipe("qwen3-moe-tiny", [*SHRINK_LAYOUT, *TWO, *DUALPIPEV, "model.tie_embeddings=true"],
+                       check_files=False)
+    assert unsupported(tied) == ["parallel.pp_schedule: dualpipev with MTP or tied embeddings (the last stage's "
+                                 "embedding copy on the first stage's rank) is not supported yet"]
+    untied = load_recipe("qwen3-moe-tiny", [*SHRINK_LAYOUT, *TWO, *DUALPIPEV], check_files=False)
+    assert unsupported(untied) == []

@@ -111,7 +111,8 @@ def pipeline_stages(*, pp: int, vpp: int, layout: str | None, num_layers: int,
     out, next_layer, next_mtp = [], 0, 0
     for index, stage in enumerate(stages):
         out.append(StageContents(
-            index=index, rank=v_rank(index, pp) if v_shape else index % pp, layers=tuple(range(next_layer, next_layer + stage.layers)),
+            index=index, rank=v_rank(index, pp) if v_shape else index % pp,
+            layers=tuple(range(next_layer, next_layer + stage.layers)),
             mtp=tuple(range(next_mtp, next_mtp + stage.mtp)), embedding=stage.embedding, loss=stage.loss,
         ))
         next_layer += stage.layers

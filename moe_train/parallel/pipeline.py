@@ -17,11 +17,12 @@ counted once in the gradient norm (`duplicate_parameters`) and its checkpoint ke
 Schedules are torch.distributed.pipelining's, given static stage inputs and outputs (a hidden-state tensor
 between stages, the loss terms after the last): 1f1b, gpipe, interleaved_1f1b (vpp > 1), zero_bubble
 (torch's interleaved zero-bubble schedule) and dualpipev (torch's DualPipeV with full backwards, vpp 2 in a V;
-under `parallel.ep_overlap` its overlapped forward+backward actions run as pairs: parallel/dual_pipe.py). Every stage receives the micro-batch's token ids, labels and position
-ids as keyword arguments (the data is read on every pipeline rank; docs/decisions.md: the last stage reads its input ids
-from the data), so rotary tables and document masks are rebuilt per stage and MTP finds its tokens. The loss
-already divides by the whole step's tokens and micro-batches, so the schedule sums gradients unscaled
-(`scale_grads=False`) and FSDP2 reduces them once per step, after the last backward.
+under `parallel.ep_overlap` its overlapped forward+backward actions run as pairs: parallel/dual_pipe.py).
+Every stage receives the micro-batch's token ids, labels and position ids as keyword arguments (the data is
+read on every pipeline rank; docs/decisions.md: the last stage reads its input ids from the data), so rotary
+tables and document masks are rebuilt per stage and MTP finds its tokens. The loss already divides by the
+whole step's tokens and micro-batches, so the schedule sums gradients unscaled (`scale_grads=False`) and FSDP2
+reduces them once per step, after the last backward.
 """
 
 from __future__ import annotations
