@@ -20,6 +20,8 @@ from helpers import SHRINK_LAYOUT, assert_same_run
 from multirank import run_ranks
 from workers.record import record_run
 
+from moe_train.plan.overlap import PairedPhases, dualpipev_order, exposed_comm, overlapped_pairs
+
 STEPS = 2  # the gradients of step 1, the parameters after step 2 (one update), both steps' losses
 EXACT = {"loss": 0.0, "rtol": 0.0, "atol": 0.0}
 MODEL = ["train.micro_batch_size=1", "train.precision=fp32", "model.num_layers=4"]
@@ -64,6 +66,8 @@ def _check_order(order: dict) -> None:
     ran = {(e[2], e[3]) for e in events if e[3] is not None}
     for forward, backward in pairs["0"]:
         assert (forward, backward) in ran and (backward, forward) in ran, (forward, backward, sorted(ran))
+    # the pairs the run ran on rank 0 are the plan's count (each stage's 4 micro-batches, both stages' passes)
+    assert len({frozenset(pair) for pair in ran}) == overlapped_pairs(pp=2, rank=0, micro_batches=4)[0]
     checked = hidden = 0
     for index, (event, _kind, micro, partner) in enumerate(events):
         if event != "issue" or partner is None:
@@ -122,3 +126,64 @@ def test_the_engine_refuses_dualpipev_with_the_embedding_shared_in_the_v() -> No
                                  "embedding copy on the first stage's rank) is not supported yet"]
     untied = load_recipe("qwen3-moe-tiny", [*SHRINK_LAYOUT, *TWO, *DUALPIPEV], check_files=False)
     assert unsupported(untied) == []
+
+
+def _torch_order(pp: int, rank: int, micro_batches: int) -> list[tuple[str, ...]]:
+    """The order the engine's schedule (parallel/dual_pipe.py DualPipeVFullBackward, torch's DualPipeV order)
+    gives pipeline rank `rank`, each pass named by its kind and which of the rank's two stages (0: stage
+    `rank`, 1: stage 2 pp - 1 - rank), as plan/overlap.py names them. Built from torch's own order function."""
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+    from moe_train.parallel.dual_pipe import DualPipeVFullBackward
+
+    schedule = DualPipeVFullBackward.__new__(DualPipeVFullBackward)  # the order needs no stages nor group
+    schedule.pp_group_size, schedule._n_microbatches = pp, micro_batches
+
+    def name(action) -> str:
+        return f"{action.computation_type.value}{0 if action.stage_index == rank else 1}"
+
+    return [tuple(name(a) for a in action.sub_actions) if action.computation_type == OVERLAP_F_B else (name(action),)
+            for action in schedule._calculate_single_rank_operations(rank) if action is not None]
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_plan_pairs_are_the_pairs_of_the_schedule_torch_builds(pp: int) -> None:
+    """plan/overlap.py's dualpipev order (torch-free) is the engine schedule's, pass for pass, on every rank; so
+    its count of overlapped pairs is the count of OVERLAP_F_B actions each rank runs, and behind ample compute
+    plan hides exactly that share of a layer's EP communication (pairs / 2M of the rank's passes), none in the
+    ramps."""
+    for micro_batches in (2 * pp, 2 * pp + 1, 3 * pp, 4 * pp + 2):
+        for rank in range(pp):
+            built = _torch_order(pp, rank, micro_batches)
+            assert dualpipev_order(pp=pp, rank=rank, micro_batches=micro_batches) == built, (pp, rank, micro_batches)
+            pairs = sum(1 for passes in built if passes[0].startswith("F") and len(passes) == 2)
+            assert overlapped_pairs(pp=pp, rank=rank, micro_batches=micro_batches) == (pairs, 2 * micro_batches)
+            ample = PairedPhases(micro_batches=micro_batches, overlapped=True, forward_compute_s=1e3,
+                                 backward_compute_s=1e3, paired_passes=(pairs, 2 * micro_batches))
+            (comm,) = exposed_comm({"ep/all_to_all": 6.0}, {"ep/all_to_all": 2.0}, ample, layers=2).values()
+            assert comm.hidden_s == pytest.approx(6.0 * pairs / (2 * micro_batches), rel=1e-12)
+
+
+def test_plan_of_a_dualpipev_recipe_prices_the_pairs_of_each_rank() -> None:
+    """`plan` of deepseek-v3's own pipeline (pp 8, vpp 2) under dualpipev: without ep_overlap nothing hides; with
+    it every pipeline rank hides EP communication, at most its schedule's pairs / 2M, and the time rank's
+    `ep_comm_hidden` is its dispatcher collectives' hidden seconds."""
+    from moe_train.config import load_recipe
+    from moe_train.config.hardware import hardware_table
+    from moe_train.plan.estimate import estimate, plan_json
+
+    sets = ["parallel.pp_schedule=dualpipev", "model.moe.dispatcher=hierarchical"]
+    plain = load_recipe("deepseek-v3", sets, check_files=False)
+    overlapped = load_recipe("deepseek-v3", [*sets, OVERLAP], check_files=False)
+    hardware = hardware_table()[plain.launch.gpu]
+    plain_json = plan_json(estimate(plain, hardware))
+    assert plain_json["time_s"]["ep_comm_hidden"] == 0.0
+    assert all(c["exposed_fraction"] == 1.0 for c in plain_json["exposed_comm"].values())
+    plan = estimate(overlapped, hardware)
+    data, m = plan_json(plan), plan.layout.micro_batches
+    pairs, passes = overlapped_pairs(pp=8, rank=data["time_rank"]["pp"], micro_batches=m)
+    assert 0 < pairs < passes
+    for comm in data["exposed_comm"].values():
+        assert 1 - pairs / passes - 1e-12 <= comm["exposed_fraction"] < 1.0
+    assert data["time_s"]["ep_comm_hidden"] == pytest.approx(sum(c["hidden_s"] for c in data["exposed_comm"].values()))
+    assert data["step_time_s"] < plain_json["step_time_s"]

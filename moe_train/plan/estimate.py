@@ -29,7 +29,7 @@ from .assumptions import Assumptions
 from .comm_bytes import CommBytes, comm_time, dispatch_forward
 from .flop_count import forward_flops_per_token, layer_flops_by_region
 from .muon_cost import muon_flops, muon_trained
-from .overlap import ExposedComm, PairedPhases, exposed_comm
+from .overlap import ExposedComm, PairedPhases, exposed_comm, overlapped_pairs
 from .params import RankParams, fp8_gathered_kinds, fsdp_rows, rank_params
 from .rank_layout import Chunk, PlanLayout, in_flight, rank_chunks
 from .recompute_policy import RecomputePolicy, recompute_groups
@@ -524,11 +524,12 @@ def _compute_seconds(split: dict[str, float], hw: Hardware, a: Assumptions) -> f
 
 
 def paired_phases(recipe: Recipe, layout: PlanLayout, work: MoeLayerWork | None, hw: Hardware,
-                  a: Assumptions) -> PairedPhases | None:
+                  a: Assumptions, *, rank: int = 0) -> PairedPhases | None:
     """What one MoE layer's EP communication hides behind under the recipe's `parallel.ep_overlap`: one MoE
     layer's compute and memory-bound seconds in a micro-batch's forward (a third of its memory-bound traffic:
     each saved byte written and read forward, its gradient and the re-reads backward) and backward; under
-    `parallel.split_wgrad` its routed experts' weight-gradient seconds (plan/overlap.py)."""
+    `parallel.split_wgrad` its routed experts' weight-gradient seconds (plan/overlap.py). `rank`: the pipeline
+    rank, whose schedule decides which passes are paired."""
     if work is None:
         return None
     elementwise = work.elementwise_bytes / hw.hbm_bytes_per_s
@@ -539,7 +540,9 @@ def paired_phases(recipe: Recipe, layout: PlanLayout, work: MoeLayerWork | None,
     return PairedPhases(micro_batches=layout.micro_batches, overlapped=recipe.parallel.ep_overlap,
                         forward_compute_s=_compute_seconds(work.forward, hw, a) + elementwise / 3,
                         backward_compute_s=_compute_seconds(work.backward, hw, a) + 2 * elementwise / 3,
-                        delayed_wgrad_s=_compute_seconds({"grouped_gemm": delayed}, hw, a))
+                        delayed_wgrad_s=_compute_seconds({"grouped_gemm": delayed}, hw, a),
+                        paired_passes=overlapped_pairs(pp=layout.pp, rank=rank, micro_batches=layout.micro_batches)
+                        if layout.pp > 1 and recipe.parallel.ep_overlap else None)
 
 
 def _exposed_comm(plan_rank: RankPlan, phases: PairedPhases | None, layout: PlanLayout, hw: Hardware,
@@ -637,7 +640,7 @@ def estimate(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None
         executed = sum(r.flops["total"] for r in ranks) * layout.ranks_per_stage
     else:  # the planned ranks stand for all (search ranks layouts; it does not report executed FLOPs)
         executed = sum(r.flops["total"] for r in ranks) * layout.pp / len(ranks) * layout.ranks_per_stage
-    phases = [paired_phases(recipe, layout, r.moe_layer, hardware, a) for r in ranks]
+    phases = [paired_phases(recipe, layout, r.moe_layer, hardware, a, rank=r.rank) for r in ranks]
     copies = [offload_copies(m, layout, hardware, a, r) for r in ranks]
     times = [_time(r, layout, hardware, a, r.params.local, p, c["exposed_s"] or 0.0)
              for r, p, c in zip(ranks, phases, copies, strict=True)]

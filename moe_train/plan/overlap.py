@@ -14,6 +14,12 @@ segment of the partner's layer (its attention and router, or its experts) and a 
 half that ends first leaves the other's last collectives exposed; the model does not split the layer into
 those segments. All MoE layers of a rank are alike (forced even routing), so one layer's figures stand for all.
 
+With pipelines (`parallel.pp_schedule` dualpipev, parallel/dual_pipe.py) the pairs are the schedule's
+OVERLAP_F_B actions: pipeline rank r runs 2M forward and 2M backward passes (M on each of its two stages) and
+`dualpipev_order` lists them as torch's DualPipeV orders them, with full backwards; its pairs (2 (M - 2 pp + r + 1)
++ pp - r - 1, one fewer on the last rank) hide, its ramps hide nothing. Both stages of a rank hold alike MoE
+layers, so a layer's passes are paired in the rank's proportion, pairs / 2M: `PairedPhases.paired_passes`.
+
 `parallel.split_wgrad` (models/moe/deferred_wgrad.py) runs the routed experts' weight gradients (their forward's
 grouped-GEMM FLOPs again) while the layer's dispatch-backward all-to-all is in flight, in every backward, paired
 or not (the cool-down's, and without ep_overlap every one). That collective is taken as half of the layer's
@@ -50,6 +56,30 @@ class ExposedComm:
         return {"own_s": self.own_s, "hidden_s": self.hidden_s, "exposed_fraction": self.exposed_fraction}
 
 
+def dualpipev_order(*, pp: int, rank: int, micro_batches: int) -> list[tuple[str, ...]]:
+    """The compute passes pipeline rank `rank` runs in a dualpipev step, in order: ("F0",) or ("B1",) alone (the
+    pass and which of the rank's two stages: 0 on the way down the V, 1 on the way back), ("F0", "B1") for an
+    overlapped pair. torch's ScheduleDualPipeV's steps, each input-gradient pass a full backward and the weight
+    passes dropped, as parallel/dual_pipe.py runs it (tests/test_pipeline_overlap.py holds the two equal)."""
+    down, up = pp - rank - 1, rank + 1  # the ranks below this one, and this one with those above
+    order: list[tuple[str, ...]] = [("F0",)] * (2 * down) + [("F0",), ("F1",)] * up + [("B1",), ("F1",)] * down
+    for i in range(micro_batches - 2 * pp + up):
+        # torch keeps the last rank's first steady-state forward and backward apart, to shorten the bubble
+        order += [("F0",), ("B1",)] if i == 0 and rank == pp - 1 else [("F0", "B1")]
+        order.append(("F1", "B0"))
+    order += [("B1",), ("F1", "B0")] * down + [("B1",), ("B0",)] * up + [("B0",)] * down
+    return order
+
+
+def overlapped_pairs(*, pp: int, rank: int, micro_batches: int) -> tuple[int, int]:
+    """(overlapped pairs, forward passes) of pipeline rank `rank` in a step under ep_overlap: M - 1 of M at
+    pp = 1 (F0 and B_M-1 alone), dualpipev's OVERLAP_F_B actions of its 2M passes with pipelines."""
+    if pp == 1:
+        return max(micro_batches - 1, 0), micro_batches
+    order = dualpipev_order(pp=pp, rank=rank, micro_batches=micro_batches)
+    return sum(1 for passes in order if len(passes) == 2), 2 * micro_batches
+
+
 @dataclass(frozen=True)
 class PairedPhases:
     """What one MoE layer's EP communication can hide behind in a step: the micro-batches, whether they run in
@@ -61,11 +91,19 @@ class PairedPhases:
     forward_compute_s: float
     backward_compute_s: float
     delayed_wgrad_s: float = 0.0  # split_wgrad: one MoE layer's expert weight gradients in one backward; 0 off
+    # (pairs, passes) of the rank's schedule (`overlapped_pairs`) where it is not pp = 1's M - 1 of M
+    paired_passes: tuple[int, int] | None = None
 
     @property
-    def pairs(self) -> int:
-        """Pairs of the step: M - 1 forwards (F1 .. F_M-1) and as many backwards (B0 .. B_M-2) have a partner."""
-        return self.micro_batches - 1 if self.overlapped else 0
+    def pairs(self) -> float:
+        """A layer's paired forwards in the step (as many backwards): M - 1 at pp = 1 (F1 .. F_M-1 with B0 ..
+        B_M-2); with a pipeline its M passes in the rank's proportion of pairs to passes."""
+        if not self.overlapped:
+            return 0
+        if self.paired_passes is None:
+            return self.micro_batches - 1
+        pairs, passes = self.paired_passes
+        return self.micro_batches * pairs / passes if passes else 0.0
 
     def hidden_shares(self, forward_s: float, backward_s: float) -> tuple[float, float]:
         """(share of `forward_s`, share of `backward_s` hidden): one layer's EP seconds per step in the forward

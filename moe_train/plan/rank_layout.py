@@ -104,13 +104,17 @@ def in_flight(layout: PlanLayout, rank: int) -> list[int]:
     1F1B: rank r runs pp - r forwards before its first backward. Interleaved 1F1B (Megatron-Core's warm-up):
     2 (pp - r - 1) + (vpp - 1) pp + 1 chunk forwards, dealt to the chunks in groups of pp, which is where its
     memory penalty over 1F1B comes from (chunk 0 holds up to 2pp - 1). gpipe holds every micro-batch.
-    zero_bubble is counted as interleaved. Never more than the step's micro-batches.
+    zero_bubble is counted as interleaved. dualpipev (plan/overlap.py `dualpipev_order`): 2 pp - r forwards of
+    the stage on the way down before its first backward, r + 1 of the one on the way back. Never more than the
+    step's micro-batches.
     """
     m, pp, vpp = layout.micro_batches, layout.pp, layout.vpp
     if pp == 1:
         return [1] * vpp
     if layout.pp_schedule == "gpipe":
         return [m] * vpp
+    if layout.pp_schedule == "dualpipev":
+        return [min(2 * pp - rank, m), min(rank + 1, m)]
     if vpp == 1:
         return [min(pp - rank, m)]
     warmup = 2 * (pp - rank - 1) + (vpp - 1) * pp + 1
