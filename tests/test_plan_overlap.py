@@ -194,15 +194,16 @@ def test_exposed_comm_names_each_dispatchers_collectives(dispatcher: str, keys: 
 
 def test_plan_json_keys_and_the_engines_refusals() -> None:
     """`plan --json` holds exposed_comm (own_s, hidden_s, exposed_fraction per <group>/<op>) and
-    time_s.ep_comm_hidden; where validate refuses ep_overlap (pp > 1, no EP communication) plan refuses it too
-    (exit 2, the field named)."""
+    time_s.ep_comm_hidden; where validate refuses ep_overlap (pp > 1 with a schedule but dualpipev, no EP
+    communication) plan refuses it too (exit 2, the field named)."""
     result = run_cli("plan", QWEN, "--set", OVERLAP, "--json")
     assert result.code == 0, result.stderr
     data = json.loads(result.stdout)
     assert set(data["exposed_comm"]) == {"ep/all_to_all"}
     assert set(data["exposed_comm"]["ep/all_to_all"]) == {"own_s", "hidden_s", "exposed_fraction"}
     assert data["time_s"]["ep_comm_hidden"] == pytest.approx(data["exposed_comm"]["ep/all_to_all"]["hidden_s"])
-    assert_bad_input(run_cli("plan", "deepseek-v3", "--set", OVERLAP), "parallel.ep_overlap", "pp > 1")
+    assert_bad_input(run_cli("plan", "deepseek-v3", "--set", OVERLAP), "parallel.ep_overlap",
+                     "dualpipev only, not interleaved_1f1b")
     assert_bad_input(run_cli("plan", QWEN, "--set", OVERLAP, "--set", "parallel.ep=1"), "parallel.ep_overlap")
 
 
@@ -231,17 +232,19 @@ def test_routing_hides_the_traced_exchanges_as_the_plan_does() -> None:
 
 @pytest.mark.slow
 def test_search_keeps_ep_overlap_where_the_engine_builds_it() -> None:
-    """With the recipe's ep_overlap the search weighs the same layouts as without (pipelined ones too, plain
-    there: the engine refuses them overlapped), each one validate accepts: overlapped at pp 1 with EP
-    communication, plain elsewhere; overlapped, a layout is never slower than plain."""
+    """With the recipe's ep_overlap the search weighs the same layouts as without (pipelined ones too: at vpp 2
+    with 2 pp micro-batches as dualpipev, overlapped; plain elsewhere, where the engine refuses them overlapped),
+    each one validate accepts: overlapped at pp 1 or under dualpipev with EP communication, plain elsewhere;
+    overlapped, a layout is never slower than plain."""
     plain = load_recipe(QWEN, ["launch.nodes=2"], check_files=False)
     recipe = load_recipe(QWEN, ["launch.nodes=2", OVERLAP], check_files=False)
     every, valid, fits = search(recipe, HARDWARE["h100"], top=1 << 30)
     assert (valid, fits) == search(plain, HARDWARE["h100"], top=1)[1:]
     assert {c.overrides["parallel.ep_overlap"] for c in every} == {True, False}
+    assert any(c.plan.recipe.parallel.pp > 1 and c.plan.recipe.parallel.ep_overlap for c in every)
     for c in every[:: max(len(every) // 25, 1)]:
         p = c.plan.recipe.parallel
-        assert p.ep_overlap == (p.pp == 1 and p.ep * p.etp > 1)
+        assert p.ep_overlap == ((p.pp == 1 or p.pp_schedule == "dualpipev") and p.ep * p.etp > 1)
         assert check_recipe(c.plan.recipe, check_files=False) == []
         if p.ep_overlap:
             alone = estimate(c.plan.recipe.model_copy(update={"parallel": p.model_copy(
