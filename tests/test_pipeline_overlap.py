@@ -35,8 +35,11 @@ CASES = {
 }
 
 
-def _spec(case_id: str, model: list[str]) -> dict:
-    return {"id": case_id, "recipe": "qwen3-moe-tiny", "steps": STEPS,
+EVALUATED = "alltoall"  # its runs also evaluate after the last step (the schedule's forwards only)
+
+
+def _spec(case_id: str, model: list[str], *, evaluate: bool = False) -> dict:
+    return {"id": case_id, "recipe": "qwen3-moe-tiny", "steps": STEPS, "evaluate": evaluate,
             "overrides": [*SHRINK_LAYOUT, *MODEL, *model, *DUALPIPEV]}
 
 
@@ -44,17 +47,24 @@ def _spec(case_id: str, model: list[str]) -> dict:
 def test_dualpipev_overlapped_pairs_equal_the_plain_step_and_the_single_process(tmp_path: Path) -> None:
     cases = []
     for name, model in CASES.items():
-        cases += [_spec(f"{name}-plain", model), _spec(f"{name}-overlap", [*model, OVERLAP])]
+        evaluate = name == EVALUATED
+        cases += [_spec(f"{name}-plain", model, evaluate=evaluate),
+                  _spec(f"{name}-overlap", [*model, OVERLAP], evaluate=evaluate)]
     order = _spec("order", [OVERLAP])
     result = run_ranks("pipeline_overlap", 4, {"cases": [*cases, order], "run_root": str(tmp_path / "pp")}, tmp_path,
                        timeout=400)
     saved = result["saved"]
     for name, model in CASES.items():
         plain = torch.load(saved[f"{name}-plain"], weights_only=True)
-        assert_same_run(torch.load(saved[f"{name}-overlap"], weights_only=True), plain, **EXACT)
+        overlapped = torch.load(saved[f"{name}-overlap"], weights_only=True)
+        assert_same_run(overlapped, plain, **EXACT)
+        evaluate = name == EVALUATED
         single = record_run("qwen3-moe-tiny", [*SHRINK_LAYOUT, *MODEL, *model], world=1, run_dir=tmp_path / name,
-                            steps=STEPS)
+                            steps=STEPS, evaluate=evaluate)
         assert_same_run(plain, single)
+        assert (overlapped["eval"] is not None) == evaluate
+        if evaluate:
+            assert overlapped["eval"] == plain["eval"] == pytest.approx(single["eval"], rel=1e-5)
     _check_order(result["order"])
 
 

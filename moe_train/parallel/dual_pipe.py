@@ -18,7 +18,8 @@ pass), the same pairs, a slightly larger bubble in the ramps.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.distributed.pipelining.schedules import (
@@ -90,11 +91,39 @@ def overlapped_forward_backward(schedule: ScheduleDualPipeV) -> Callable[[_Actio
             schedule._maybe_compute_loss(f_stage, output, ctx.target_mbs, f_mb)
             return output
 
-        output = run_pair(run_backward, run_forward, backward_micro_batch=label(backward),
-                          forward_micro_batch=label(forward))
+        if b_stage.has_backward:
+            output = run_pair(run_backward, run_forward, backward_micro_batch=label(backward),
+                              forward_micro_batch=label(forward))
+        else:  # evaluation (the schedule's eval: forwards only, the backward a no-op), on this thread's grad mode
+            output = run_forward()
         if forward.stage_index + 1 in stages:
             stages[forward.stage_index + 1].set_local_fwd_input(output, f_mb)
-        if backward.stage_index - 1 in stages:
+        if backward.stage_index - 1 in stages and b_stage.has_backward:
             stages[backward.stage_index - 1].set_local_bwd_input(b_stage.get_local_bwd_output(b_mb), b_mb)
 
     return run
+
+
+def skipped_backward(schedule: ScheduleDualPipeV) -> Callable[[_Action, _PipelineContext], None]:
+    """The function for FULL_BACKWARD while the schedule evaluates (forwards only): torch's own step would hand
+    the V's tip a backward output that was never made (`get_local_bwd_output` asserts). It only drops the
+    (empty) receive the lowering placed before it, as the plain step's wait would."""
+
+    def run(action: _Action, ctx: _PipelineContext) -> None:
+        schedule.bwd_recv_ops.pop((action.stage_index, action.microbatch_index), None)
+
+    return run
+
+
+@contextlib.contextmanager
+def evaluating(schedule: ScheduleDualPipeV) -> Iterator[None]:
+    """Run the schedule's `eval` inside: its backwards skipped, its overlapped actions forwards only."""
+    functions = schedule._comp_type_to_function_map
+    saved = dict(functions)
+    functions[FULL_BACKWARD] = skipped_backward(schedule)
+    functions[OVERLAP_F_B] = overlapped_forward_backward(schedule)
+    try:
+        yield
+    finally:
+        functions.clear()
+        functions.update(saved)

@@ -229,6 +229,7 @@ class Pipeline:
         schedule_class = single.get(kind) or multi[kind]
         self.schedule = schedule_class(stage_arg, self.micro_batches, loss_fn=self._micro_batch_loss,
                                        scale_grads=False)
+        self.dual_pipe = kind == "dualpipev"
         if p.ep_overlap:  # validate admits it with dualpipev only: its OVERLAP_F_B actions become overlapped pairs
             self.schedule.register_custom_function(OVERLAP_F_B, overlapped_forward_backward(self.schedule))
 
@@ -258,4 +259,7 @@ class Pipeline:
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None,
                  loss: Callable[[LossTerms], torch.Tensor], mtp: tuple[torch.Tensor, torch.Tensor] | None = None
                  ) -> None:
-        self._run(self.schedule.eval, inputs, labels, positions, loss, mtp)
+        from moe_train.parallel.dual_pipe import evaluating
+
+        with evaluating(self.schedule) if self.dual_pipe else contextlib.nullcontext():
+            self._run(self.schedule.eval, inputs, labels, positions, loss, mtp)

@@ -50,7 +50,7 @@ def main() -> None:
             out["order"] = recorded_step(case, root / case["id"], world)
             continue
         record = record_run(case["recipe"], case["overrides"], world=world, run_dir=root / case["id"],
-                            steps=case["steps"])
+                            steps=case["steps"], evaluate=case.get("evaluate", False))
         keep_record(record, run_root=root, case_id=case["id"], rank=rank, saved=out["saved"])
     finish(out, result_path, rank)
 
