@@ -64,7 +64,8 @@ def timings(repeats: int) -> None:
 
 
 # The recipe's parallel.ep_overlap (docs/parallel.md, "Overlapped micro-batches"): the plan prices what its
-# pairs of micro-batches hide (plan/overlap.py); validate refuses it with pipelining (pp > 1), and so does plan.
+# pairs of micro-batches hide (plan/overlap.py); with pipelining (pp > 1) validate, and so plan, refuse it but
+# under parallel.pp_schedule dualpipev (the published rows' interleaved_1f1b is refused).
 EP_OVERLAP = ["parallel.ep_overlap=true"]
 
 
