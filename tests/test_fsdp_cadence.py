@@ -84,7 +84,8 @@ def test_measure_counts_the_cadences_plan_predicts(no_process_group) -> None:
 def test_cadences_that_cannot_run_are_refused(tmp_path: Path) -> None:
     assert_bad_input(run_cli("validate", "qwen3-moe-tiny", "--set", PER_STEP, "--set",
                              "parallel.reshard_after_forward=true"), "parallel.param_gather")
-    assert_bad_input(run_cli("validate", "qwen3-moe-tiny", "--set", REDUCE_EACH, "--set", "parallel.pp=2",
-                             "--set", "launch.gpus_per_node=2"), "parallel.grad_reduce")
+    # under pipelining the stages reduce in every backward (tests/test_pipeline.py): accepted
+    assert run_cli("validate", "qwen3-moe-tiny", "--set", REDUCE_EACH, "--set", "parallel.pp=2",
+                   "--set", "launch.gpus_per_node=2").code == 0
     # null reshard_after_forward follows the gather cadence
     assert not _dp2(PER_STEP).parallel.reshards_after_forward and _dp2().parallel.reshards_after_forward

@@ -26,6 +26,8 @@ a shard group is the whole world or of size 1 (pytorch#160285, PR #167178).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -118,3 +120,23 @@ def set_cadence(model: nn.Module, *, reduce_gradients: bool, reshard_after_backw
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(reduce_gradients)
         model.set_reshard_after_backward(reshard_after_backward)
+
+
+@contextlib.contextmanager
+def gradient_sync_kept(model: nn.Module) -> Iterator[None]:
+    """`parallel.grad_reduce: per_microbatch` under pipelining: within the block, `model`'s units reduce-scatter
+    each backward's gradients into their fp32 shards, whatever the schedule asks. torch's schedules turn FSDP2's
+    gradient sync off before every stage backward and reduce once, after the step's last one
+    (PipelineStage.backward_maybe_with_nosync, perform_reduce_grad), so each unit would hold its unsharded fp32
+    gradient over the whole step; the schedule's own call is the only way in, so the switch is held on by
+    shadowing it on the instance for the block. The schedule's end-of-step post-backward then finds no
+    unsharded gradient left and only reshards and finalizes (FSDPParamGroup.post_backward is idempotent)."""
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.set_requires_gradient_sync(True)
+    model.set_requires_gradient_sync = lambda *_, **__: None  # the schedule's `False` for this backward
+    try:
+        yield
+    finally:
+        del model.set_requires_gradient_sync
