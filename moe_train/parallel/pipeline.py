@@ -20,15 +20,13 @@ between stages, the loss terms after the last): 1f1b, gpipe, interleaved_1f1b (v
 ids as keyword arguments (the data is read on every pipeline rank; docs/decisions.md: the last stage reads its input ids
 from the data), so rotary tables and document masks are rebuilt per stage and MTP finds its tokens. The loss
 already divides by the whole step's tokens and micro-batches, so the schedule sums gradients unscaled
-(`scale_grads=False`) and FSDP2 reduces them once per step, after the last backward, or after every backward
-under `parallel.grad_reduce: per_microbatch` (`_stage_reducing_every_backward`).
+(`scale_grads=False`) and FSDP2 reduces them once per step, after the last backward.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -194,23 +192,6 @@ def _stage_io(recipe: Recipe, ctx: ParallelContext, stage: StageContents) -> tup
     return inputs, outputs
 
 
-@functools.cache
-def _stage_reducing_every_backward() -> type:
-    """torch's PipelineStage whose backwards reduce-scatter the chunk's gradients into their fp32 shards
-    (`parallel.grad_reduce: per_microbatch`, data_parallel.gradient_sync_kept): a unit's unsharded gradient
-    lives only through its own backward instead of the whole step."""
-    from torch.distributed.pipelining import PipelineStage
-
-    from moe_train.parallel.data_parallel import gradient_sync_kept
-
-    class StageReducingEveryBackward(PipelineStage):
-        def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
-            with gradient_sync_kept(self.submod):
-                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
-
-    return StageReducingEveryBackward
-
-
 class Pipeline:
     """This rank's stages and the recipe's schedule over them. `train` runs one step's forwards and backwards
     (gradients accumulate in the chunks' parameters), `evaluate` forwards only; `loss` receives the last stage's
@@ -229,12 +210,11 @@ class Pipeline:
         self.micro_batches = train.global_batch_size // (train.micro_batch_size * ctx.size("dp"))
         self._loss: Callable[[LossTerms], torch.Tensor] | None = None
         num_stages = p.pp * p.vpp
-        stage_class = _stage_reducing_every_backward() if p.grad_reduce == "per_microbatch" else PipelineStage
         stages = []
         for chunk in chunks:
             inputs, outputs = _stage_io(recipe, ctx, chunk.stage)
-            stages.append(stage_class(chunk, chunk.stage.index, num_stages, ctx.device, input_args=inputs,
-                                      output_args=outputs, group=ctx.group("pp")))
+            stages.append(PipelineStage(chunk, chunk.stage.index, num_stages, ctx.device, input_args=inputs,
+                                        output_args=outputs, group=ctx.group("pp")))
         self.holds_loss = any(chunk.stage.loss for chunk in chunks)
         single = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
         multi = {"interleaved_1f1b": ScheduleInterleaved1F1B, "zero_bubble": ScheduleInterleavedZeroBubble}
