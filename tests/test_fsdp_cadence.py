@@ -90,3 +90,29 @@ def test_cadences_that_cannot_run_are_refused(tmp_path: Path) -> None:
                    "--set", "launch.gpus_per_node=2").code == 0
     # null reshard_after_forward follows the gather cadence
     assert not _dp2(PER_STEP).parallel.reshards_after_forward and _dp2().parallel.reshards_after_forward
+
+
+@pytest.mark.slow
+def test_pipelined_stages_reduce_every_backward_and_their_peak_falls_as_planned(no_process_group) -> None:
+    """PP2 x FSDP2 dp2 (1F1B, bf16, 4 blocks a stage and its root unit, 4 micro-batches), both stages: under
+    grad_reduce per_microbatch every stage backward reduce-scatters (4 per unit, plan's bytes exactly), and the
+    step's peak falls by what plan says the buffers fall: the unsharded fp32 gradients held beyond the shards
+    (4 (stage - local)) less one unit's as it reduces. Within 15%: measured, that unit is a block (its bf16
+    gradient and fp32 reduce-scatter input), planned, the largest unit (here the vocabulary matrix)."""
+    recipe = {cadence: _dp2("model.num_layers=8", "parallel.pp=2", "launch.gpus_per_node=4",
+                            f"parallel.grad_reduce={cadence}") for cadence in ("per_step", "per_microbatch")}
+    plan = {cadence: estimate(r, GPU) for cadence, r in recipe.items()}
+    for rank, stage in ((0, 0), (2, 1)):
+        peaks, totals = {}, {}
+        for cadence in recipe:
+            report = measure(recipe[cadence], Target(fake=True, rank=rank))
+            planned = plan_json(plan[cadence], pipeline_rank=stage)
+            assert plan_against_measure(recipe[cadence], report, tolerance=0.0, plan=planned) == [], (cadence, rank)
+            reduces = {"per_step": 1, "per_microbatch": 4}[cadence]
+            assert report["comm_calls"]["dp/reduce_scatter"] == 5 * reduces, (cadence, rank)
+            peaks[cadence], totals[cadence] = report["peak_memory_bytes"], planned["memory_bytes"]["total"]
+        params = plan["per_step"].ranks[stage].params
+        planned_fall = totals["per_step"] - totals["per_microbatch"]
+        assert planned_fall == pytest.approx(4 * (params.dense + params.experts - params.local)
+                                             - 4 * params.largest_unit)
+        assert peaks["per_step"] - peaks["per_microbatch"] == pytest.approx(planned_fall, rel=0.15), rank
