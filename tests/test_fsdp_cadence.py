@@ -72,14 +72,14 @@ def test_measure_counts_the_cadences_plan_predicts(no_process_group) -> None:
         calls[label] = (report["comm_calls"]["dp/all_gather"], report["comm_calls"]["dp/reduce_scatter"])
         memory[label] = plan_json(estimate(recipe, GPU))["memory_bytes"]["buffers"]
     assert calls == {"default": (units * 8, units), "per_step": (units, units), "reduce_each": (units * 8, units * 4)}
-    # per_step holds the whole stage gathered in bf16 instead of two units (the prefetch working set); both
-    # hold the stage's unsharded fp32 gradients over the step, beyond the shards they become at its end
+    # per_step holds the whole stage gathered in bf16 instead of two units (the prefetch working set) and the
+    # unit being reduced; both hold the stage's unsharded fp32 gradients over the step, beyond the shards they
+    # become at its end
     params = estimate(_dp2(PER_STEP), GPU).ranks[0].params
     stage = params.dense + params.experts
-    assert memory["per_step"] - memory["default"] == pytest.approx(2 * stage - 2 * 2 * params.largest_unit)
-    # reducing after every micro-batch holds the shards over the step and one unit's fp32 gradient as it reduces
-    assert memory["default"] - memory["reduce_each"] == pytest.approx(4 * (stage - params.local)
-                                                                      - 4 * params.largest_unit)
+    assert memory["per_step"] - memory["default"] == pytest.approx(2 * stage - (2 * 2 + 4) * params.largest_unit)
+    # reducing after every micro-batch holds the shards over the step, not the unsharded gradients
+    assert memory["default"] - memory["reduce_each"] == pytest.approx(4 * (stage - params.local))
 
 
 def test_cadences_that_cannot_run_are_refused(tmp_path: Path) -> None:

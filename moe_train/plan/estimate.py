@@ -472,17 +472,16 @@ def _buffer_bytes(recipe: Recipe, shapes: ActivationLayout, layout: PlanLayout, 
     # at the peak the rank holds the unsharded gradients instead of the shards, so the buffer is what they hold
     # beyond the shards. Reduced in every backward (per_microbatch), the shards accumulate over the step and one
     # unit's unsharded gradient lives while it reduces.
-    held = several and parallel.grad_reduce == "per_step"
-    grads = GRAD_BYTES * (stage - params.local if held else params.largest_unit)
+    held = GRAD_BYTES * (stage - params.local) if several and parallel.grad_reduce == "per_step" else 0.0
     fp8 = fp8_gathered_kinds(recipe)  # gathered at 1 byte, not param_bytes
     saved = param_bytes - 1
     if (layout.pp > 1 or parallel.gathers_per_step) and several:
         # the stage stays gathered (parameter dtype) over the step
         gathered = param_bytes * stage - saved * params.fp8_elements(fp8)
-        fsdp = gathered + grads
+        fsdp = gathered + (held or GRAD_BYTES * params.largest_unit)
     else:
         largest = param_bytes * params.largest_unit - saved * sum(params.largest_gemms.get(kind, 0) for kind in fp8)
-        fsdp = assumptions.fsdp_prefetch_units * largest + grads
+        fsdp = assumptions.fsdp_prefetch_units * largest + GRAD_BYTES * params.largest_unit + held
     dispatch = 0.0
     if model.moe is not None and any(c.moe_layers for c in chunks):
         # permuted tokens and the received rows of one layer, live during its dispatch and combine
