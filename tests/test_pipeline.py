@@ -7,7 +7,8 @@ the loss of every step (relative 1e-5), every gradient of step 1 and every param
 bias included) after the last step, the expert balance figures of every step; where two stages hold the same
 tensor (the last stage's copy of the embedding, for MTP or a tied head) both copies are bit-equal
 (workers/record.py checks it when it gathers the stages). The cases cover 1f1b, gpipe and interleaved 1F1B,
-PP=4, PP with TP+SP, with EP (folded over dp and over tp), DeepSeek-V3 with an uneven layout whose first stage
+PP=4, PP with TP+SP, with EP (folded over dp and over tp), PP2 x FSDP2 dp2 with gradients reduced once per step
+or reduce-scattered in every backward (`parallel.grad_reduce`), DeepSeek-V3 with an uneven layout whose first stage
 holds only a dense layer and whose last holds MTP, tied embeddings, recompute, evaluation and resume.
 """
 
@@ -33,6 +34,8 @@ from moe_train.models import build_model
 FP32 = ["train.precision=fp32", "train.micro_batch_size=1", "model.num_layers=4"]  # 8 (dp 1) or 4 micro-batches
 TP_EPS = ["train.adam_eps=1e-5"]  # test_tensor_parallel explains: TP sums per-head parts in another order
 UNEVEN = "parallel.pp_layout=Et|tttmL"  # stage 0: the embedding and DeepSeek's dense layer; stage 1: MoE + MTP
+REDUCE_EACH = "parallel.grad_reduce=per_microbatch"
+INTERLEAVED = ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved_1f1b"]
 
 # (id, recipe, layout overrides (parallel.*: not given to the reference), model/train overrides)
 WORLD2 = [
@@ -54,6 +57,11 @@ WORLD4 = [
     ("moe-pp2-ep2", "qwen3-moe-tiny", ["parallel.pp=2", "parallel.ep=2"], []),  # experts over the dp ranks
     ("dsv3-uneven-tp2-ep2", "deepseek-v3-tiny", ["parallel.pp=2", UNEVEN, "parallel.tp=2", "parallel.ep=2"],
      TP_EPS),  # experts folded over the tp ranks; the last stage's embedding copy vocabulary-sharded
+    # PP2 x FSDP2 dp2 at both gradient cadences: reduced once per step, or reduce-scattered into the fp32 shards
+    # in every backward (parallel.grad_reduce per_microbatch, the stage's lean gradient buffer)
+    ("moe-pp2-ep2-reduce-each", "qwen3-moe-tiny", ["parallel.pp=2", "parallel.ep=2", REDUCE_EACH], []),
+    ("qwen3-interleaved-dp2", "qwen3-tiny", INTERLEAVED, []),
+    ("qwen3-interleaved-dp2-reduce-each", "qwen3-tiny", [*INTERLEAVED, REDUCE_EACH], []),
 ]
 
 
@@ -63,13 +71,17 @@ def _case(case_id: str, recipe: str, layout: list[str], model: list[str], **extr
 
 
 def _assert_cases(tmp_path: Path, table: list[tuple], saved: dict[str, str]) -> None:
+    references: dict[tuple, dict] = {}  # cases that differ only in their layout share the single-process run
     for case_id, recipe, _, model in table:
         got = torch.load(saved[case_id], weights_only=True)
         evaluates = case_id == EVALUATED
         # An evaluation exactly where the case asked for one (a pipeline that skipped it must not pass).
         assert (got["eval"] is not None) == evaluates, case_id
-        want = record_run(recipe, [*SHRINK_LAYOUT, *FP32, *model], world=1, run_dir=tmp_path / f"ref-{case_id}",
-                          steps=LAYOUT_STEPS, evaluate=evaluates)
+        key = (recipe, tuple(model), evaluates)
+        if key not in references:
+            references[key] = record_run(recipe, [*SHRINK_LAYOUT, *FP32, *model], world=1,
+                                         run_dir=tmp_path / f"ref-{case_id}", steps=LAYOUT_STEPS, evaluate=evaluates)
+        want = references[key]
         assert_same_run(got, want)
         if evaluates:
             assert got["eval"] == pytest.approx(want["eval"], rel=1e-5)
@@ -100,6 +112,11 @@ def test_pipeline_four_ranks_equals_single_process(tmp_path: Path) -> None:
     cases = [_case(*row) for row in WORLD4]
     saved = run_ranks("train_layouts", 4, {"cases": cases, "run_root": str(tmp_path / "pp4")}, tmp_path, timeout=480)
     _assert_cases(tmp_path, WORLD4, saved)
+    # reduced in every backward: the sum of per-micro-batch shards, not the shard of one sum (the cadence ran)
+    once, each = (torch.load(saved[k], weights_only=True)["grads"]
+                  for k in ("qwen3-interleaved-dp2", "qwen3-interleaved-dp2-reduce-each"))
+    assert once.keys() == each.keys()
+    assert any(not torch.equal(each[name], value) for name, value in once.items()), "grad_reduce changed nothing"
 
 
 @pytest.mark.parametrize(("name", "layout", "pp", "vpp"), [

@@ -221,9 +221,6 @@ def _layout(r: Recipe) -> list[Problem]:
     if p.gathers_per_step and p.reshard_after_forward:
         out.append(_p("parallel.param_gather", "per_step keeps a step's gathered parameters, which "
                       "reshard_after_forward true frees after every forward; set it false (or null)"))
-    if p.grad_reduce == "per_microbatch" and p.pp > 1:
-        out.append(_p("parallel.grad_reduce", "per_microbatch needs pp = 1: torch's pipeline schedules reduce "
-                      "gradients once per step, in a stage's last backward"))
     if m.moe is None:
         for field in ("ep", "etp"):
             if getattr(p, field) > 1:

@@ -286,9 +286,10 @@ class ParallelConfig(Section):
         "parallelism, per_step with it (what torch's schedules do with a stage that does not reshard)."
     )
     grad_reduce: Literal["per_microbatch", "per_step"] = Field(
-        "per_step", description="FSDP2: reduce-scatter gradients after every micro-batch's backward (holding "
-        "sharded gradients only) or once, in the last micro-batch's (holding the unsharded fp32 gradients over "
-        "the step). Pipeline schedules reduce once per step: per_microbatch needs pp = 1."
+        "per_step", description="FSDP2: reduce-scatter gradients after every micro-batch's backward into the fp32 "
+        "shards (holding one unit's unsharded gradient at a time, and one reduce-scatter per micro-batch) or "
+        "once, in the last micro-batch's (holding the stage's unsharded fp32 gradients over the step). Under "
+        "pipeline parallelism the same: every stage backward, or once after the schedule's last."
     )
 
     @property

@@ -4,7 +4,8 @@ block when edp is dp), and explicit prefetch one block ahead.
 Every rank holds a shard of every parameter, gathered for a module's forward and backward and resharded after
 (unless `parallel.reshard_after_forward` is false, the default under pipeline parallelism: more memory, one
 all-gather less per micro-batch). `parallel.param_gather` and `parallel.grad_reduce` set the cadences over a
-step's micro-batches (`set_cadence`). The
+step's micro-batches (`set_cadence`; under pipelining torch's schedules set them, `_reduce_in_every_backward`
+holding the gradient sync on for grad_reduce per_microbatch). The
 policy is one at every world size, including 1, so numerics never depend on dp: parameters are kept in fp32
 (the optimizer's master weights), computed in the recipe's precision (bf16 or fp32; fp8 computes in bf16 around
 its fp8 GEMMs, models/fp8/), and gradients are reduced in fp32. `train.fp8.fp8_all_gather` gathers the
@@ -69,6 +70,8 @@ def apply_fsdp(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> None
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+    if recipe.parallel.grad_reduce == "per_microbatch":
+        _reduce_in_every_backward(model)
     if dense.size() > 1:  # one shard: nothing to gather, so prefetching only holds the next block earlier
         _prefetch_one_block_ahead([_units(block, apart) for block in blocks])
 
@@ -87,6 +90,25 @@ def _post_backward_after_delayed_grads(experts: FSDPModule) -> None:
             post_backward(*grads)
 
     group.post_backward = after_delayed_grads
+
+
+def _reduce_in_every_backward(model: FSDPModule) -> None:
+    """`parallel.grad_reduce: per_microbatch`: hold FSDP2's gradient sync on for every unit of `model`, whatever
+    it is asked, so each backward reduce-scatters the units' gradients into their fp32 shards (where the step's
+    gradient accumulates) instead of keeping their unsharded fp32 gradients until the step's last backward.
+
+    Without a pipeline the trainer asks for it (`set_cadence`); under pipelining this is the only way in: torch's
+    schedules turn every stage's sync off before each backward (PipelineStage.backward_maybe_with_nosync) and
+    run every unit's post-backward after the step's last one (perform_reduce_grad), which then finds no
+    unsharded gradient left (FSDPParamGroup.post_backward is idempotent) and only reshards and finalizes. The
+    method is shadowed on the instance, as torch's schedules call it by attribute."""
+    request = model.set_requires_gradient_sync
+
+    def set_requires_gradient_sync(requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        request(True, recurse=recurse)
+
+    model.set_requires_gradient_sync = set_requires_gradient_sync
+    request(True)
 
 
 def _units(block: nn.Module, apart: bool) -> list[FSDPModule]:

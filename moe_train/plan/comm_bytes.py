@@ -520,13 +520,13 @@ def _fsdp(out: CommBytes, recipe: Recipe, layout: PlanLayout, params: RankParams
     micro-batch's backward."""
     mb, parallel = layout.micro_batches, recipe.parallel
     reshard = parallel.reshards_after_forward and a.fsdp_reshard_after_forward
+    reduces = mb if parallel.grad_reduce == "per_microbatch" else 1  # pipelined stages too (pipeline.py)
     if layout.pp > 1:
-        # torch's schedules keep a stage gathered after its first backward and reduce in its last: resharding
-        # after forward gathers in each micro-batch's forward and once more for the backwards
-        gathers, reduces = (mb + 1 if reshard else 1), 1
+        # torch's schedules keep a stage gathered after its first backward: resharding after forward gathers in
+        # each micro-batch's forward and once more for the backwards
+        gathers = mb + 1 if reshard else 1
     else:
         gathers = 1 if parallel.gathers_per_step else mb * (2 if reshard else 1)
-        reduces = mb if parallel.grad_reduce == "per_microbatch" else 1
     fp8 = fp8_gathered_kinds(recipe)
     for unit in params.units:
         group = fsdp_group(layout, unit)

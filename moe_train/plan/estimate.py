@@ -467,18 +467,21 @@ def _buffer_bytes(recipe: Recipe, shapes: ActivationLayout, layout: PlanLayout, 
     model = recipe.model
     stage = params.dense + params.experts
     several, parallel = layout.micro_batches > 1, recipe.parallel
-    held_grads = several and (layout.pp > 1 or parallel.grad_reduce == "per_step")  # reduced once, at the end
+    # Reduced once per step (pipelined or not), each unit's unsharded fp32 gradient lives from its first backward
+    # to the step's last, while its fp32 shard (the `grads` figure) exists only from that last reduction on:
+    # at the peak the rank holds the unsharded gradients instead of the shards, so the buffer is what they hold
+    # beyond the shards. Reduced in every backward (per_microbatch), the shards accumulate over the step and one
+    # unit's unsharded gradient lives while it reduces.
+    held = GRAD_BYTES * (stage - params.local) if several and parallel.grad_reduce == "per_step" else 0.0
     fp8 = fp8_gathered_kinds(recipe)  # gathered at 1 byte, not param_bytes
     saved = param_bytes - 1
     if (layout.pp > 1 or parallel.gathers_per_step) and several:
-        # the stage stays gathered (parameter dtype) over the step, and its fp32 gradients whole until reduced
+        # the stage stays gathered (parameter dtype) over the step
         gathered = param_bytes * stage - saved * params.fp8_elements(fp8)
-        fsdp = gathered + GRAD_BYTES * (stage if held_grads else params.largest_unit)
+        fsdp = gathered + (held or GRAD_BYTES * params.largest_unit)
     else:
         largest = param_bytes * params.largest_unit - saved * sum(params.largest_gemms.get(kind, 0) for kind in fp8)
-        fsdp = assumptions.fsdp_prefetch_units * largest + GRAD_BYTES * params.largest_unit
-        if held_grads:
-            fsdp += GRAD_BYTES * stage
+        fsdp = assumptions.fsdp_prefetch_units * largest + GRAD_BYTES * params.largest_unit + held
     dispatch = 0.0
     if model.moe is not None and any(c.moe_layers for c in chunks):
         # permuted tokens and the received rows of one layer, live during its dispatch and combine

@@ -112,8 +112,8 @@ def layouts(recipe: Recipe, *, nvlink_domain: int | None = None) -> list[dict]:
             "parallel.pp_schedule": "interleaved_1f1b" if vpp > 1 else "1f1b", "parallel.pp_layout": layout,
             "parallel.ep": ep, "parallel.etp": etp, "parallel.dp": None, "parallel.cp": cp,
             "parallel.sequence_parallel": tp > 1, "train.micro_batch_size": mbs,
-            # the recipe's FSDP2 cadence where it can run: pipeline schedules reduce once per step
-            "parallel.grad_reduce": recipe.parallel.grad_reduce if pp == 1 else "per_step",
+            # the recipe's FSDP2 gradient cadence, which every layout runs (pipelined stages too)
+            "parallel.grad_reduce": recipe.parallel.grad_reduce,
         }
         if recipe.parallel.ep_overlap:
             # the recipe's overlapped micro-batches where the engine builds them (EP communication to hide; pp 1,
