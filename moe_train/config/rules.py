@@ -130,15 +130,15 @@ def _model(r: Recipe) -> list[Problem]:
     return out
 
 
-# The layouts not built for gpt-oss (its windowed attention over a CP ring, its down bias under ETP); dp, tp, ep
-# and pp are (tests/test_gpt_oss_layouts.py).
-GPT_OSS_LAYOUTS = ("cp", "etp")
+# The layouts not built for gpt-oss (its down bias under ETP); dp, tp, ep, pp and cp are
+# (tests/test_gpt_oss_layouts.py).
+GPT_OSS_LAYOUTS = ("etp",)
 
 
 def _gpt_oss(r: Recipe) -> list[Problem]:
-    """gpt-oss's own fields, and what is not built for it: context and expert-tensor parallelism (a windowed
-    ring, the down bias under ETP are not built), packed documents on CUDA (its sinks and windows take an
-    additive mask, not FlexAttention's block mask: moe_train/kernels.py)."""
+    """gpt-oss's own fields, and what is not built for it: expert-tensor parallelism (the down bias under ETP is
+    not built), packed documents on CUDA (its sinks and windows take an additive mask, not FlexAttention's block
+    mask: moe_train/kernels.py)."""
     m, p, out = r.model, r.parallel, []
     moe = m.moe
     if m.family != "gpt_oss":
@@ -157,8 +157,8 @@ def _gpt_oss(r: Recipe) -> list[Problem]:
         out.append(_p("model.qk_norm", "gpt_oss has no QK-norm"))
     for name in GPT_OSS_LAYOUTS:
         if getattr(p, name) > 1:
-            out.append(_p(f"parallel.{name}", f"{getattr(p, name)} is not built for family gpt_oss (its sliding "
-                          "windows over a context ring, its down bias under etp): 1 only"))
+            out.append(_p(f"parallel.{name}", f"{getattr(p, name)} is not built for family gpt_oss (its down "
+                          "bias under etp): 1 only"))
     if r.data.reset_at_eod and r.launch.device == "cuda":
         out.append(_p("data.reset_at_eod", "gpt_oss's sinks and sliding windows on CUDA take no FlexAttention block "
                       "mask yet (moe_train/kernels.py sinks_and_windows)"))
