@@ -1,15 +1,15 @@
 """gpt-oss (gpt-oss-tiny) under the layouts built for it against the single-process run of the same recipe.
 
-One 2-rank gloo job (tests/workers/train_layouts.py) trains the family's tiny recipe, cut to 4 layers (two sliding-
-window and two full-attention layers), under TP2 with and without sequence parallelism (the sinks sharded with the
-heads, o_proj's bias added once after the reduce), PP2 (two layers a stage), EP2 (the experts and their gate/up/down
-biases sharded over the two ranks), DP2 (FSDP2 over the sinks, the q/k/v/o biases and the router bias) and CP2 over
-the ring and over the all-gather (the sinks once in each query's normaliser, the 32-token windows by global position
-over 32-token chunks, whole blocks outside them skipped); each is held to the single process as every layout test is
-(helpers.assert_same_run): the loss of every step, every gradient of step 1 (the sinks' and every bias's among
-them), every parameter and buffer after the last step, the expert balance figures of every step. The biases start at
-0 (models/init.py) and move at step 1, so steps 2 and 3 run each layout's sharded bias adds on values that differ
-per element. ETP is refused for gpt_oss by validate (tests/test_config_errors.py), not built.
+One 2-rank gloo job (tests/workers/train_layouts.py) trains the family's tiny recipe, cut to 4 layers (two
+sliding-window and two full-attention layers), under TP2 with and without sequence parallelism (the sinks sharded
+with the heads, o_proj's bias added once after the reduce), PP2 (two layers a stage), EP2 (the experts and their
+gate/up/down biases sharded over the two ranks), DP2 (FSDP2 over the sinks, the q/k/v/o biases and the router bias)
+and CP2 over the ring and over the all-gather (the sinks once in each query's normaliser, the 32-token windows by
+global position over 32-token chunks, whole blocks outside them skipped); each is held to the single process as
+every layout test is (helpers.assert_same_run): the loss of every step, every gradient of step 1 (the sinks' and
+every bias's among them), every parameter and buffer after the last step, the expert balance figures of every step.
+The biases start at 0 (models/init.py) and move at step 1, so steps 2 and 3 run each layout's sharded bias adds on
+values that differ per element. ETP is refused for gpt_oss by validate (tests/test_config_errors.py), not built.
 """
 
 from __future__ import annotations
