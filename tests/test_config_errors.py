@@ -172,8 +172,6 @@ RULES = [
     ("gpt-oss-tiny", ["model.layer_types=[full_attention]"], "model.layer_types: has 1 entries, but num_layers is 8"),
     ("gpt-oss-tiny", ["model.sliding_window=null"], "model.sliding_window: required: layer_types has sliding"),
     ("gpt-oss-tiny", ["model.qk_norm=true"], "model.qk_norm: gpt_oss has no QK-norm"),
-    ("gpt-oss-tiny", ["parallel.ep=2", "parallel.etp=2", "launch.gpus_per_node=4", "model.moe.dispatcher=allgather"],
-     "parallel.etp: 2 is not built for family gpt_oss"),
     ("gpt-oss-tiny", ["data.reset_at_eod=true", "launch.device=cuda", "launch.gpu=h100"],
      "data.reset_at_eod: gpt_oss's sinks and sliding windows on CUDA"),
     ("qwen3-tiny", ["model.moe={num_experts: 8, top_k: 2, ffn_hidden_size: 8}"], "model.moe: family qwen3 is dense"),

@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_same_run, case, reference
+from helpers import GPT_OSS_LAYOUT, assert_same_run, case, reference
 from multirank import run_ranks
 
-# Four layers (sliding, full, sliding, full); fp32 micro-batches of 2 (2 per rank at dp 2, 4 at dp 1).
-GPT_OSS = ["model.num_layers=4", "model.layer_types=[sliding_attention, full_attention, sliding_attention, "
-           "full_attention]", "train.micro_batch_size=2", "train.precision=fp32", "train.adam_eps=1e-5"]
+# GPT_OSS_LAYOUT: four layers (sliding, full, sliding, full); fp32 micro-batches of 2 (2 per rank at dp 2, 4 at
+# dp 1).
 # The family's all_layers_aux_loss is refused with tp, pp or cp > 1 (its token set is the whole micro-batch's):
 # those cases and their reference take the per-layer aux_loss instead.
 PER_LAYER = ["model.moe.router.load_balancing=aux_loss"]
@@ -37,20 +36,22 @@ LAYOUTS = {
     # skipped: 32-token windows over 32-token chunks), over the ring and the all-gather
     "cp2-p2p": [*PER_LAYER, "parallel.cp=2", "parallel.cp_comm=p2p"],
     "cp2-allgather": [*PER_LAYER, "parallel.cp=2", "parallel.cp_comm=allgather"],
+    # expert TP: gate/up and their biases by columns, down by rows, its bias added by etp rank 0 only
+    "etp2": ["parallel.etp=2", "model.moe.dispatcher=allgather"],
 }
 
 
 @pytest.mark.slow
 def test_gpt_oss_layouts_equal_single_process(tmp_path: Path) -> None:
-    cases = [case(f"gptoss-{name}", "gpt-oss-tiny", [*GPT_OSS, *layout]) for name, layout in LAYOUTS.items()]
+    cases = [case(f"gptoss-{name}", "gpt-oss-tiny", [*GPT_OSS_LAYOUT, *layout]) for name, layout in LAYOUTS.items()]
     saved = run_ranks("train_layouts", 2, {"cases": cases, "run_root": str(tmp_path / "gptoss2")}, tmp_path,
                       timeout=300)
     references = {}
     for name, layout in LAYOUTS.items():
         key = "per-layer" if PER_LAYER[0] in layout else "all-layers"
         if key not in references:
-            references[key] = reference(tmp_path / key, "gpt-oss-tiny", [*GPT_OSS, *(PER_LAYER if key == "per-layer"
-                                                                                     else [])])
+            loss = PER_LAYER if key == "per-layer" else []
+            references[key] = reference(tmp_path / key, "gpt-oss-tiny", [*GPT_OSS_LAYOUT, *loss])
             for suffix in ("self_attn.sinks", "o_proj.bias", "router.bias", "experts.down_proj_bias"):
                 assert any(n.endswith(suffix) for n in references[key]["grads"]), suffix  # among what is compared
         assert_same_run(torch.load(saved[f"gptoss-{name}"], weights_only=True), references[key])

@@ -100,6 +100,9 @@ class GroupedExperts(nn.Module):
         else:
             self.gate_proj_bias = self.up_proj_bias = self.down_proj_bias = None
         self.use_grouped_mm = True
+        # Expert tensor parallelism (set by parallel/expert.py): whether this rank's partial output carries the
+        # down bias, which the reduce over the etp ranks must sum once (True on etp rank 0 only).
+        self.adds_down_bias = True
         self.expert_ids: tuple[int, ...] | None = None  # the expert each row (slot) holds; None: row e is expert e
         self.fp8: Fp8Gemm | None = None  # set by models/fp8/select.py when the routed experts run in fp8
         # parallel.split_wgrad (set by parallel/expert.py): the GEMMs' weight gradients (fp8 ones too) wait for
@@ -154,11 +157,20 @@ class GroupedExperts(nn.Module):
             return gate, up
         return gate + biases[0][experts], up + biases[1][experts]
 
-    @staticmethod
-    def _down_bias(out: torch.Tensor, biases: tuple[torch.Tensor, ...] | None, experts, probs: torch.Tensor):
+    def _down_bias(self, out: torch.Tensor, biases: tuple[torch.Tensor, ...] | None, experts, probs: torch.Tensor):
         """The down projection's bias, weighted by the row's routing weight as the product is (transformers:
-        (act @ down + bias) * p; ours: down(p * act) + p * bias)."""
-        return out if biases is None else out + probs * biases[2][experts]
+        (act @ down + bias) * p; ours: down(p * act) + p * bias).
+
+        Under expert tensor parallelism each etp rank's output is a partial sum that the dispatcher's reduce adds
+        up, so the bias is added on one etp rank (`adds_down_bias`). The others add p * bias - (p * bias), zero,
+        with p detached: the bias, whole on every etp rank (Replicate), gets the same gradient on each (their rows'
+        output gradients are the same), and the routing weight's share through the bias counts once."""
+        if biases is None:
+            return out
+        if self.adds_down_bias:
+            return out + probs * biases[2][experts]
+        term = probs.detach() * biases[2][experts]
+        return out + (term - term.detach())
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate, up, down) of the experts this rank holds: all of them, or its shard under expert parallelism
