@@ -82,9 +82,10 @@ def test_glm4_moe_plans_exactly_what_measure_counts(tp, sp, policy, precision):
 
 
 def test_gpt_oss_plans_the_flops_measure_counts():
-    """gpt-oss-tiny (two layers: sliding, full): the sinks' extra key and the masked kernel scoring every pair
-    (plan's `attended_keys`, no causal discount) are what measure's FLOP counter counts, forward and backward,
-    exactly. Its activations are not yet planned exactly (SDPA's MATH kernel keeps the scores: kernels.py)."""
+    """gpt-oss-tiny (two layers: sliding, full): the sink and window attention written out through its
+    log-sum-exp scores every pair (plan's `attended_keys`, no causal discount, the sink no key) and recomputes
+    the scores in backward (2.5x: `PlanLayout.blockwise_attention`), as measure's FLOP counter counts, forward
+    and backward, exactly."""
     recipe = tiny_recipe("gpt-oss-tiny", 1, False, "none", "fp32",
                          "model.layer_types=[sliding_attention, full_attention]")
     problems = plan_against_measure(recipe, measure(recipe, Target(fake=True)), tolerance=1e-9)

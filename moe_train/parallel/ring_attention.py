@@ -34,9 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe_train.models.linear import attention_product as mm
-
-NEG_INF = float("-inf")
+from moe_train.models.blockwise_attention import block_backward, block_forward, join_sinks, merge, sinks_grad
 
 
 class ShardMask:
@@ -99,66 +97,6 @@ def _allowed(q_chunk: int, keys: tuple[int, int], mask: ShardMask, q_positions: 
     return allowed
 
 
-def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """K/V heads repeated for grouped-query attention (query head i reads kv head i // group, as SDPA's
-    enable_gqa does)."""
-    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
-
-
-def _fold_heads(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """The gradient of `_expand_heads`: sum over each kv head's group of query heads."""
-    b, heads, s, d = grad.shape
-    return grad if heads == kv_heads else grad.view(b, kv_heads, heads // kv_heads, s, d).sum(2)
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block: q [b, h, cq, d], k [b, hk, ck, d], v [b, hk, ck, dv] -> (out [b, h, cq, dv], lse [b, h, cq]),
-    both fp32 (fp64 for fp64 inputs). A query row with nothing allowed gets out 0 and lse -inf."""
-    dtype = _compute_dtype(q)
-    k, v = _expand_heads(k, q.shape[1]).to(dtype), _expand_heads(v, q.shape[1]).to(dtype)
-    scores = mm(q.to(dtype), k.transpose(-1, -2)) * scale
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, NEG_INF)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.masked_fill(lse == NEG_INF, 0.0)[..., None])
-    return mm(probs, v), lse
-
-
-def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float,
-                   lse: torch.Tensor, grad_out: torch.Tensor, delta: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A block's share of the gradients given the merged lse and delta = rowsum(grad_out * out) of its query
-    rows: (dq [b, h, cq, d], dk [b, hk, ck, d], dv [b, hk, ck, dv]) in the compute dtype."""
-    dtype = _compute_dtype(q)
-    kv_heads = k.shape[1]
-    qc = q.to(dtype)
-    kc, vc = _expand_heads(k, q.shape[1]).to(dtype), _expand_heads(v, q.shape[1]).to(dtype)
-    scores = mm(qc, kc.transpose(-1, -2)) * scale
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, NEG_INF)
-    probs = torch.exp(scores - lse[..., None])
-    dv = mm(probs.transpose(-1, -2), grad_out)
-    dscores = probs * (mm(grad_out, vc.transpose(-1, -2)) - delta[..., None])
-    dq = mm(dscores, kc) * scale
-    dk = mm(dscores.transpose(-1, -2), qc) * scale
-    return dq, _fold_heads(dk, kv_heads), _fold_heads(dv, kv_heads)
-
-
-def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine two partial softmax results of the same query rows through their log-sum-exp (fp32)."""
-    if out is None:
-        return block_out, block_lse
-    new = torch.logaddexp(lse, block_lse)
-    safe = new.masked_fill(new == NEG_INF, 0.0)
-    return out * torch.exp(lse - safe)[..., None] + block_out * torch.exp(block_lse - safe)[..., None], new
-
-
 # ------------------------------------------------------------------------------------------------ comm
 
 
@@ -211,23 +149,13 @@ def _halves(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[..., :chunk, :], x[..., chunk:, :]
 
 
-def _join_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The merged output and log-sum-exp [b, h, 2c] with each head's sink logit in the normaliser, once per
-    query: L = logaddexp(lse, sink), out scaled by exp(lse - L) (the sink's value is zero)."""
-    if sinks is None:
-        return out, lse
-    joined = torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, None])
-    return out * torch.exp(lse - joined)[..., None], joined
-
-
 def _save(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
           outs: list[torch.Tensor], lses: list[torch.Tensor], mask: ShardMask, scale: float,
           group: dist.ProcessGroup) -> torch.Tensor:
     """Both exchanges' forward end: the halves' outputs joined (with the sinks), and what backward recomputes the
     blocks from (q, k, v, the output and its fp32 log-sum-exp, the sinks, the document positions when there are
     documents)."""
-    out, lse = _join_sinks(torch.cat(outs, dim=-2), torch.cat(lses, dim=-1), sinks)
+    out, lse = join_sinks(torch.cat(outs, dim=-2), torch.cat(lses, dim=-1), sinks)
     out = out.to(q.dtype)
     optional = [t for t in (sinks, mask.positions) if t is not None]
     ctx.save_for_backward(q, k, v, out, lse, *optional)
@@ -244,15 +172,6 @@ def _saved(ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
     mask = ShardMask(chunks=ctx.mask.chunks, chunk=ctx.mask.chunk, positions=optional[0] if optional else None,
                      window=ctx.mask.window)
     return q, k, v, out, lse, sinks, mask
-
-
-def _sinks_grad(sinks: torch.Tensor | None, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor | None:
-    """d sink_h = -sum over this rank's queries of P(sink) * delta, P(sink) = exp(sink - L): the sink's score
-    gradient with a zero value row (the cp ranks' shares are summed with the other replicated gradients)."""
-    if sinks is None:
-        return None
-    share = torch.exp(sinks.to(lse.dtype)[None, :, None] - lse)
-    return -(share * delta).sum(dim=(0, 2)).to(sinks.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -312,7 +231,7 @@ class _RingAttention(torch.autograd.Function):
                 _wait(requests)
             _wait(dkv_requests)
         dk, dv = _unpack(dkv, (k, v))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), _sinks_grad(sinks, lse, delta), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), sinks_grad(sinks, lse, delta), None, None, None
 
 
 # ------------------------------------------------------------------------------------------- allgather
@@ -388,7 +307,7 @@ class _AllGatherAttention(torch.autograd.Function):
         mine = shards[0].new_empty(shards[0].numel())
         dist.reduce_scatter_single(mine, torch.cat(shards), group=group)
         dk, dv = _unpack(mine, (k, v))
-        return (torch.cat(dqs, dim=-2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), _sinks_grad(sinks, lse, delta),
+        return (torch.cat(dqs, dim=-2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), sinks_grad(sinks, lse, delta),
                 None, None, None)
 
 
