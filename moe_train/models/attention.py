@@ -9,7 +9,9 @@ The mask every layer receives is in the form the device's kernel takes (moe_trai
 forward: on the CPU an additive fp32 mask, which SDPA's flash kernel uses as it is (a boolean one it converts
 to float in every layer, one [b, s, s] copy saved per layer); on CUDA a FlexAttention block mask, since SDPA's
 fast CUDA kernels take no mask and the math kernel would save the [b, h, s, s] scores. SDPA tries the table's
-backends in its order (`sdpa_backends`: cuDNN, then flash, on CUDA), never torch's default order.
+backends in its order (`sdpa_backends`: cuDNN, then flash, on CUDA), never torch's default order. gpt-oss's
+sinks and sliding windows take no SDPA kernel that keeps only its output: they run attention written out through
+its log-sum-exp (models/blockwise_attention.py), which keeps what a fused kernel keeps.
 """
 
 from __future__ import annotations

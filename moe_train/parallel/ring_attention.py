@@ -15,8 +15,9 @@ Each cp rank r holds two of the sequence's 2*cp chunks, r and 2*cp-1-r (Megatron
 
 Partial results are merged in fp32 through their log-sum-exp, and backward recomputes the probabilities from the
 saved queries, keys, values, output and log-sum-exp (flash attention's saved set, never the [s, s] scores). The
-block product here is written in plain torch (a [chunk, chunk] score tile at a time): torch's flash kernels do
-not take the per-block document masks packed sequences need on every device. Documents: position ids restart at
+block products (models/blockwise_attention.py, which gpt-oss's attention on one rank uses too) are written in
+plain torch (a [chunk, chunk] score tile at a time): torch's flash kernels do not take the per-block document
+masks packed sequences need on every device. Documents: position ids restart at
 each document start, so query i (global index) and key j share a document exactly when j >= i - position_i;
 the mask of any block follows from the queries' global indices and positions alone, with no exchange.
 
