@@ -53,16 +53,16 @@ class Kernels:
 
     documents: Literal["sdpa_additive_mask", "flex_block_mask"]  # attention over packed documents
     causal: Literal["sdpa"]  # attention without restarts: SDPA with is_causal (flash / cuDNN / the CPU's flash)
-    # gpt-oss's attention sinks and sliding windows: one additive mask (banded, plus a sink column over zero key
-    # and value rows: models/attention.py `window_and_sink_mask`) through SDPA, equal to transformers on the CPU.
-    # A mask that needs a gradient (the sinks') is one the CPU's flash kernel refuses (torch 2.13: "No available
-    # kernel" with FLASH_ATTENTION alone), so SDPA runs MATH there, which keeps the [b, h, s, s+1] scores and
-    # probabilities for backward (measure: 825 KB a layer of gpt-oss-tiny at 2 x 64 tokens, 1.6x the flash
-    # kernel's); the sinks through the flash kernel's log-sum-exp (out x sigmoid(lse - sink)) would keep only
-    # its output. On CUDA the same path is taken, which backend runs it not checked on a GPU here; FlexAttention
-    # (a window mask_mod, the sink through its log-sum-exp) is the kernel to build there, and until then packed
-    # documents (a block mask) are refused by validate for gpt-oss on CUDA.
-    sinks_and_windows: Literal["sdpa_additive_mask"] = "sdpa_additive_mask"
+    # gpt-oss's attention sinks and sliding windows: attention written out through its log-sum-exp, a block of
+    # query rows at a time (models/blockwise_attention.py `sink_window_attention`), the sink joined once to each
+    # query's normaliser; it keeps q, k, v, the output and the fp32 log-sum-exp, as a fused kernel does, and
+    # backward recomputes the scores (2.5x the forward's products). SDPA would take the sink only as a mask
+    # column with a gradient, which the CPU's flash kernel refuses (torch 2.13: "No available kernel"), so it
+    # ran MATH, which kept the [b, h, s, s + 1] scores and probabilities (1.6x on gpt-oss-tiny at 2 x 64 tokens).
+    # The same path on CUDA, not run on a GPU here; FlexAttention (a window mask_mod, the sink through its
+    # log-sum-exp) is the fused kernel to build there, and until then packed documents (a block mask) are
+    # refused by validate for gpt-oss on CUDA.
+    sinks_and_windows: Literal["blockwise_lse"] = "blockwise_lse"
     sdpa_backends: tuple[SdpaBackend, ...]  # SDPA's backends in the order tried (torch's SDPBackend names)
     mla_value: Literal["padded", "own"]  # MLA's v: zero-padded to q/k's head dim, or its own (v_head_dim)
     grouped_mm_min_major: int | None  # compute capability major from which torch._grouped_mm runs; None: always

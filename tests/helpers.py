@@ -112,6 +112,9 @@ FP32 = {
     "qwen3-moe-tiny": ["train.micro_batch_size=1", "train.precision=fp32"],  # 4 (DP2) or 2 (DP4) micro-batches
     "deepseek-v3-tiny": ["train.micro_batch_size=2", "train.precision=fp32"],  # MTP, expert bias, dense layer
 }
+# gpt-oss-tiny's layout cases: four layers (sliding, full, sliding, full); fp32 micro-batches of 2.
+GPT_OSS_LAYOUT = ["model.num_layers=4", "model.layer_types=[sliding_attention, full_attention, sliding_attention, "
+                  "full_attention]", "train.micro_batch_size=2", "train.precision=fp32", "train.adam_eps=1e-5"]
 BF16 = ["train.micro_batch_size=2", "train.precision=bf16"]
 # bf16 compute differs between layouts only through the order of fp32 reductions and per-rank batch shapes
 # (parameters stay fp32, gradients are reduced in fp32): losses within 1e-3, parameters within 1e-3 + 1e-2 rel.

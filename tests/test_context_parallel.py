@@ -42,6 +42,12 @@ ATTENTION_CASES = [
 ]
 
 
+# gpt-oss: sinks and a sliding window shorter than a chunk (5 of 8 tokens at cp 2: whole blocks outside every window are
+# skipped) or longer (13: windows across chunk edges), with and without packed documents
+WINDOW_CASES = [{"window": 5, "documents": False}, {"window": 5, "documents": True},
+                {"window": 13, "documents": False}]
+
+
 def _attention_cases(world: int) -> list[dict]:
     cases = []
     for n, shape in enumerate(ATTENTION_CASES):
@@ -49,6 +55,11 @@ def _attention_cases(world: int) -> list[dict]:
             for documents in (False, True):
                 cases.append({**shape, "s": shape["s"] * world // 2, "comm": comm, "documents": documents,
                               "id": f"{n}-{comm}-{'docs' if documents else 'causal'}"})
+    for comm in ("p2p", "allgather"):
+        for window in WINDOW_CASES:
+            cases.append({**ATTENTION_CASES[0], "s": ATTENTION_CASES[0]["s"] * world // 2, "comm": comm,
+                          "sinks": True, **window,
+                          "id": f"sinks-window{window['window']}-{comm}-{'docs' if window['documents'] else 'causal'}"})
     return cases
 
 
@@ -56,7 +67,7 @@ def _attention_cases(world: int) -> list[dict]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_attention_across_shards_equals_full_attention(tmp_path: Path, world: int) -> None:
     results = run_ranks("cp_attention", world, {"cases": _attention_cases(world)}, tmp_path, timeout=120)
-    assert len(results) == 8
+    assert len(results) == 14
     for case_id, errors in results.items():
         for name, error in errors.items():
             assert error < 1e-12, (case_id, name, error)

@@ -13,7 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import BF16, BF16_TOLERANCE, FP32, SHRINK_LAYOUT, assert_same_run, case, read_metrics, reference
+from helpers import (
+    BF16,
+    BF16_TOLERANCE,
+    FP32,
+    GPT_OSS_LAYOUT,
+    SHRINK_LAYOUT,
+    assert_same_run,
+    case,
+    read_metrics,
+    reference,
+)
 from multirank import run_ranks
 
 from moe_train.config import load_recipe
@@ -129,7 +139,9 @@ def test_expert_parallel_on_four_ranks_equals_single_process(tmp_path: Path) -> 
     """EP equal to the world size (edp 1: the reported FSDP2 divide-factor trap), dense DP4 with experts
     EP2 x EDP2 (FSDP2 over edp on top of the expert shards), and expert tensor parallelism: EP2 x ETP2 and
     ETP2 x EDP2 (each expert's FFN split over two ranks, partial outputs summed by the allgather dispatcher),
-    and parallel folding: dense TP2 x DP2 with experts EP4 over the same ranks."""
+    EP2 x ETP2 of gpt-oss-tiny too (its gate/up biases split with their columns, its down bias added by etp rank 0
+    only, the clamped SwiGLU per column), and parallel folding: dense TP2 x DP2 with experts EP4 over the same
+    ranks."""
     allgather = "model.moe.dispatcher=allgather"
     cases = [
         case("ep4-qwen3-moe-tiny", "qwen3-moe-tiny", [*EP_MOE, "parallel.ep=4"]),
@@ -138,11 +150,13 @@ def test_expert_parallel_on_four_ranks_equals_single_process(tmp_path: Path) -> 
         case("etp2-edp2-qwen3-moe-tiny", "qwen3-moe-tiny", [*EP_MOE, "parallel.etp=2", allgather]),
         # Parallel folding: attention TP2 x DP2 while the experts span all four ranks (EP4), tp != ep.
         case("tp2-dp2-ep4-qwen3-moe-tiny", "qwen3-moe-tiny", [*EP_MOE, "parallel.tp=2", "parallel.ep=4"]),
+        case("ep2-etp2-gpt-oss-tiny", "gpt-oss-tiny", [*GPT_OSS_LAYOUT, "parallel.ep=2", "parallel.etp=2", allgather]),
     ]
     saved = run_ranks("train_layouts", 4, {"cases": cases, "run_root": str(tmp_path / "ep4")}, tmp_path, timeout=300)
     qwen = reference(tmp_path, "qwen3-moe-tiny", EP_MOE)
+    gpt_oss = reference(tmp_path, "gpt-oss-tiny", GPT_OSS_LAYOUT)
     for key in saved:
-        assert_same_run(torch.load(saved[key], weights_only=True), qwen)
+        assert_same_run(torch.load(saved[key], weights_only=True), gpt_oss if "gpt-oss" in key else qwen)
 
 
 @pytest.mark.slow

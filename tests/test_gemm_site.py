@@ -77,8 +77,10 @@ def test_only_the_site_calls_the_fp8_products():
 
 def expected_gemms(cfg) -> int:
     """The model forward's weight GEMMs: every block, the head, and per MTP depth its projection, block and the
-    head again."""
-    layers = sum(block_gemms(cfg, i) for i in range(cfg.num_layers))
+    head again; and gpt-oss's sink and window attention, written out, its two score products a layer (QK^T and
+    PV through the site's `attention_product`, one block of query rows at these sizes)."""
+    written_out = 2 if cfg.attention_sinks or cfg.sliding_window is not None else 0
+    layers = sum(block_gemms(cfg, i) + written_out for i in range(cfg.num_layers))
     mtp = sum(1 + block_gemms(cfg, cfg.num_layers + k) + 1 for k in range(cfg.mtp_layers))
     return layers + 1 + mtp
 

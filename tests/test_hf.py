@@ -430,6 +430,34 @@ def test_gradients_match_transformers(case, tmp_path):
     assert compared > 0 and not theirs, sorted(theirs)  # every transformers gradient was compared
 
 
+# transformers 5.24's configuration defaults against the recipes of the models they describe: every field the
+# import reads is the recipe's but these (the published configs differ from the defaults there).
+DEFAULTS_DIFFER = {
+    "gpt-oss-120b": (transformers.GptOssConfig, {"moe.router.aux_loss_coeff": (0.001, 0.9)}),
+    "glm4.5-air": (transformers.Glm4MoeConfig, {"head_dim": (None, 128), "attention_bias": (False, True),
+                                                "rope.theta": (1e4, 1e6)}),
+}
+
+
+def _flat(fields: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in fields.items():
+        out.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
+
+
+@pytest.mark.parametrize("recipe", sorted(DEFAULTS_DIFFER))
+def test_transformers_defaults_are_the_recipes_but_the_published_differences(recipe):
+    """Glm4MoeConfig() is GLM-4.5-Air and GptOssConfig() gpt-oss-120b, as import_hf reads them, in every field
+    but the ones the published config.json sets otherwise (DEFAULTS_DIFFER): the recipes' hyperparameters
+    checked against transformers' own."""
+    config_class, differ = DEFAULTS_DIFFER[recipe]
+    defaults = _flat(config_from_hf(config_class().to_dict(), mtp_layers=1 if "glm" in recipe else 0).model_dump())
+    ours = _flat(load_recipe(recipe).model.model_dump())
+    found = {key: (defaults[key], ours[key]) for key in ours if defaults[key] != ours[key]}
+    assert found == differ
+
+
 # zai-org/GLM-4.5-Air's config.json as published (transformers 4.54's format: rope_theta and
 # partial_rotary_factor at the top level), and GLM-4.5's fields where they differ.
 GLM45_AIR_CONFIG = {
@@ -463,7 +491,8 @@ def test_glm_recipes_are_the_published_configs(recipe, published):
 
 
 # openai/gpt-oss-20b's config.json as published (transformers 4.55's format: rope_scaling and rope_theta at the
-# top level), as recalled, and gpt-oss-120b's fields where they differ.
+# top level), and gpt-oss-120b's fields where they differ; the 120b's is transformers 5.24's GptOssConfig defaults
+# but for router_aux_loss_coef (0.001 there: test_transformers_defaults_are_the_recipes_but_the_published_differences).
 GPT_OSS_20B_CONFIG = {
     "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
     "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,

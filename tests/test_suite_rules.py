@@ -129,8 +129,9 @@ ALL_SLOW: dict[str, str] = {
                            "test_fp8_kernels' and test_fp8_saved_inputs' fast tests",
     "test_glm_layouts.py": "glm4-moe-tiny under the parallel layouts, one gloo job; the family itself is test_hf's, "
                            "test_plan_measure's and test_config's fast tests",
-    "test_gpt_oss_layouts.py": "gpt-oss-tiny under TP2+SP, TP2, EP2, PP2, DP2, one gloo job; the family itself "
-                                "is test_hf's and test_config's fast tests",
+    "test_gpt_oss_layouts.py": "gpt-oss-tiny under TP2+SP, TP2, EP2, PP2, DP2, CP2 (both exchanges), ETP2, one "
+                                "gloo job; the family itself is test_hf's, test_plan_measure's and test_config's "
+                                "fast tests",
     "test_muon_layouts.py": "Muon under the parallel layouts, one gloo job; Muon itself is test_muon's fast tests",
     "test_offload_layouts.py": "activation offloading under the parallel layouts, one gloo job; the pool and every "
                                "region are test_offload's fast tests, the planned bytes test_plan_measure's",

@@ -130,16 +130,11 @@ def _model(r: Recipe) -> list[Problem]:
     return out
 
 
-# The layouts not built for gpt-oss (its windowed attention over a CP ring, its down bias under ETP); dp, tp, ep
-# and pp are (tests/test_gpt_oss_layouts.py).
-GPT_OSS_LAYOUTS = ("cp", "etp")
-
-
 def _gpt_oss(r: Recipe) -> list[Problem]:
-    """gpt-oss's own fields, and what is not built for it: context and expert-tensor parallelism (a windowed
-    ring, the down bias under ETP are not built), packed documents on CUDA (its sinks and windows take an
-    additive mask, not FlexAttention's block mask: moe_train/kernels.py)."""
-    m, p, out = r.model, r.parallel, []
+    """gpt-oss's own fields, and what is not built for it: packed documents on CUDA (its sinks and windows take an
+    additive mask, not FlexAttention's block mask: moe_train/kernels.py). Every layout is built
+    (tests/test_gpt_oss_layouts.py)."""
+    m, out = r.model, []
     moe = m.moe
     if m.family != "gpt_oss":
         if moe is not None and moe.expert_biases:
@@ -155,10 +150,6 @@ def _gpt_oss(r: Recipe) -> list[Problem]:
         out.append(_p("model.sliding_window", "required: layer_types has sliding_attention layers"))
     if m.qk_norm:
         out.append(_p("model.qk_norm", "gpt_oss has no QK-norm"))
-    for name in GPT_OSS_LAYOUTS:
-        if getattr(p, name) > 1:
-            out.append(_p(f"parallel.{name}", f"{getattr(p, name)} is not built for family gpt_oss (its sliding "
-                          "windows over a context ring, its down bias under etp): 1 only"))
     if r.data.reset_at_eod and r.launch.device == "cuda":
         out.append(_p("data.reset_at_eod", "gpt_oss's sinks and sliding windows on CUDA take no FlexAttention block "
                       "mask yet (moe_train/kernels.py sinks_and_windows)"))
@@ -666,7 +657,7 @@ RULES: tuple[Rule, ...] = (
     Rule(_name, reads=("name",)),
     Rule(_model, reads=("model", "data", "train")),
     Rule(_moe, reads=("model", "parallel")),
-    Rule(_gpt_oss, reads=("model", "parallel", "data", "launch")),
+    Rule(_gpt_oss, reads=("model", "data", "launch")),
     Rule(_layout, reads=("model", "parallel", "train", "launch")),
     Rule(_pipeline, reads=("model", "parallel")),
     Rule(_overlap, reads=("model", "parallel", "train")),

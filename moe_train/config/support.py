@@ -26,6 +26,13 @@ NOT_SUPPORTED_YET: tuple[Unsupported, ...] = (
         and r.model.moe.router.load_balancing == "all_layers_aux_loss",
         "all_layers_aux_loss with tensor parallelism (tp > 1)",
     ),
+    # Its loss is over every layer's rows of the micro-batch, of which a cp rank holds only its shards.
+    Unsupported(
+        "model.moe.router.load_balancing",
+        lambda r: r.parallel.cp > 1 and r.model.moe is not None
+        and r.model.moe.router.load_balancing == "all_layers_aux_loss",
+        "all_layers_aux_loss with context parallelism (cp > 1)",
+    ),
     # torch's zero-bubble weight pass differentiates the parameters a stage holds, which under FSDP2 (used at
     # every world size) are the sharded ones, not the gathered ones its forward used: their gradients stay empty.
     Unsupported("parallel.pp_schedule", lambda r: r.parallel.pp > 1 and r.parallel.pp_schedule == "zero_bubble",

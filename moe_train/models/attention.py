@@ -9,7 +9,9 @@ The mask every layer receives is in the form the device's kernel takes (moe_trai
 forward: on the CPU an additive fp32 mask, which SDPA's flash kernel uses as it is (a boolean one it converts
 to float in every layer, one [b, s, s] copy saved per layer); on CUDA a FlexAttention block mask, since SDPA's
 fast CUDA kernels take no mask and the math kernel would save the [b, h, s, s] scores. SDPA tries the table's
-backends in its order (`sdpa_backends`: cuDNN, then flash, on CUDA), never torch's default order.
+backends in its order (`sdpa_backends`: cuDNN, then flash, on CUDA), never torch's default order. gpt-oss's
+sinks and sliding windows take no SDPA kernel that keeps only its output: they run attention written out through
+its log-sum-exp (models/blockwise_attention.py), which keeps what a fused kernel keeps.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from moe_train.config.schema import ModelConfig
 from moe_train.kernels import kernels_for
+from moe_train.models.blockwise_attention import sink_window_attention
 from moe_train.models.linear import Linear, attention_product
 from moe_train.models.norm import RMSNorm
 from moe_train.models.rope import apply_rotary
@@ -98,40 +101,17 @@ def sdpa_backends(device_type: str) -> list[SDPBackend]:
     return [getattr(SDPBackend, name) for name in kernels_for(device_type).sdpa_backends]
 
 
-def window_and_sink_mask(q: torch.Tensor, mask: torch.Tensor | None, window: int | None,
-                         sinks: torch.Tensor | None) -> torch.Tensor:
-    """The additive mask of gpt-oss's attention (the kernel table's `sinks_and_windows`): the causal or
-    document mask, banded to the last `window` keys of each query (itself included: transformers'
-    kv > q - window) and, with `sinks` [heads], one more key column whose score is the head's sink: softmax over
-    [scores, sink], the sink's share dropped (its key and value are zero rows the caller appends). [b|1, heads|1,
-    s, s (+1)], in fp32 (fp64 under fp64 q); the sink column carries the sinks' gradient through SDPA."""
-    seq, dtype = q.shape[-2], torch.float64 if q.dtype == torch.float64 else torch.float32
-    index = torch.arange(seq, device=q.device)
-    allowed = index[:, None] >= index[None, :]
-    if window is not None:
-        allowed = allowed & (index[None, :] > index[:, None] - window)
-    additive = torch.zeros(seq, seq, dtype=dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
-    if mask is not None:
-        additive = additive + mask.to(dtype)
-    additive = additive.expand(*(additive.shape[:-2] if additive.dim() > 2 else (1, 1)), seq, seq)
-    if sinks is None:
-        return additive
-    column = sinks.to(dtype).view(1, -1, 1, 1).expand(additive.shape[0], -1, seq, 1)
-    return torch.cat((additive.expand(-1, sinks.shape[0], -1, -1), column), dim=-1)
-
-
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None, *,
            window: int | None = None, sinks: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
     """Attention over [b, heads, s, d]: causal SDPA, SDPA restricted by an additive document mask, or
     FlexAttention under a block mask (what `attention_mask` built for this device). A sliding `window` or
-    attention `sinks` (gpt-oss) go through one additive mask (`window_and_sink_mask`) on every device; with sinks
-    k and v gain a zero row, the sink's key (its score is the mask's) and its value (it contributes nothing)."""
+    attention `sinks` (gpt-oss) run `sink_window_attention` on every device (the kernel table's
+    `sinks_and_windows`): written out through its log-sum-exp, it keeps what a fused kernel keeps, where SDPA
+    would take the sinks only as a mask column with a gradient, on its MATH kernel, which keeps the scores."""
     if window is not None or sinks is not None:
         if isinstance(mask, BlockMask):
             raise NotImplementedError("attention sinks and sliding windows under a FlexAttention block mask")
-        mask = window_and_sink_mask(q, mask, window, sinks)
-        if sinks is not None:
-            k, v = (torch.cat((t, t.new_zeros(*t.shape[:2], 1, t.shape[-1])), dim=2) for t in (k, v))
+        return sink_window_attention(q, k, v, mask, window=window, sinks=sinks, scale=kwargs.get("scale"))
     if isinstance(mask, BlockMask):
         return _compiled_flex_attention()(q, k, v, block_mask=mask, **kwargs)
     if mask is not None and mask.is_floating_point() and q.dtype == torch.float64:

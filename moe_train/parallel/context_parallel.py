@@ -56,7 +56,8 @@ def chunk_indices(seq_length: int, *, cp: int, rank: int) -> torch.Tensor:
 
 class ContextParallelAttention(nn.Module):
     """`CoreAttention` across the cp ranks (no parameters): takes the same q, k, v [b, heads, 2c, d] and keyword
-    arguments as SDPA there (`scale`; grouped-query heads follow from the shapes) and a `ShardMask`."""
+    arguments as `attend` there (`scale`, gpt-oss's `window` and `sinks`; grouped-query heads follow from the
+    shapes) and a `ShardMask`."""
 
     def __init__(self, *, group: dist.ProcessGroup, comm: str) -> None:
         super().__init__()
@@ -66,9 +67,11 @@ class ContextParallelAttention(nn.Module):
     # backward are not traceable, so the block's graph breaks around attention instead of failing.
     @torch.compiler.disable
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: ShardMask, *,
-                scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+                scale: float | None = None, enable_gqa: bool = False, window: int | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return context_parallel_attention(q, k, v, mask, scale=scale, group=self.group, comm=self.comm)
+        return context_parallel_attention(q, k, v, mask, scale=scale, group=self.group, comm=self.comm,
+                                          window=window, sinks=sinks)
 
 
 class ShardMasks:

@@ -84,9 +84,10 @@ def node_split(ctx: ParallelContext, *, node_ranks: int):
 
 def _shard_experts(experts: nn.Module, ctx: ParallelContext) -> None:
     """Experts over ep (dim 0); the FFN dimension I over etp: rows of gate/up [E, I, H], columns of down [E, H, I],
-    and gpt-oss's gate/up biases [E, I] with their rows; its down bias [E, H] is whole on every etp rank (etp > 1
-    with it is refused by validate: each rank's partial sum would add it)."""
+    and gpt-oss's gate/up biases [E, I] with their rows; its down bias [E, H] is whole on every etp rank and added
+    by etp rank 0's partial sum only (`GroupedExperts.adds_down_bias`: the reduce adds it once)."""
     mesh = ctx.expert["ep", "etp"]
+    experts.adds_down_bias = ctx.coord("etp") == 0
     for name, param in list(experts.named_parameters(recurse=False)):
         ffn = {"down_proj": Shard(2), "down_proj_bias": Replicate()}.get(name, Shard(1))
         sharded = distribute_tensor(param.data, mesh, [Shard(0), ffn], src_data_rank=None)

@@ -15,10 +15,19 @@ Each cp rank r holds two of the sequence's 2*cp chunks, r and 2*cp-1-r (Megatron
 
 Partial results are merged in fp32 through their log-sum-exp, and backward recomputes the probabilities from the
 saved queries, keys, values, output and log-sum-exp (flash attention's saved set, never the [s, s] scores). The
-block product here is written in plain torch (a [chunk, chunk] score tile at a time): torch's flash kernels do
-not take the per-block document masks packed sequences need on every device. Documents: position ids restart at
+block products (models/blockwise_attention.py, which gpt-oss's attention on one rank uses too) are written in
+plain torch (a [chunk, chunk] score tile at a time): torch's flash kernels do not take the per-block document
+masks packed sequences need on every device. Documents: position ids restart at
 each document start, so query i (global index) and key j share a document exactly when j >= i - position_i;
 the mask of any block follows from the queries' global indices and positions alone, with no exchange.
+
+gpt-oss's sliding windows and attention sinks: a layer's window (`ShardMask.window`) masks by global indices
+(key j is seen by query i when i - window < j <= i), so a block whose keys all lie at or before every query's
+window is skipped as the causal mask's hidden blocks are (on the ring its K/V still pass on; the all-gather path
+starts each query chunk's keys at its first query's window). A head's sink is one more logit in each query's
+softmax normaliser and adds no value: it joins the merged log-sum-exp once per query, after every block
+(L = logaddexp(lse, sink), the output scaled by exp(lse - L)), never once per block; backward recomputes the
+probabilities against that L, and the sink's gradient is -sum over queries of exp(sink - L) * rowsum(dO * out).
 """
 
 from __future__ import annotations
@@ -26,21 +35,37 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe_train.models.linear import attention_product as mm
-
-NEG_INF = float("-inf")
+from moe_train.models.blockwise_attention import block_backward, block_forward, join_sinks, merge, sinks_grad
 
 
 class ShardMask:
     """What attention under CP needs to mask a block: this rank's two chunks (global chunk numbers), the chunk
-    length, and the local tokens' position ids [b, 2c] when documents may restart (None: plain causal).
+    length, the local tokens' position ids [b, 2c] when documents may restart (None: plain causal), and the
+    layer's sliding window (None: none; `with_window`).
 
     A plain class, not a dataclass: FSDP2 rebuilds dataclasses it casts into a module's inputs."""
 
-    __slots__ = ("chunks", "chunk", "positions")
+    __slots__ = ("chunks", "chunk", "positions", "window")
 
-    def __init__(self, *, chunks: tuple[int, int], chunk: int, positions: torch.Tensor | None) -> None:
-        self.chunks, self.chunk, self.positions = chunks, chunk, positions
+    def __init__(self, *, chunks: tuple[int, int], chunk: int, positions: torch.Tensor | None,
+                 window: int | None = None) -> None:
+        self.chunks, self.chunk, self.positions, self.window = chunks, chunk, positions, window
+
+    def with_window(self, window: int | None) -> ShardMask:
+        """The same shards under one layer's sliding window (gpt-oss's sliding_attention layers)."""
+        return self if window == self.window else ShardMask(chunks=self.chunks, chunk=self.chunk,
+                                                            positions=self.positions, window=window)
+
+    def hides(self, q_chunk: int, kv_chunk: int) -> bool:
+        """Whether every (query, key) pair of two chunks is masked: the keys wholly after the queries (causal),
+        or wholly at or before the first query's window (i - window < j fails for every pair)."""
+        if kv_chunk > q_chunk:
+            return True
+        return self.window is not None and (kv_chunk + 1) * self.chunk - 1 <= q_chunk * self.chunk - self.window
+
+    def first_key(self, q_chunk: int) -> int:
+        """The first global key index any query of `q_chunk` sees (0 without a window)."""
+        return 0 if self.window is None else max(0, q_chunk * self.chunk - self.window + 1)
 
     def indices(self, number: int, device: torch.device) -> torch.Tensor:
         """Global token indices of chunk `number`."""
@@ -53,80 +78,24 @@ class ShardMask:
         return self.positions[..., which * self.chunk: (which + 1) * self.chunk]
 
 
-def _allowed(q_chunk: int, kv_chunks: list[int], mask: ShardMask, q_positions: torch.Tensor | None,
+def _allowed(q_chunk: int, keys: tuple[int, int], mask: ShardMask, q_positions: torch.Tensor | None,
              device: torch.device) -> torch.Tensor | None:
-    """Boolean [b|1, 1, cq, ck] of the query chunk against the concatenated key chunks (True: attend), or None
-    when every pair is allowed (keys wholly before the queries, no documents)."""
+    """Boolean [b|1, 1, cq, ck] of the query chunk against the keys of global indices keys[0] .. keys[1] - 1
+    (True: attend), or None when every pair is allowed (keys wholly before the queries and inside their windows,
+    no documents). The bounds are host ints: nothing is read back from the device."""
     q_index = mask.indices(q_chunk, device)
-    k_index = torch.cat([mask.indices(n, device) for n in kv_chunks])
+    k_index = torch.arange(*keys, device=device)
     allowed = None
-    if max(kv_chunks) >= q_chunk:
+    if keys[1] - 1 >= q_chunk * mask.chunk:
         allowed = (k_index[None, :] <= q_index[:, None])[None, None]
+    if mask.window is not None and keys[0] <= (q_chunk + 1) * mask.chunk - 1 - mask.window:
+        inside = (k_index[None, :] > q_index[:, None] - mask.window)[None, None]
+        allowed = inside if allowed is None else allowed & inside
     if q_positions is not None:
         starts = q_index[None, :] - q_positions  # [b, cq]: the global index where each query's document starts
         same = (k_index[None, None, :] >= starts[:, :, None])[:, None]
         allowed = same if allowed is None else allowed & same
     return allowed
-
-
-def _expand_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """K/V heads repeated for grouped-query attention (query head i reads kv head i // group, as SDPA's
-    enable_gqa does)."""
-    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
-
-
-def _fold_heads(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """The gradient of `_expand_heads`: sum over each kv head's group of query heads."""
-    b, heads, s, d = grad.shape
-    return grad if heads == kv_heads else grad.view(b, kv_heads, heads // kv_heads, s, d).sum(2)
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block: q [b, h, cq, d], k [b, hk, ck, d], v [b, hk, ck, dv] -> (out [b, h, cq, dv], lse [b, h, cq]),
-    both fp32 (fp64 for fp64 inputs). A query row with nothing allowed gets out 0 and lse -inf."""
-    dtype = _compute_dtype(q)
-    k, v = _expand_heads(k, q.shape[1]).to(dtype), _expand_heads(v, q.shape[1]).to(dtype)
-    scores = mm(q.to(dtype), k.transpose(-1, -2)) * scale
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, NEG_INF)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.masked_fill(lse == NEG_INF, 0.0)[..., None])
-    return mm(probs, v), lse
-
-
-def block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float,
-                   lse: torch.Tensor, grad_out: torch.Tensor, delta: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A block's share of the gradients given the merged lse and delta = rowsum(grad_out * out) of its query
-    rows: (dq [b, h, cq, d], dk [b, hk, ck, d], dv [b, hk, ck, dv]) in the compute dtype."""
-    dtype = _compute_dtype(q)
-    kv_heads = k.shape[1]
-    qc = q.to(dtype)
-    kc, vc = _expand_heads(k, q.shape[1]).to(dtype), _expand_heads(v, q.shape[1]).to(dtype)
-    scores = mm(qc, kc.transpose(-1, -2)) * scale
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, NEG_INF)
-    probs = torch.exp(scores - lse[..., None])
-    dv = mm(probs.transpose(-1, -2), grad_out)
-    dscores = probs * (mm(grad_out, vc.transpose(-1, -2)) - delta[..., None])
-    dq = mm(dscores, kc) * scale
-    dk = mm(dscores.transpose(-1, -2), qc) * scale
-    return dq, _fold_heads(dk, kv_heads), _fold_heads(dv, kv_heads)
-
-
-def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor, block_lse: torch.Tensor
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine two partial softmax results of the same query rows through their log-sum-exp (fp32)."""
-    if out is None:
-        return block_out, block_lse
-    new = torch.logaddexp(lse, block_lse)
-    safe = new.masked_fill(new == NEG_INF, 0.0)
-    return out * torch.exp(lse - safe)[..., None] + block_out * torch.exp(block_lse - safe)[..., None], new
 
 
 # ------------------------------------------------------------------------------------------------ comm
@@ -166,36 +135,49 @@ def _chunks_of(rank: int, size: int) -> tuple[int, int]:
 
 
 def _ring_blocks(mask: ShardMask, source: int, size: int) -> list[tuple[int, int]]:
-    """(query half, key half) pairs of this rank's chunks against `source` rank's that the causal mask does not
-    hide whole."""
+    """(query half, key half) pairs of this rank's chunks against `source` rank's that the causal mask (and the
+    sliding window) does not hide whole."""
     kv = _chunks_of(source, size)
-    return [(qi, ki) for qi in (0, 1) for ki in (0, 1) if kv[ki] <= mask.chunks[qi]]
+    return [(qi, ki) for qi in (0, 1) for ki in (0, 1) if not mask.hides(mask.chunks[qi], kv[ki])]
+
+
+def _chunk_keys(mask: ShardMask, number: int) -> tuple[int, int]:
+    """The global key indices of chunk `number`, as `_allowed`'s bounds."""
+    return number * mask.chunk, (number + 1) * mask.chunk
 
 
 def _halves(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[..., :chunk, :], x[..., chunk:, :]
 
 
-def _save(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, outs: list[torch.Tensor],
-          lses: list[torch.Tensor], mask: ShardMask, scale: float, group: dist.ProcessGroup) -> torch.Tensor:
-    """Both exchanges' forward end: the halves' outputs joined, and what backward recomputes the blocks from (q,
-    k, v, the output and its fp32 log-sum-exp, the document positions when there are documents)."""
-    out, lse = torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
-    ctx.save_for_backward(q, k, v, out, lse, *(() if mask.positions is None else (mask.positions,)))
+def _save(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+          outs: list[torch.Tensor], lses: list[torch.Tensor], mask: ShardMask, scale: float,
+          group: dist.ProcessGroup) -> torch.Tensor:
+    """Both exchanges' forward end: the halves' outputs joined (with the sinks), and what backward recomputes the
+    blocks from (q, k, v, the output and its fp32 log-sum-exp, the sinks, the document positions when there are
+    documents)."""
+    out, lse = join_sinks(torch.cat(outs, dim=-2), torch.cat(lses, dim=-1), sinks)
+    out = out.to(q.dtype)
+    optional = [t for t in (sinks, mask.positions) if t is not None]
+    ctx.save_for_backward(q, k, v, out, lse, *optional)
+    ctx.has_sinks = sinks is not None
     ctx.mask, ctx.scale, ctx.group = mask, scale, group
     return out
 
 
-def _saved(ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, ShardMask]:
-    """`_save`'s tensors back, the mask rebuilt around the saved positions."""
-    q, k, v, out, lse, *positions = ctx.saved_tensors
-    mask = ShardMask(chunks=ctx.mask.chunks, chunk=ctx.mask.chunk, positions=positions[0] if positions else None)
-    return q, k, v, out, lse, mask
+def _saved(ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
+                         ShardMask]:
+    """`_save`'s tensors back (the sinks None without them), the mask rebuilt around the saved positions."""
+    q, k, v, out, lse, *optional = ctx.saved_tensors
+    sinks = optional.pop(0) if ctx.has_sinks else None
+    mask = ShardMask(chunks=ctx.mask.chunks, chunk=ctx.mask.chunk, positions=optional[0] if optional else None,
+                     window=ctx.mask.window)
+    return q, k, v, out, lse, sinks, mask
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask: ShardMask, scale: float, group: dist.ProcessGroup):
+    def forward(ctx, q, k, v, sinks, mask: ShardMask, scale: float, group: dist.ProcessGroup):
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         c = mask.chunk
         q_halves = _halves(q, c)
@@ -207,17 +189,18 @@ class _RingAttention(torch.autograd.Function):
             k_t, v_t = _unpack(flat, (k, v))
             kv_chunks = _chunks_of(source, size)
             for qi, ki in _ring_blocks(mask, source, size):
-                allowed = _allowed(mask.chunks[qi], [kv_chunks[ki]], mask, mask.local_positions(qi), q.device)
+                allowed = _allowed(mask.chunks[qi], _chunk_keys(mask, kv_chunks[ki]), mask, mask.local_positions(qi),
+                                   q.device)
                 o, lse = block_forward(q_halves[qi], _halves(k_t, c)[ki], _halves(v_t, c)[ki], allowed, scale)
                 outs[qi], lses[qi] = merge(outs[qi], lses[qi], o, lse)
             if pending is not None:
                 flat, requests = pending
                 _wait(requests)
-        return _save(ctx, q, k, v, outs, lses, mask, scale, group)
+        return _save(ctx, q, k, v, sinks, outs, lses, mask, scale, group)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, mask = _saved(ctx)
+        q, k, v, out, lse, sinks, mask = _saved(ctx)
         group, scale, c = ctx.group, ctx.scale, mask.chunk
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         dtype = lse.dtype  # the blocks' compute dtype (fp32; fp64 for fp64 inputs)
@@ -236,7 +219,8 @@ class _RingAttention(torch.autograd.Function):
             dk_t, dv_t = _unpack(dkv, (k, v))
             kv_chunks = _chunks_of(source, size)
             for qi, ki in _ring_blocks(mask, source, size):
-                allowed = _allowed(mask.chunks[qi], [kv_chunks[ki]], mask, mask.local_positions(qi), q.device)
+                allowed = _allowed(mask.chunks[qi], _chunk_keys(mask, kv_chunks[ki]), mask, mask.local_positions(qi),
+                                   q.device)
                 dq_b, dk_b, dv_b = block_backward(q_halves[qi], _halves(k_t, c)[ki], _halves(v_t, c)[ki], allowed,
                                                   scale, lse_halves[qi], g_halves[qi], delta_halves[qi])
                 dq_halves[qi].add_(dq_b)
@@ -248,7 +232,7 @@ class _RingAttention(torch.autograd.Function):
                 _wait(requests)
             _wait(dkv_requests)
         dk, dv = _unpack(dkv, (k, v))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), sinks_grad(sinks, lse, delta), None, None, None
 
 
 # ------------------------------------------------------------------------------------------- allgather
@@ -280,22 +264,22 @@ def _in_sequence_order(gathered: torch.Tensor, like: tuple[torch.Tensor, torch.T
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask: ShardMask, scale: float, group: dist.ProcessGroup):
+    def forward(ctx, q, k, v, sinks, mask: ShardMask, scale: float, group: dist.ProcessGroup):
         c = mask.chunk
         k_all, v_all = _in_sequence_order(_gather_kv(k, v, group), (k, v), c)
         outs, lses = [], []
         for qi, q_half in enumerate(_halves(q, c)):
             number = mask.chunks[qi]
-            allowed = _allowed(number, list(range(number + 1)), mask, mask.local_positions(qi), q.device)
-            end = (number + 1) * c
-            o, lse = block_forward(q_half, k_all[..., :end, :], v_all[..., :end, :], allowed, scale)
+            start, end = mask.first_key(number), (number + 1) * c
+            allowed = _allowed(number, (start, end), mask, mask.local_positions(qi), q.device)
+            o, lse = block_forward(q_half, k_all[..., start:end, :], v_all[..., start:end, :], allowed, scale)
             outs.append(o)
             lses.append(lse)
-        return _save(ctx, q, k, v, outs, lses, mask, scale, group)
+        return _save(ctx, q, k, v, sinks, outs, lses, mask, scale, group)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, mask = _saved(ctx)
+        q, k, v, out, lse, sinks, mask = _saved(ctx)
         group, scale, c = ctx.group, ctx.scale, mask.chunk
         size = dist.get_world_size(group)
         k_all, v_all = _in_sequence_order(_gather_kv(k, v, group), (k, v), c)
@@ -306,14 +290,15 @@ class _AllGatherAttention(torch.autograd.Function):
         dv_all = torch.zeros(v_all.shape, dtype=dtype, device=q.device)
         dqs = []
         for qi, (q_half, g_half) in enumerate(zip(_halves(q, c), _halves(grad_out, c), strict=True)):
-            number, end = mask.chunks[qi], (mask.chunks[qi] + 1) * c
+            number = mask.chunks[qi]
+            start, end = mask.first_key(number), (number + 1) * c
             rows = slice(qi * c, (qi + 1) * c)
-            allowed = _allowed(number, list(range(number + 1)), mask, mask.local_positions(qi), q.device)
-            dq, dk, dv = block_backward(q_half, k_all[..., :end, :], v_all[..., :end, :], allowed, scale,
+            allowed = _allowed(number, (start, end), mask, mask.local_positions(qi), q.device)
+            dq, dk, dv = block_backward(q_half, k_all[..., start:end, :], v_all[..., start:end, :], allowed, scale,
                                         lse[..., rows], g_half, delta[..., rows])
             dqs.append(dq)
-            dk_all[..., :end, :] += dk
-            dv_all[..., :end, :] += dv
+            dk_all[..., start:end, :] += dk
+            dv_all[..., start:end, :] += dv
         # Back to the owners: rank r's shard is its chunks r and 2cp-1-r; summed over the ranks that read them.
         shards = []
         for r in range(size):
@@ -323,12 +308,16 @@ class _AllGatherAttention(torch.autograd.Function):
         mine = shards[0].new_empty(shards[0].numel())
         dist.reduce_scatter_single(mine, torch.cat(shards), group=group)
         dk, dv = _unpack(mine, (k, v))
-        return torch.cat(dqs, dim=-2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return (torch.cat(dqs, dim=-2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), sinks_grad(sinks, lse, delta),
+                None, None, None)
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: ShardMask, *,
-                               scale: float, group: dist.ProcessGroup, comm: str) -> torch.Tensor:
+                               scale: float, group: dist.ProcessGroup, comm: str, window: int | None = None,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries [b, h, 2c, d] over the whole sequence's keys and values, of which
-    this rank holds [b, hk, 2c, d] / [b, hk, 2c, dv] (its chunks of `mask`): [b, h, 2c, dv] in q's dtype."""
+    this rank holds [b, hk, 2c, d] / [b, hk, 2c, dv] (its chunks of `mask`): [b, h, 2c, dv] in q's dtype.
+    `window`: the layer's sliding window (keys i - window < j <= i); `sinks` [h]: each head's sink logit."""
     function = _RingAttention if comm == "p2p" else _AllGatherAttention
-    return function.apply(q.contiguous(), k.contiguous(), v.contiguous(), mask, scale, group)
+    return function.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks, mask.with_window(window), scale,
+                          group)

@@ -216,9 +216,10 @@ def cp_key_share(cp: int) -> float:
     return 1.0 if cp == 1 else (2 * cp + 1) / (4 * cp)
 
 
-# Backward of context-parallel attention against its forward (QK^T and PV): it recomputes QK^T and runs the
+# Backward of attention written out through its log-sum-exp (context parallelism's tiles, gpt-oss's sinks and
+# windows: models/blockwise_attention.py) against its forward (QK^T and PV): it recomputes QK^T and runs the
 # dV, dP, dQ and dK products, 5 of the tile's GEMMs against 2 (SDPA's backward is counted as 2x its forward).
-CP_ATTENTION_BACKWARD = 2.5
+BLOCKWISE_ATTENTION_BACKWARD = 2.5
 
 
 def _regions_of(m: ModelConfig, moe_layer: bool, seq: int, device: str) -> dict[str, float]:
@@ -309,8 +310,9 @@ def _rank_flops(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk], a: Assu
             add(rec, {"head": head}, heads)
     forward = sum(fwd.values())
     recompute = sum(rec.values())
-    # context-parallel attention's backward is 2.5x its forward where everything else is 2x
-    extra = (CP_ATTENTION_BACKWARD - 2) * fwd["attention"] if layout.cp > 1 else 0.0
+    # blockwise attention's backward (context parallelism, gpt-oss) is 2.5x its forward where everything else is 2x
+    blockwise = layout.cp > 1 or layout.blockwise_attention
+    extra = (BLOCKWISE_ATTENTION_BACKWARD - 2) * fwd["attention"] if blockwise else 0.0
     split = {k: 3 * fwd[k] + rec[k] + (extra if k == "attention" else 0.0) for k in fwd}
     return {"forward": forward, "backward": 2 * forward + extra, "recompute": recompute,
             "total": 3 * forward + extra + recompute}, split
@@ -400,7 +402,7 @@ def _moe_layer_work(model: ModelConfig, layout: PlanLayout, shapes: ActivationLa
         if name != "mla_up_proj":  # part of `attention` in the forward
             kernel = _kernel(name, layout.fp8_modules)
             forward[kernel] = forward.get(kernel, 0.0) + value * tokens
-    extra = CP_ATTENTION_BACKWARD - 2 if layout.cp > 1 else 0.0
+    extra = BLOCKWISE_ATTENTION_BACKWARD - 2 if layout.cp > 1 or layout.blockwise_attention else 0.0
     for kernel, value in forward.items():
         backward[kernel] = (2 + (extra if kernel == "attention" else 0.0)) * value
     for name, value in rerun.items():

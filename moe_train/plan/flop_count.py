@@ -8,7 +8,7 @@ of `seq_length`:
 - attention's quadratic term: QK^T and AV over the full `seq_length` keys. The causal mask is not discounted,
   the way `torch.utils.flop_counter` counts scaled dot-product attention, so measured and predicted figures
   agree (`causal=True`: Megatron-Core's convention, half of s x s, which its published TFLOP/s use); attention
-  sinks add one key (`attended_keys`), sliding windows none (their masked keys are computed);
+  sinks (a logit in the normaliser, no key) and sliding windows (their masked keys are computed) add none;
 - SwiGLU MLPs (3 matrices): dense layers, and on MoE layers the router, the `top_k` active routed experts
   and the shared expert;
 - the output head over the real vocabulary (model FLOPs: the model also computes the padding columns, masked in
@@ -39,10 +39,10 @@ def _attention(cfg: ModelConfig, seq_length: int, causal: bool = False) -> float
 
 
 def attended_keys(cfg: ModelConfig, seq_length: int, causal: bool = False) -> float:
-    """Keys a query's QK^T and AV run over: `seq_length`, or half of it (`causal`), and one more with attention
-    sinks (gpt-oss: the sink's zero key and value row, which SDPA multiplies as any other). Sliding windows
-    (gpt-oss) mask keys without skipping them, so the count is the same (measure's FLOP counter agrees)."""
-    return seq_length * (0.5 if causal else 1.0) + (1 if cfg.attention_sinks else 0)
+    """Keys a query's QK^T and AV run over: `seq_length`, or half of it (`causal`). gpt-oss's sinks join the
+    softmax's normaliser through its log-sum-exp (models/blockwise_attention.py), no key; its sliding windows
+    mask keys without skipping them, so the count is the same (measure's FLOP counter agrees)."""
+    return seq_length * (0.5 if causal else 1.0)
 
 
 def _ffn(cfg: ModelConfig, layer: int) -> float:

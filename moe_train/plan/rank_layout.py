@@ -46,8 +46,11 @@ class PlanLayout(MeshShape):
     device: str = "cpu"  # launch.device: the kernel table's row (moe_train/kernels.py) the ranks run
     fp8_modules: tuple[str, ...] = ()  # the GEMM kinds in fp8 (train.fp8.modules under precision fp8)
     # attention runs SDPA with is_causal: no document restarts (data.reset_at_eod), no sinks or sliding windows
-    # (gpt-oss: an additive mask, every pair scored)
+    # (gpt-oss: every pair scored)
     causal_kernel: bool = True
+    # gpt-oss's sinks or sliding windows: attention written out through its log-sum-exp (the kernel table's
+    # `sinks_and_windows`), whose backward recomputes the scores, as context parallelism's does
+    blockwise_attention: bool = False
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> PlanLayout:
@@ -65,6 +68,7 @@ class PlanLayout(MeshShape):
             fp8_modules=tuple(sorted(set(t.fp8.modules))) if t.precision == "fp8" else (),
             causal_kernel=not recipe.data.reset_at_eod and not recipe.model.attention_sinks
             and recipe.model.sliding_window is None,
+            blockwise_attention=recipe.model.attention_sinks or recipe.model.sliding_window is not None,
         )
 
     @property

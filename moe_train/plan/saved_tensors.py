@@ -319,6 +319,8 @@ def _moe(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
         # is the down projection's input
         *gemm_input("moe_act", "experts.down_input", rows, ffn, a, fp8, experts=rank_experts),
     ]
+    if moe.expert_biases:  # gpt-oss: each row's expert, the index its gate/up/down bias gathers keep (experts.py)
+        items.append(Saved("moe", "experts.bias_index", INT64 * rows))
     # The combine sums the (weighted) expert outputs in fp32 and keeps only indices (permute.py `slot_sum`).
     if gathered:
         # the local rows scatter-added into per-token sums (dispatch_allgather.py): two indices (rows, tokens)

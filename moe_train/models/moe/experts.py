@@ -27,7 +27,7 @@ from moe_train.kernels import kernels_for
 from moe_train.models.fp8.gemm import Fp8Gemm
 from moe_train.models.linear import batched_mm, expert_offsets, grouped_mm, linear
 from moe_train.models.moe.deferred_wgrad import DeferredWeightGrads
-from moe_train.models.moe.weighted_swiglu import weighted_swiglu
+from moe_train.models.moe.weighted_swiglu import clamped_weighted_swiglu, weighted_swiglu
 
 _GROUPED_MM_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -74,6 +74,36 @@ def grouped_mm_supported(dtype: torch.dtype, device: torch.device, *, hidden_siz
     return kernel == "grouped_mm"
 
 
+class WeightedBias(torch.autograd.Function):
+    """probs * bias[experts] (each row's expert bias, weighted by its routing weight), keeping probs and the
+    index only: autograd's product would keep the gathered [rows, width] bias too, which the backward forms
+    again from the bias (a parameter). `adds` False (expert tensor parallelism, every etp rank but the first):
+    the term is zero, so the reduce over the etp ranks adds the bias once, while the bias, whole on every etp
+    rank (Replicate), still gets its whole gradient on each (their rows' output gradients are the same) and the
+    routing weight's share through the bias is given by the adding rank only."""
+
+    @staticmethod
+    def forward(ctx, probs: torch.Tensor, bias: torch.Tensor, experts, adds: bool) -> torch.Tensor:
+        indexed = isinstance(experts, torch.Tensor)
+        ctx.save_for_backward(probs, bias, *((experts,) if indexed else ()))
+        ctx.experts, ctx.adds = None if indexed else experts, adds
+        term = probs * bias[experts]
+        return term if adds else torch.zeros_like(term)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        probs, bias, *index = ctx.saved_tensors
+        experts = index[0] if index else ctx.experts
+        rows_bias = bias[experts]
+        grad_probs = (grad * rows_bias).sum_to_size(probs.shape) if ctx.adds and ctx.needs_input_grad[0] else None
+        grad_bias = torch.zeros_like(bias)
+        if index:
+            grad_bias.index_add_(0, experts, grad * probs)
+        else:
+            grad_bias[experts] += (grad * probs).sum_to_size(rows_bias.shape)
+        return grad_probs, grad_bias, None, None
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts over rows already sorted by expert (see dispatcher.py): down(p * silu(gate x) * up x),
     p each row's routing weight (Megatron-Core's weighted SwiGLU): the combine is then a plain sum, and the
@@ -100,6 +130,9 @@ class GroupedExperts(nn.Module):
         else:
             self.gate_proj_bias = self.up_proj_bias = self.down_proj_bias = None
         self.use_grouped_mm = True
+        # Expert tensor parallelism (set by parallel/expert.py): whether this rank's partial output carries the
+        # down bias, which the reduce over the etp ranks must sum once (True on etp rank 0 only).
+        self.adds_down_bias = True
         self.expert_ids: tuple[int, ...] | None = None  # the expert each row (slot) holds; None: row e is expert e
         self.fp8: Fp8Gemm | None = None  # set by models/fp8/select.py when the routed experts run in fp8
         # parallel.split_wgrad (set by parallel/expert.py): the GEMMs' weight gradients (fp8 ones too) wait for
@@ -133,12 +166,10 @@ class GroupedExperts(nn.Module):
         """silu(gate) * up * probs (probs [rows, 1]): the region `parallel.recompute`'s moe_act policy recomputes.
         Kept for backward: gate, up and probs only (weighted_swiglu.py). gpt-oss's clamped form (`clamp`):
         g = min(gate, limit), (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g) * probs, transformers'
-        GptOssExperts maths (autograd's own saves)."""
+        GptOssExperts maths, keeping gate, up and probs too (weighted_swiglu.py)."""
         if self.clamp is None:
             return weighted_swiglu(gate, up, probs)
-        limit = self.clamp.limit
-        gate = gate.clamp(max=limit)
-        return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * self.clamp.alpha)) * probs
+        return clamped_weighted_swiglu(gate, up, probs, limit=self.clamp.limit, alpha=self.clamp.alpha)
 
     def local_biases(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(gate, up, down) biases of the experts this rank holds, or None without biases."""
@@ -154,11 +185,15 @@ class GroupedExperts(nn.Module):
             return gate, up
         return gate + biases[0][experts], up + biases[1][experts]
 
-    @staticmethod
-    def _down_bias(out: torch.Tensor, biases: tuple[torch.Tensor, ...] | None, experts, probs: torch.Tensor):
+    def _down_bias(self, out: torch.Tensor, biases: tuple[torch.Tensor, ...] | None, experts, probs: torch.Tensor):
         """The down projection's bias, weighted by the row's routing weight as the product is (transformers:
-        (act @ down + bias) * p; ours: down(p * act) + p * bias)."""
-        return out if biases is None else out + probs * biases[2][experts]
+        (act @ down + bias) * p; ours: down(p * act) + p * bias).
+
+        Under expert tensor parallelism each etp rank's output is a partial sum that the dispatcher's reduce adds
+        up, so the bias is added on one etp rank (`adds_down_bias`; `WeightedBias`)."""
+        if biases is None:
+            return out
+        return out + WeightedBias.apply(probs, biases[2], experts, self.adds_down_bias)
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate, up, down) of the experts this rank holds: all of them, or its shard under expert parallelism
