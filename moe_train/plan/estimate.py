@@ -6,7 +6,7 @@ with the highest peak memory, and the step time is the slowest rank's. Formulas:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from moe_train.config.fp8_auto import with_fp8_resolved
 from moe_train.config.hardware import Hardware
@@ -97,6 +97,8 @@ class Plan:
     exposed_comm: dict[str, ExposedComm] = field(default_factory=dict)
     ep_phases: PairedPhases | None = None  # what the time rank's MoE layers hide their EP comm behind
     fp8_auto: bool = False  # train.fp8.recipe was auto (`recipe` holds what it resolved to on this GPU)
+    # parallel.offload's copies on the host link of each planned pipeline rank (`offload_copies`), by rank
+    offload_copies: dict[int, dict] = field(default_factory=dict)
 
     @property
     def device_memory(self) -> float:
@@ -340,16 +342,25 @@ def _plan_rank(recipe: Recipe, layout: PlanLayout, assumptions: Assumptions, ran
     # Muon's Newton-Schulz products: the optimizer's, outside the model's `total` (measure's flops.optimizer)
     train = recipe.train
     flops["optimizer"] = muon_flops(params, layout, steps=train.muon.ns_steps) if train.optimizer == "muon" else 0
-    counted = (CommBytes.for_rank(recipe, layout, shapes, chunks, params, param_bytes, assumptions) if comm
-               else CommBytes())
-    forward = dispatch_forward(recipe, layout, shapes, chunks) if comm else CommBytes()
-    moe_layer = _moe_layer_work(model, layout, shapes, chunks, assumptions) if comm else None
     host = sum(sum(offloaded.get(i, 0.0) for i in _chunk_offload_keys(model, chunks, c)) * count
                for c, count in zip(chunks, in_flight(layout, rank), strict=False))
-    return RankPlan(rank, params, memory, per_layer, flops, split, counted,
-                    _elementwise_bytes(model, shapes, layout, chunks, assumptions),
-                    _moe_sync(model, layout, chunks, assumptions), dispatch_forward=forward, moe_layer=moe_layer,
-                    offloaded_bytes_per_layer=offloaded, host_bytes=host)
+    bound = RankPlan(rank, params, memory, per_layer, flops, split, CommBytes(),
+                     _elementwise_bytes(model, shapes, layout, chunks, assumptions),
+                     _moe_sync(model, layout, chunks, assumptions), offloaded_bytes_per_layer=offloaded,
+                     host_bytes=host)
+    return _with_comm(bound, recipe, layout, assumptions, chunks) if comm else bound
+
+
+def _with_comm(bound: RankPlan, recipe: Recipe, layout: PlanLayout, assumptions: Assumptions,
+               chunks: list[Chunk]) -> RankPlan:
+    """The rank planned without communication (`_plan_rank`'s comm False) with its communication added: the
+    bytes of its collectives, its dispatchers' forward bytes and one MoE layer's work (what they hide behind);
+    nothing else of the rank depends on them."""
+    shapes = _activation_layout(recipe, layout, assumptions)
+    counted = CommBytes.for_rank(recipe, layout, shapes, chunks, bound.params, PARAM_BYTES[recipe.train.precision],
+                                 assumptions)
+    return replace(bound, comm=counted, dispatch_forward=dispatch_forward(recipe, layout, shapes, chunks),
+                   moe_layer=_moe_layer_work(recipe.model, layout, shapes, chunks, assumptions))
 
 
 # An offloaded layer's saves are on the device again while its backward runs, and so are those of the layer before
@@ -629,6 +640,41 @@ def estimate(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None
     per_rank = rank_chunks(layout, m)
     indices = range(len(per_rank)) if every_rank else _candidate_ranks(per_rank)
     ranks = [_plan_rank(recipe, layout, a, r, per_rank[r], detail=every_rank, comm=comm) for r in indices]
+    return _assembled(recipe, hardware, layout, a, ranks, [_rank_time(recipe, layout, hardware, a, r) for r in ranks],
+                      every_rank=every_rank, auto=auto)
+
+
+def with_communication(bound: Plan, *, slower_than: float | None = None) -> Plan | None:
+    """The plan `estimate(..., every_rank=False)` gives, from that call's plan without communication (`comm`
+    False): its ranks' memory and FLOPs kept, their communication added (`plan --search` plans whole only the
+    layouts whose bound can still enter its best). With `slower_than`: None as soon as one rank's step time
+    reaches it (the step is the slowest rank's, so the whole plan's would too), the rank slowest without
+    communication first."""
+    recipe, layout, a, hw = bound.recipe, bound.layout, bound.assumptions, bound.hardware
+    per_rank = rank_chunks(layout, recipe.model)
+    order = sorted(range(len(bound.ranks)), key=lambda i: bound.ranks[i].rank != bound.time_rank)
+    ranks: list[RankPlan | None] = [None] * len(bound.ranks)
+    timed: list[tuple | None] = [None] * len(bound.ranks)
+    for i in order:
+        rank = _with_comm(bound.ranks[i], recipe, layout, a, per_rank[bound.ranks[i].rank])
+        ranks[i], timed[i] = rank, _rank_time(recipe, layout, hw, a, rank)
+        if slower_than is not None and timed[i][2][0]["step"] >= slower_than:
+            return None
+    return _assembled(recipe, hw, layout, a, ranks, timed, every_rank=False, auto=bound.fp8_auto)
+
+
+def _rank_time(recipe: Recipe, layout: PlanLayout, hw: Hardware, a: Assumptions, rank: RankPlan) -> tuple:
+    """(what the rank's MoE layers hide their EP comm behind, its offloading's copies, `_time`'s parts and
+    dispatcher collectives)."""
+    phases = paired_phases(recipe, layout, rank.moe_layer, hw, a)
+    copies = offload_copies(recipe.model, layout, hw, a, rank)
+    return phases, copies, _time(rank, layout, hw, a, rank.params.local, phases, copies["exposed_s"] or 0.0)
+
+
+def _assembled(recipe: Recipe, hardware: Hardware, layout: PlanLayout, a: Assumptions, ranks: list[RankPlan],
+               timed: list[tuple], *, every_rank: bool, auto: bool) -> Plan:
+    """The Plan of the planned `ranks` and their `_rank_time`s: the fullest rank's memory, the slowest's time."""
+    m = recipe.model
     tokens = layout.global_batch * layout.seq_length
     model_flops = 3 * forward_flops_per_token(m, seq_length=layout.seq_length) * tokens
     megatron_flops = 3 * forward_flops_per_token(m, seq_length=layout.seq_length, causal=True) * tokens
@@ -637,15 +683,13 @@ def estimate(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None
         executed = sum(r.flops["total"] for r in ranks) * layout.ranks_per_stage
     else:  # the planned ranks stand for all (search ranks layouts; it does not report executed FLOPs)
         executed = sum(r.flops["total"] for r in ranks) * layout.pp / len(ranks) * layout.ranks_per_stage
-    phases = [paired_phases(recipe, layout, r.moe_layer, hardware, a) for r in ranks]
-    copies = [offload_copies(m, layout, hardware, a, r) for r in ranks]
-    times = [_time(r, layout, hardware, a, r.params.local, p, c["exposed_s"] or 0.0)
-             for r, p, c in zip(ranks, phases, copies, strict=True)]
+    phases, copies, times = zip(*timed, strict=True)
     worst = max(ranks, key=lambda r: r.memory["total"])
     slowest = max(range(len(ranks)), key=lambda i: times[i][0]["step"])
     return Plan(recipe, hardware, layout, a, ranks, worst, model_flops, executed, megatron_flops,
                 time=times[slowest][0], time_rank=ranks[slowest].rank, fp8_auto=auto,
-                exposed_comm=times[slowest][1], ep_phases=phases[slowest])
+                exposed_comm=times[slowest][1], ep_phases=phases[slowest],
+                offload_copies={r.rank: c for r, c in zip(ranks, copies, strict=True)})
 
 
 def _gathered_bytes(recipe: Recipe, layout: PlanLayout, rank: RankPlan) -> int:
@@ -684,7 +728,7 @@ def _offload_json(plan: Plan, rank: RankPlan) -> dict | None:
     regions = plan.layout.recompute.offload
     if not regions:
         return None
-    copies = offload_copies(plan.recipe.model, plan.layout, plan.hardware, plan.assumptions, rank)
+    copies = plan.offload_copies[rank.rank]
     return {"modules": list(regions), "host_bytes": int(rank.host_bytes),
             "host_link_bytes_per_s": copies["host_link_bytes_per_s"], "exposed_s": copies["exposed_s"],
             "per_layer": {str(k): {**v, "bytes": int(v["bytes"])} for k, v in copies["per_layer"].items()}}
