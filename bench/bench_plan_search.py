@@ -1,5 +1,6 @@
 """`plan --search` of deepseek-v3 on 1,024 B200s (128 nodes), in-process, this tree against a git ref (default
-main) side by side, interleaved so drifting load hits both alike; prints each median and the ratio. Target:
+main) side by side, interleaved so drifting load hits both alike; prints each median (wall and the process's
+CPU time, which a shared machine's load disturbs less) and the ratios, and says when the results differ. Target:
 under 2 s on a quiet login node (14 s before the search pruned by a lower bound, 3.5 s before cp, etp and the
 dispatchers joined the search).
 
@@ -23,19 +24,19 @@ from moe_train.config import load_recipe
 from moe_train.config.hardware import hardware_table
 from moe_train.plan.search import search
 recipe = load_recipe("deepseek-v3", ["launch.nodes={nodes}"])
-start = time.perf_counter()
+start, cpu = time.perf_counter(), time.process_time()
 best, valid, fits = search(recipe, hardware_table()[recipe.launch.gpu])
-print(time.perf_counter() - start, valid, fits, round(best[0].plan.tokens_per_s))
+print(time.perf_counter() - start, time.process_time() - cpu, valid, fits, round(best[0].plan.tokens_per_s))
 """
 
 
-def run(tree: Path, nodes: int) -> tuple[float, str]:
+def run(tree: Path, nodes: int) -> tuple[float, float, str]:
     out = subprocess.run([sys.executable, "-c", TIMED.format(nodes=nodes)], capture_output=True, text=True,
                          cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)})
     if out.returncode:
         raise SystemExit(f"{tree}: {out.stderr.strip().splitlines()[-1]}")
-    seconds, *rest = out.stdout.split()
-    return float(seconds), " ".join(rest)
+    seconds, cpu, *rest = out.stdout.split()
+    return float(seconds), float(cpu), " ".join(rest)
 
 
 def main() -> None:
@@ -49,16 +50,21 @@ def main() -> None:
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
         trees = {args.ref: Path(tmp), "this tree": ROOT}
         times: dict[str, list[float]] = {name: [] for name in trees}
+        cpu: dict[str, list[float]] = {name: [] for name in trees}
         found = {}
         for _ in range(args.repeats):
             for name, tree in trees.items():
-                seconds, found[name] = run(tree, args.nodes)
+                seconds, used, found[name] = run(tree, args.nodes)
                 times[name].append(seconds)
+                cpu[name].append(used)
     for name, values in times.items():
-        print(f"{name:10s} median {statistics.median(values):7.2f} s  (min {min(values):.2f}; valid, fitting, "
-              f"best tokens/s: {found[name]})")
-    print(f"ratio {statistics.median(times['this tree']) / statistics.median(times[args.ref]):.2f} "
-          f"(this tree / {args.ref})")
+        print(f"{name:10s} median {statistics.median(values):7.2f} s wall, {statistics.median(cpu[name]):7.2f} s "
+              f"CPU  (min {min(values):.2f} wall; valid, fitting, best tokens/s: {found[name]})")
+    for label, series in (("wall", times), ("CPU", cpu)):
+        print(f"ratio {label} {statistics.median(series['this tree']) / statistics.median(series[args.ref]):.2f} "
+              f"(this tree / {args.ref})")
+    if found["this tree"] != found[args.ref]:
+        print(f"DIFFERENT RESULT: {found['this tree']} against {found[args.ref]}")
 
 
 if __name__ == "__main__":

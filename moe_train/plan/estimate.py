@@ -78,6 +78,38 @@ class RankPlan:
     # the bytes the pool holds at the rank's peak (every micro-batch in flight)
     offloaded_bytes_per_layer: dict[int, float] = field(default_factory=dict)
     host_bytes: float = 0.0
+    local_params: int = 0  # params.local (elements after FSDP2), summed once
+    chunks: list[Chunk] = field(default_factory=list)  # the rank's model chunks (`rank_chunks`)
+
+
+@dataclass
+class PlanMemo:
+    """What the candidates of one `plan --search` share, each figure keyed by only what it depends on, so
+    that layouts differing elsewhere reuse it: a pipeline's chunks (pp, vpp, its layout string), a rank's
+    parameters (tp, ep, etp, cp and the FSDP2 shards, its chunks' shapes), one layer's FLOPs by region (the
+    micro-batch's shape), a chunk's saved bytes (its activation shapes, the policy and which of its layers are
+    MoE). The model section is keyed by identity (hashing a pydantic model costs more than most formulas);
+    `models` keeps each one alive, so that its id cannot be reused by another while the memo lives."""
+
+    models: dict[int, ModelConfig] = field(default_factory=dict)
+    chunks: dict[tuple, list[list[Chunk]]] = field(default_factory=dict)
+    params: dict[tuple, tuple[RankParams, int]] = field(default_factory=dict)
+    layer_flops: dict[tuple, dict[bool, dict[str, float]]] = field(default_factory=dict)
+    chunk_bytes: dict[tuple, tuple[float, float]] = field(default_factory=dict)
+
+    def model_key(self, m: ModelConfig) -> int:
+        self.models.setdefault(id(m), m)
+        return id(m)
+
+
+def _memoised(memo: PlanMemo | None, table: str, key: tuple, compute):
+    """`compute()`, or with a memo its value under `key` in `memo.<table>`, computed once."""
+    if memo is None:
+        return compute()
+    entries = getattr(memo, table)
+    if key not in entries:
+        entries[key] = compute()
+    return entries[key]
 
 
 @dataclass
@@ -266,7 +298,8 @@ def _group_tail(m: ModelConfig, flops: dict[str, float], moe_layer: bool,
     return {}  # the combine saves last (the shared experts ran before the dispatch): no GEMM after it
 
 
-def _rank_flops(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk], a: Assumptions) -> tuple[dict, dict]:
+def _rank_flops(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk], a: Assumptions,
+                memo: PlanMemo | None = None) -> tuple[dict, dict]:
     """Executed FLOPs of one rank per step ({forward, backward, recompute, total}) and the same split by kind
     of kernel ({gemm, fp8_gemm, grouped_gemm, fp8_grouped_gemm, attention}, forward + backward + recompute) for
     the time model: the fp8 GEMMs are those of the kinds train.fp8.modules names (`layout.fp8_modules`)."""
@@ -274,17 +307,31 @@ def _rank_flops(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk], a: Assu
     policy = layout.recompute
     fwd = dict.fromkeys(("gemm", "fp8_gemm", "grouped_gemm", "fp8_grouped_gemm", "attention"), 0.0)
     rec = dict(fwd)
-    kinds = {moe: _layer_flops(m, layout, moe, a) for moe in {False, m.moe is not None}}
+    # what `_layer_flops` reads of the layout
+    key = (memo and memo.model_key(m), layout.seq_length, layout.device, layout.tp, layout.sequence_parallel,
+           layout.cp, layout.causal_kernel, layout.micro_batch, layout.ep, layout.etp, a.moe_imbalance)
+    kinds = _memoised(memo, "layer_flops", key,
+                      lambda: {moe: _layer_flops(m, layout, moe, a) for moe in {False, m.moe is not None}})
+    # once per rank and kind of layer, as a layer of that kind first asks (`plan --search` plans thousands of
+    # ranks): each region's kernel, what selective recompute reruns, what full recompute reruns (the whole
+    # forward) and what a group's last layer does not
+    kernel_of = {name: _kernel(name, layout.fp8_modules) for name in {*kinds[False], *kinds.get(True, ()),
+                                                                         "head", "eh_proj"}}
+    selective: dict[bool, dict[str, float]] = {}
+    rerun = {moe: {k: v for k, v in regions.items() if k != "mla_up_proj"} for moe, regions in kinds.items()}
+    tail: dict[bool, dict[str, float]] = {}
 
     def add(target: dict, regions: dict[str, float], times: float = 1.0) -> None:
         for name, value in regions.items():
             if name != "mla_up_proj" or target is rec:  # forward: part of `attention`
-                target[_kernel(name, layout.fp8_modules)] += times * value * tokens
+                target[kernel_of[name]] += times * value * tokens
 
     def forward_layer(moe: bool, count: int = 1) -> None:
         add(fwd, kinds[moe], count)
         if policy.granularity == "selective":
-            add(rec, _selective_recompute(m, kinds[moe], set(policy.modules), moe, layout.fp8_modules), count)
+            if moe not in selective:
+                selective[moe] = _selective_recompute(m, kinds[moe], set(policy.modules), moe, layout.fp8_modules)
+            add(rec, selective[moe], count)
 
     replicated = 1 if layout.sequence_parallel else layout.tp  # MTP's eh_proj runs on the sequence region
     head = 2.0 * m.hidden_size * m.padded_vocab_size() / layout.tp  # executed: the padding columns too
@@ -297,9 +344,11 @@ def _rank_flops(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk], a: Assu
                 moe_layers = sum(m.is_moe_layer(i) for i in group)
                 for moe, count in ((True, moe_layers), (False, len(group) - moe_layers)):
                     if count:
-                        add(rec, {k: v for k, v in kinds[moe].items() if k != "mla_up_proj"}, count)
+                        add(rec, rerun[moe], count)
                 last = m.is_moe_layer(group[-1])
-                add(rec, _group_tail(m, kinds[last], last, layout.fp8_modules), -1.0)
+                if last not in tail:
+                    tail[last] = _group_tail(m, kinds[last], last, layout.fp8_modules)
+                add(rec, tail[last], -1.0)
         # the chunked loss computes each chunk's logits again in backward (models/linear.py)
         heads = chunk.loss + chunk.mtp
         if chunk.loss:
@@ -319,26 +368,30 @@ def _rank_flops(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk], a: Assu
 
 
 def _plan_rank(recipe: Recipe, layout: PlanLayout, assumptions: Assumptions, rank: int, chunks: list[Chunk], *,
-               detail: bool = True, comm: bool = True) -> RankPlan:
+               detail: bool = True, comm: bool = True, memo: PlanMemo | None = None) -> RankPlan:
     """One pipeline rank's memory, FLOPs, communication and host waits; `detail` adds the bytes per layer;
     without `comm` no communication (a lower bound of the step time: `plan --search` prunes by it)."""
     model = recipe.model
     shapes = _activation_layout(recipe, layout, assumptions)
-    params = rank_params(model, layout, chunks)
+    # what `rank_params` reads: the sharding and each chunk's shape (its layers' kinds, MTP, embedding, head)
+    key = (memo and memo.model_key(model), layout.dps, layout.cp, layout.sequence_parallel, layout.tp, layout.ep,
+           layout.etp, layout.experts_apart, layout.edps, layout.pp > 1,
+           tuple((c.moe_layers, len(c.layers), c.mtp, c.embedding, c.loss) for c in chunks))
+    params, local = _memoised(memo, "params", key, lambda: _with_local(rank_params(model, layout, chunks)))
     param_bytes = PARAM_BYTES[recipe.train.precision]
-    activations, transient = _activation_bytes(model, shapes, layout, rank, chunks)
+    activations, transient = _activation_bytes(model, shapes, layout, rank, chunks, memo)
     offloaded = _offloaded_per_layer(model, shapes, layout.recompute, chunks)
     memory = {
-        "weights": MASTER_BYTES * params.local,
-        "grads": GRAD_BYTES * params.local,
-        "optimizer": _optimizer_bytes(recipe, params),
+        "weights": MASTER_BYTES * local,
+        "grads": GRAD_BYTES * local,
+        "optimizer": _optimizer_bytes(recipe, params, local),
         "activations": activations,
         "buffers": _buffer_bytes(recipe, shapes, layout, assumptions, chunks, params, param_bytes, transient)
         + OFFLOAD_LAYERS_BACK * max(offloaded.values(), default=0.0),
     }
     memory["total"] = sum(memory.values())
     per_layer = _bytes_per_layer(model, shapes, layout.recompute, chunks) if detail else {}
-    flops, split = _rank_flops(model, layout, chunks, assumptions)
+    flops, split = _rank_flops(model, layout, chunks, assumptions, memo)
     # Muon's Newton-Schulz products: the optimizer's, outside the model's `total` (measure's flops.optimizer)
     train = recipe.train
     flops["optimizer"] = muon_flops(params, layout, steps=train.muon.ns_steps) if train.optimizer == "muon" else 0
@@ -347,8 +400,12 @@ def _plan_rank(recipe: Recipe, layout: PlanLayout, assumptions: Assumptions, ran
     bound = RankPlan(rank, params, memory, per_layer, flops, split, CommBytes(),
                      _elementwise_bytes(model, shapes, layout, chunks, assumptions),
                      _moe_sync(model, layout, chunks, assumptions), offloaded_bytes_per_layer=offloaded,
-                     host_bytes=host)
+                     host_bytes=host, local_params=local, chunks=chunks)
     return _with_comm(bound, recipe, layout, assumptions, chunks) if comm else bound
+
+
+def _with_local(params: RankParams) -> tuple[RankParams, int]:
+    return params, params.local  # a sum over the rank's units: once
 
 
 def _with_comm(bound: RankPlan, recipe: Recipe, layout: PlanLayout, assumptions: Assumptions,
@@ -421,11 +478,11 @@ def _moe_layer_work(model: ModelConfig, layout: PlanLayout, shapes: ActivationLa
     return MoeLayerWork(forward, backward, a.elementwise_traffic_per_saved_byte * saved, count)
 
 
-def _optimizer_bytes(recipe: Recipe, params: RankParams) -> int:
+def _optimizer_bytes(recipe: Recipe, params: RankParams, local: int) -> int:
     """The optimizer state of the rank's FSDP2 shards: AdamW's two moments per element, or under Muon one
     momentum buffer for Muon's matrices and AdamW's two for the rest, each in train.adam_moment_dtype (AdamW's
     step scalars, 4 bytes a tensor, are left out)."""
-    moments = ADAM_BYTES[recipe.train.adam_moment_dtype] * params.local
+    moments = ADAM_BYTES[recipe.train.adam_moment_dtype] * local
     if recipe.train.optimizer != "muon":
         return moments
     muon = sum(unit.count * fsdp_rows(t.shape[0], unit.shards)[0] * (t.numel // t.shape[0])
@@ -434,7 +491,7 @@ def _optimizer_bytes(recipe: Recipe, params: RankParams) -> int:
 
 
 def _activation_bytes(model: ModelConfig, shapes: ActivationLayout, layout: PlanLayout, rank: int,
-                      chunks: list[Chunk]) -> tuple[float, float]:
+                      chunks: list[Chunk], memo: PlanMemo | None = None) -> tuple[float, float]:
     """(bytes the rank keeps for backward at its peak: each chunk's, its head's and its MTP modules' times the
     micro-batches in flight there, the shared storages once per micro-batch in flight; the largest transient
     extra of a recomputed group's backward)."""
@@ -442,7 +499,10 @@ def _activation_bytes(model: ModelConfig, shapes: ActivationLayout, layout: Plan
     counts = in_flight(layout, rank)
     policy = layout.recompute
     for chunk, count in zip(chunks, counts, strict=False):
-        kept, extra = chunk_activation_bytes(model, shapes, chunk, policy)
+        # a chunk's bytes depend on its layers only through which are MoE (and, full recompute, their order)
+        key = (memo and memo.model_key(model), shapes, policy, tuple(map(model.is_moe_layer, chunk.layers)))
+        kept, extra = _memoised(memo, "chunk_bytes", key,
+                                lambda chunk=chunk: chunk_activation_bytes(model, shapes, chunk, policy))
         activations += kept * count
         transient = max(transient, extra)
         if chunk.loss:
@@ -627,19 +687,22 @@ def _candidate_ranks(per_rank: list[list[Chunk]]) -> list[int]:
 
 
 def estimate(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None = None, *,
-             every_rank: bool = True, comm: bool = True) -> Plan:
+             every_rank: bool = True, comm: bool = True, memo: PlanMemo | None = None) -> Plan:
     """Plan `recipe` (its layout, batch and precision) on `hardware`. `every_rank` False plans only the
     pipeline ranks that can be the most loaded (what `--search` needs); `comm` False leaves communication out,
-    so the step time is a lower bound (communication only adds to it) and the memory is the plan's."""
+    so the step time is a lower bound (communication only adds to it) and the memory is the plan's. `memo`:
+    figures shared with the other plans made with it (`PlanMemo`: one search's), the same results."""
     a = assumptions or Assumptions()
     # train.fp8.recipe auto: what this GPU runs (the engine resolves it from the device the same way)
     auto = recipe.train.fp8.recipe == "auto"
     recipe = with_fp8_resolved(recipe, capability=hardware.compute_capability, from_table=False)
     m = recipe.model
     layout = PlanLayout.from_recipe(recipe)
-    per_rank = rank_chunks(layout, m)
+    per_rank = _memoised(memo, "chunks", (memo and memo.model_key(m), layout.pp, layout.vpp, layout.pp_layout),
+                         lambda: rank_chunks(layout, m))
     indices = range(len(per_rank)) if every_rank else _candidate_ranks(per_rank)
-    ranks = [_plan_rank(recipe, layout, a, r, per_rank[r], detail=every_rank, comm=comm) for r in indices]
+    ranks = [_plan_rank(recipe, layout, a, r, per_rank[r], detail=every_rank, comm=comm, memo=memo)
+             for r in indices]
     return _assembled(recipe, hardware, layout, a, ranks, [_rank_time(recipe, layout, hardware, a, r) for r in ranks],
                       every_rank=every_rank, auto=auto)
 
@@ -651,12 +714,11 @@ def with_communication(bound: Plan, *, slower_than: float | None = None) -> Plan
     reaches it (the step is the slowest rank's, so the whole plan's would too), the rank slowest without
     communication first."""
     recipe, layout, a, hw = bound.recipe, bound.layout, bound.assumptions, bound.hardware
-    per_rank = rank_chunks(layout, recipe.model)
     order = sorted(range(len(bound.ranks)), key=lambda i: bound.ranks[i].rank != bound.time_rank)
     ranks: list[RankPlan | None] = [None] * len(bound.ranks)
     timed: list[tuple | None] = [None] * len(bound.ranks)
     for i in order:
-        rank = _with_comm(bound.ranks[i], recipe, layout, a, per_rank[bound.ranks[i].rank])
+        rank = _with_comm(bound.ranks[i], recipe, layout, a, bound.ranks[i].chunks)
         ranks[i], timed[i] = rank, _rank_time(recipe, layout, hw, a, rank)
         if slower_than is not None and timed[i][2][0]["step"] >= slower_than:
             return None
@@ -668,7 +730,7 @@ def _rank_time(recipe: Recipe, layout: PlanLayout, hw: Hardware, a: Assumptions,
     dispatcher collectives)."""
     phases = paired_phases(recipe, layout, rank.moe_layer, hw, a)
     copies = offload_copies(recipe.model, layout, hw, a, rank)
-    return phases, copies, _time(rank, layout, hw, a, rank.params.local, phases, copies["exposed_s"] or 0.0)
+    return phases, copies, _time(rank, layout, hw, a, rank.local_params, phases, copies["exposed_s"] or 0.0)
 
 
 def _assembled(recipe: Recipe, hardware: Hardware, layout: PlanLayout, a: Assumptions, ranks: list[RankPlan],

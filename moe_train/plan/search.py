@@ -24,7 +24,7 @@ from moe_train.config.rules import check_recipe, offloadable
 from moe_train.config.schema import ModelConfig, OffloadConfig, Recipe, RecomputeConfig
 
 from .assumptions import Assumptions
-from .estimate import Plan, estimate, with_communication
+from .estimate import Plan, PlanMemo, estimate, with_communication
 
 
 @dataclass(frozen=True)
@@ -157,11 +157,12 @@ def _apply(recipe: Recipe, overrides: dict, models: dict[tuple, ModelConfig] | N
 
 def search(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None = None, *,
            top: int = 5, imbalance: Callable[[Recipe], float] | None = None,
-           prune: bool = True) -> tuple[list[Candidate], int, int]:
+           prune: bool = True, memo: bool = True) -> tuple[list[Candidate], int, int]:
     """(the best `top` fitting layouts by tokens/s, layouts valid, layouts valid and fitting). `imbalance`:
     each candidate's measured moe_imbalance (`plan --routing`: the trace's loads on its ep), in place of the
     assumption's. `prune` False plans every fitting layout and policy whole (what the pruned search is held
-    to: tests/test_plan_overlap.py).
+    to: tests/test_plan_overlap.py). `memo` False plans each layout from nothing (`PlanMemo`: the figures
+    candidates share, computed once; what tests/test_plan_search.py holds equal).
 
     Per layout, full recompute is planned first: when even it does not fit, no policy does. Then no
     recompute: when it fits, the selective policies fit too and are slower (recompute only adds work), so they
@@ -175,6 +176,7 @@ def search(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None =
     valid = fits = 0
     options = _recompute_options(recipe)
     models: dict[tuple, ModelConfig] = {}
+    shared = PlanMemo() if memo else None
     for base in layouts(recipe, nvlink_domain=hardware.nvlink_domain):
         first = _apply(recipe, {**base, "parallel.recompute": options[0]}, models)
         if check_recipe(first, check_files=False):
@@ -185,7 +187,7 @@ def search(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None =
             candidate = first if index == 0 else _apply(recipe, overrides, models)
             planned = assumptions if imbalance is None else replace(assumptions or Assumptions(),
                                                                      moe_imbalance=imbalance(candidate))
-            bound = estimate(candidate, hardware, planned, every_rank=False, comm=False)
+            bound = estimate(candidate, hardware, planned, every_rank=False, comm=False, memo=shared)
             if not bound.fits:
                 if index == 0 and prune:  # the leanest policy: when it does not fit, none does
                     break
@@ -202,7 +204,7 @@ def search(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None =
         if cutoff is not None and lower >= cutoff:
             break  # this bound and every later one: slower than the best `top` already planned whole
         if not prune:
-            whole = estimate(candidate, hardware, planned, every_rank=False)
+            whole = estimate(candidate, hardware, planned, every_rank=False, memo=shared)
         elif (whole := with_communication(bound, slower_than=cutoff)) is None:
             continue  # one of its ranks alone is slower than the best `top`: so is the step
         best.append(Candidate(overrides, whole))
