@@ -88,7 +88,8 @@ class PlanMemo:
     that layouts differing elsewhere reuse it: a pipeline's chunks (pp, vpp, its layout string), a rank's
     parameters (tp, ep, etp, cp and the FSDP2 shards, its chunks' shapes), one layer's FLOPs by region (the
     micro-batch's shape), a chunk's saved bytes (its activation shapes, the policy and which of its layers are
-    MoE). The model section is keyed by identity (hashing a pydantic model costs more than most formulas);
+    MoE), the head's, an MTP module's and each kind of layer's bytes (the activation shapes). The model section
+    is keyed by identity (hashing a pydantic model costs more than most formulas);
     `models` keeps each one alive, so that its id cannot be reused by another while the memo lives."""
 
     models: dict[int, ModelConfig] = field(default_factory=dict)
@@ -96,6 +97,9 @@ class PlanMemo:
     params: dict[tuple, tuple[RankParams, int]] = field(default_factory=dict)
     layer_flops: dict[tuple, dict[bool, dict[str, float]]] = field(default_factory=dict)
     chunk_bytes: dict[tuple, tuple[float, float]] = field(default_factory=dict)
+    # by the activation shapes (and policy) alone: the head's and an MTP module's saved bytes, what a layer of
+    # each kind would save without recompute (the memory-bound traffic's)
+    shape_bytes: dict[tuple, object] = field(default_factory=dict)
 
     def model_key(self, m: ModelConfig) -> int:
         self.models.setdefault(id(m), m)
@@ -398,7 +402,7 @@ def _plan_rank(recipe: Recipe, layout: PlanLayout, assumptions: Assumptions, ran
     host = sum(sum(offloaded.get(i, 0.0) for i in _chunk_offload_keys(model, chunks, c)) * count
                for c, count in zip(chunks, in_flight(layout, rank), strict=False))
     bound = RankPlan(rank, params, memory, per_layer, flops, split, CommBytes(),
-                     _elementwise_bytes(model, shapes, layout, chunks, assumptions),
+                     _elementwise_bytes(model, shapes, layout, chunks, assumptions, memo),
                      _moe_sync(model, layout, chunks, assumptions), offloaded_bytes_per_layer=offloaded,
                      host_bytes=host, local_params=local, chunks=chunks)
     return _with_comm(bound, recipe, layout, assumptions, chunks) if comm else bound
@@ -506,8 +510,11 @@ def _activation_bytes(model: ModelConfig, shapes: ActivationLayout, layout: Plan
         activations += kept * count
         transient = max(transient, extra)
         if chunk.loss:
-            activations += head_activation_bytes(model, shapes, vocab_parallel=True) * count
-        activations += chunk.mtp * mtp_activation_bytes(model, shapes, policy) * count
+            activations += _memoised(memo, "shape_bytes", ("head", *key[:2]),
+                                     lambda: head_activation_bytes(model, shapes, vocab_parallel=True)) * count
+        if chunk.mtp:
+            activations += chunk.mtp * _memoised(memo, "shape_bytes", ("mtp", *key[:3]),
+                                                 lambda: mtp_activation_bytes(model, shapes, policy)) * count
     activations += other_activation_bytes(model, shapes) * max(counts)
     return activations, transient
 
@@ -564,17 +571,25 @@ def _buffer_bytes(recipe: Recipe, shapes: ActivationLayout, layout: PlanLayout, 
 
 
 def _elementwise_bytes(model: ModelConfig, shapes: ActivationLayout, layout: PlanLayout, chunks: list[Chunk],
-                       assumptions: Assumptions) -> float:
+                       assumptions: Assumptions, memo: PlanMemo | None = None) -> float:
     """Memory-bound traffic per step: what the rank's layers would save without recompute, over every
     micro-batch, times the stated traffic per saved byte. The routed experts' silu(gate) and unweighted product
     count as saved: the weighted SwiGLU forms them again in backward instead of keeping them
     (models/moe/weighted_swiglu.py), the same memory-bound work either way."""
+    kinds = _memoised(memo, "shape_bytes", ("traffic", memo and memo.model_key(model), shapes),
+                      lambda: _traffic_kinds(model, shapes))
+    saved = sum(kinds[True] * c.moe_layers + kinds[False] * (len(c.layers) - c.moe_layers) for c in chunks)
+    return assumptions.elementwise_traffic_per_saved_byte * saved * layout.micro_batches
+
+
+def _traffic_kinds(model: ModelConfig, shapes: ActivationLayout) -> dict[bool, float]:
+    """{MoE layer: bytes a layer of that kind would save without recompute, the experts' re-formed SwiGLU
+    products too}: `_elementwise_bytes`'s per layer."""
     kinds = {moe: layer_activation_bytes(model, shapes, layer_index=model.num_layers if moe else 0)
              for moe in (False, True)}
     if model.moe is not None:
         kinds[True] += 2 * shapes.act_bytes * expert_rows(model, shapes) * model.moe.ffn_hidden_size / shapes.etp
-    saved = sum(kinds[True] * c.moe_layers + kinds[False] * (len(c.layers) - c.moe_layers) for c in chunks)
-    return assumptions.elementwise_traffic_per_saved_byte * saved * layout.micro_batches
+    return kinds
 
 
 def _moe_sync(model: ModelConfig, layout: PlanLayout, chunks: list[Chunk], assumptions: Assumptions) -> float:
