@@ -727,17 +727,33 @@ def with_communication(bound: Plan, *, slower_than: float | None = None) -> Plan
     False): its ranks' memory and FLOPs kept, their communication added (`plan --search` plans whole only the
     layouts whose bound can still enter its best). With `slower_than`: None as soon as one rank's step time
     reaches it (the step is the slowest rank's, so the whole plan's would too), the rank slowest without
-    communication first."""
+    communication first, and before its whole communication the cheaper bound of its dispatchers' forwards
+    (`_forwards_bound`)."""
     recipe, layout, a, hw = bound.recipe, bound.layout, bound.assumptions, bound.hardware
     order = sorted(range(len(bound.ranks)), key=lambda i: bound.ranks[i].rank != bound.time_rank)
     ranks: list[RankPlan | None] = [None] * len(bound.ranks)
     timed: list[tuple | None] = [None] * len(bound.ranks)
     for i in order:
+        if slower_than is not None and _forwards_bound(bound.ranks[i], recipe, layout, hw, a) >= slower_than:
+            return None
         rank = _with_comm(bound.ranks[i], recipe, layout, a, bound.ranks[i].chunks)
         ranks[i], timed[i] = rank, _rank_time(recipe, layout, hw, a, rank)
         if slower_than is not None and timed[i][2][0]["step"] >= slower_than:
             return None
     return _assembled(recipe, hw, layout, a, ranks, timed, every_rank=False, auto=bound.fp8_auto)
+
+
+def _forwards_bound(bound: RankPlan, recipe: Recipe, layout: PlanLayout, hw: Hardware, a: Assumptions) -> float:
+    """A lower bound of the rank's step time with its communication, from the dispatchers' forward bytes alone
+    (a share of its collectives' bytes, under the same keys): without ep_overlap and split_wgrad nothing hides
+    the dispatchers' collectives (comm_time hides none of an EP group's), so those seconds are exposed whatever
+    the rest adds, and adding bytes never lowers `_time`'s exposed seconds (each key's hideable part is at most
+    its own). 0 where something could hide them."""
+    if recipe.model.moe is None or recipe.parallel.ep_overlap or recipe.parallel.split_wgrad:
+        return 0.0
+    shapes = _activation_layout(recipe, layout, a)
+    forwards = replace(bound, comm=dispatch_forward(recipe, layout, shapes, bound.chunks))
+    return _time(forwards, layout, hw, a, bound.local_params)[0]["step"]
 
 
 def _rank_time(recipe: Recipe, layout: PlanLayout, hw: Hardware, a: Assumptions, rank: RankPlan) -> tuple:
