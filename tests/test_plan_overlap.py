@@ -256,16 +256,20 @@ def test_search_keeps_ep_overlap_where_the_engine_builds_it() -> None:
     (QWEN, ["launch.nodes=1", "train.global_batch_size=64"]),
     (QWEN, ["launch.nodes=1", "train.global_batch_size=64", OVERLAP]),
     ("qwen3-30b-a3b-32k", ["launch.nodes=1", "train.global_batch_size=16", OVERLAP]),  # cp layouts too
-], ids=["qwen3-30b-a3b", "qwen3-30b-a3b-ep_overlap", "qwen3-30b-a3b-32k-ep_overlap"])
+    # pipelines with generated layouts, MTP, a dense first layer, the hierarchical dispatcher over 3 nodes
+    ("deepseek-v3-tiny", ["launch.device=cuda", "launch.gpu=h100", "launch.nodes=3", "launch.gpus_per_node=4",
+                          "train.global_batch_size=48", "train.precision=bf16", "model.moe.dispatcher=hierarchical"]),
+], ids=["qwen3-30b-a3b", "qwen3-30b-a3b-ep_overlap", "qwen3-30b-a3b-32k-ep_overlap", "deepseek-v3-tiny-pipelines"])
 def test_pruned_search_ranks_as_the_exhaustive_one(name: str, sets: list[str]) -> None:
     """The pruned search (a layout planned whole only while its communication-free bound can still enter the
-    best five; selective policies counted, not planned, once no recompute fits) returns the exhaustive search's
-    best five, which plans every fitting layout and policy whole, once the exhaustive list drops the selective
-    policies of layouts whose no-recompute plan fits (never faster: the premise of the pruning, checked
-    here); both count the same fitting layouts."""
+    best five, and dropped once one of its ranks alone is slower than the best five; selective policies
+    counted, not planned, once no recompute fits; the memo shared by the candidates) returns the exhaustive
+    search's best five, which plans every fitting layout and policy whole from nothing, once the exhaustive
+    list drops the selective policies of layouts whose no-recompute plan fits (never faster: the premise of
+    the pruning, checked here); both count the same fitting layouts."""
     recipe = load_recipe(name, sets, check_files=False)
     pruned, valid, fits = search(recipe, HARDWARE["h100"], top=5)
-    every, valid_all, fits_all = search(recipe, HARDWARE["h100"], top=1 << 30, prune=False)
+    every, valid_all, fits_all = search(recipe, HARDWARE["h100"], top=1 << 30, prune=False, memo=False)
     assert (valid, fits) == (valid_all, fits_all) and len(every) == fits_all
 
     def base(c) -> str:

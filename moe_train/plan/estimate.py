@@ -6,7 +6,7 @@ with the highest peak memory, and the step time is the slowest rank's. Formulas:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from moe_train.config.fp8_auto import with_fp8_resolved
 from moe_train.config.hardware import Hardware
@@ -78,6 +78,42 @@ class RankPlan:
     # the bytes the pool holds at the rank's peak (every micro-batch in flight)
     offloaded_bytes_per_layer: dict[int, float] = field(default_factory=dict)
     host_bytes: float = 0.0
+    local_params: int = 0  # params.local (elements after FSDP2), summed once
+    chunks: list[Chunk] = field(default_factory=list)  # the rank's model chunks (`rank_chunks`)
+
+
+@dataclass
+class PlanMemo:
+    """What the candidates of one `plan --search` share, each figure keyed by only what it depends on, so
+    that layouts differing elsewhere reuse it: a pipeline's chunks (pp, vpp, its layout string, V or not), a rank's
+    parameters (tp, ep, etp, cp and the FSDP2 shards, its chunks' shapes), one layer's FLOPs by region (the
+    micro-batch's shape), a chunk's saved bytes (its activation shapes, the policy and which of its layers are
+    MoE), the head's, an MTP module's and each kind of layer's bytes (the activation shapes). The model section
+    is keyed by identity (hashing a pydantic model costs more than most formulas);
+    `models` keeps each one alive, so that its id cannot be reused by another while the memo lives."""
+
+    models: dict[int, ModelConfig] = field(default_factory=dict)
+    chunks: dict[tuple, list[list[Chunk]]] = field(default_factory=dict)
+    params: dict[tuple, tuple[RankParams, int]] = field(default_factory=dict)
+    layer_flops: dict[tuple, dict[bool, dict[str, float]]] = field(default_factory=dict)
+    chunk_bytes: dict[tuple, tuple[float, float]] = field(default_factory=dict)
+    # by the activation shapes (and policy) alone: the head's and an MTP module's saved bytes, what a layer of
+    # each kind would save without recompute (the memory-bound traffic's)
+    shape_bytes: dict[tuple, object] = field(default_factory=dict)
+
+    def model_key(self, m: ModelConfig) -> int:
+        self.models.setdefault(id(m), m)
+        return id(m)
+
+
+def _memoised(memo: PlanMemo | None, table: str, key: tuple, compute):
+    """`compute()`, or with a memo its value under `key` in `memo.<table>`, computed once."""
+    if memo is None:
+        return compute()
+    entries = getattr(memo, table)
+    if key not in entries:
+        entries[key] = compute()
+    return entries[key]
 
 
 @dataclass
@@ -97,6 +133,8 @@ class Plan:
     exposed_comm: dict[str, ExposedComm] = field(default_factory=dict)
     ep_phases: PairedPhases | None = None  # what the time rank's MoE layers hide their EP comm behind
     fp8_auto: bool = False  # train.fp8.recipe was auto (`recipe` holds what it resolved to on this GPU)
+    # parallel.offload's copies on the host link of each planned pipeline rank (`offload_copies`), by rank
+    offload_copies: dict[int, dict] = field(default_factory=dict)
 
     @property
     def device_memory(self) -> float:
@@ -265,7 +303,8 @@ def _group_tail(m: ModelConfig, flops: dict[str, float], moe_layer: bool,
     return {}  # the combine saves last (the shared experts ran before the dispatch): no GEMM after it
 
 
-def _rank_flops(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk], a: Assumptions) -> tuple[dict, dict]:
+def _rank_flops(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk], a: Assumptions,
+                memo: PlanMemo | None = None) -> tuple[dict, dict]:
     """Executed FLOPs of one rank per step ({forward, backward, recompute, total}) and the same split by kind
     of kernel ({gemm, fp8_gemm, grouped_gemm, fp8_grouped_gemm, attention}, forward + backward + recompute) for
     the time model: the fp8 GEMMs are those of the kinds train.fp8.modules names (`layout.fp8_modules`)."""
@@ -273,17 +312,31 @@ def _rank_flops(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk], a: Assu
     policy = layout.recompute
     fwd = dict.fromkeys(("gemm", "fp8_gemm", "grouped_gemm", "fp8_grouped_gemm", "attention"), 0.0)
     rec = dict(fwd)
-    kinds = {moe: _layer_flops(m, layout, moe, a) for moe in {False, m.moe is not None}}
+    # what `_layer_flops` reads of the layout
+    key = (memo and memo.model_key(m), layout.seq_length, layout.device, layout.tp, layout.sequence_parallel,
+           layout.cp, layout.causal_kernel, layout.micro_batch, layout.ep, layout.etp, a.moe_imbalance)
+    kinds = _memoised(memo, "layer_flops", key,
+                      lambda: {moe: _layer_flops(m, layout, moe, a) for moe in {False, m.moe is not None}})
+    # once per rank and kind of layer, as a layer of that kind first asks (`plan --search` plans thousands of
+    # ranks): each region's kernel, what selective recompute reruns, what full recompute reruns (the whole
+    # forward) and what a group's last layer does not
+    kernel_of = {name: _kernel(name, layout.fp8_modules) for name in {*kinds[False], *kinds.get(True, ()),
+                                                                         "head", "eh_proj"}}
+    selective: dict[bool, dict[str, float]] = {}
+    rerun = {moe: {k: v for k, v in regions.items() if k != "mla_up_proj"} for moe, regions in kinds.items()}
+    tail: dict[bool, dict[str, float]] = {}
 
     def add(target: dict, regions: dict[str, float], times: float = 1.0) -> None:
         for name, value in regions.items():
             if name != "mla_up_proj" or target is rec:  # forward: part of `attention`
-                target[_kernel(name, layout.fp8_modules)] += times * value * tokens
+                target[kernel_of[name]] += times * value * tokens
 
     def forward_layer(moe: bool, count: int = 1) -> None:
         add(fwd, kinds[moe], count)
         if policy.granularity == "selective":
-            add(rec, _selective_recompute(m, kinds[moe], set(policy.modules), moe, layout.fp8_modules), count)
+            if moe not in selective:
+                selective[moe] = _selective_recompute(m, kinds[moe], set(policy.modules), moe, layout.fp8_modules)
+            add(rec, selective[moe], count)
 
     replicated = 1 if layout.sequence_parallel else layout.tp  # MTP's eh_proj runs on the sequence region
     head = 2.0 * m.hidden_size * m.padded_vocab_size() / layout.tp  # executed: the padding columns too
@@ -296,9 +349,11 @@ def _rank_flops(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk], a: Assu
                 moe_layers = sum(m.is_moe_layer(i) for i in group)
                 for moe, count in ((True, moe_layers), (False, len(group) - moe_layers)):
                     if count:
-                        add(rec, {k: v for k, v in kinds[moe].items() if k != "mla_up_proj"}, count)
+                        add(rec, rerun[moe], count)
                 last = m.is_moe_layer(group[-1])
-                add(rec, _group_tail(m, kinds[last], last, layout.fp8_modules), -1.0)
+                if last not in tail:
+                    tail[last] = _group_tail(m, kinds[last], last, layout.fp8_modules)
+                add(rec, tail[last], -1.0)
         # the chunked loss computes each chunk's logits again in backward (models/linear.py)
         heads = chunk.loss + chunk.mtp
         if chunk.loss:
@@ -319,39 +374,56 @@ def _rank_flops(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk], a: Assu
 
 
 def _plan_rank(recipe: Recipe, layout: PlanLayout, assumptions: Assumptions, rank: int, chunks: list[Chunk], *,
-               detail: bool = True, comm: bool = True) -> RankPlan:
+               detail: bool = True, comm: bool = True, memo: PlanMemo | None = None) -> RankPlan:
     """One pipeline rank's memory, FLOPs, communication and host waits; `detail` adds the bytes per layer;
     without `comm` no communication (a lower bound of the step time: `plan --search` prunes by it)."""
     model = recipe.model
     shapes = _activation_layout(recipe, layout, assumptions)
-    params = rank_params(model, layout, chunks)
+    # what `rank_params` reads: the sharding and each chunk's shape (its layers' kinds, MTP, embedding, head)
+    key = (memo and memo.model_key(model), layout.dps, layout.cp, layout.sequence_parallel, layout.tp, layout.ep,
+           layout.etp, layout.experts_apart, layout.edps, layout.pp > 1,
+           tuple((c.moe_layers, len(c.layers), c.mtp, c.embedding, c.loss) for c in chunks))
+    params, local = _memoised(memo, "params", key, lambda: _with_local(rank_params(model, layout, chunks)))
     param_bytes = PARAM_BYTES[recipe.train.precision]
-    activations, transient = _activation_bytes(model, shapes, layout, rank, chunks)
+    activations, transient = _activation_bytes(model, shapes, layout, rank, chunks, memo)
     offloaded = _offloaded_per_layer(model, shapes, layout.recompute, chunks)
     memory = {
-        "weights": MASTER_BYTES * params.local,
-        "grads": GRAD_BYTES * params.local,
-        "optimizer": _optimizer_bytes(recipe, params),
+        "weights": MASTER_BYTES * local,
+        "grads": GRAD_BYTES * local,
+        "optimizer": _optimizer_bytes(recipe, params, local),
         "activations": activations,
         "buffers": _buffer_bytes(recipe, shapes, layout, assumptions, chunks, params, param_bytes, transient)
         + OFFLOAD_LAYERS_BACK * max(offloaded.values(), default=0.0),
     }
     memory["total"] = sum(memory.values())
     per_layer = _bytes_per_layer(model, shapes, layout.recompute, chunks) if detail else {}
-    flops, split = _rank_flops(model, layout, chunks, assumptions)
+    flops, split = _rank_flops(model, layout, chunks, assumptions, memo)
     # Muon's Newton-Schulz products: the optimizer's, outside the model's `total` (measure's flops.optimizer)
     train = recipe.train
     flops["optimizer"] = muon_flops(params, layout, steps=train.muon.ns_steps) if train.optimizer == "muon" else 0
-    counted = (CommBytes.for_rank(recipe, layout, shapes, chunks, params, param_bytes, assumptions) if comm
-               else CommBytes())
-    forward = dispatch_forward(recipe, layout, shapes, chunks) if comm else CommBytes()
-    moe_layer = _moe_layer_work(model, layout, shapes, chunks, assumptions) if comm else None
     host = sum(sum(offloaded.get(i, 0.0) for i in _chunk_offload_keys(model, chunks, c)) * count
                for c, count in zip(chunks, in_flight(layout, rank), strict=False))
-    return RankPlan(rank, params, memory, per_layer, flops, split, counted,
-                    _elementwise_bytes(model, shapes, layout, chunks, assumptions),
-                    _moe_sync(model, layout, chunks, assumptions), dispatch_forward=forward, moe_layer=moe_layer,
-                    offloaded_bytes_per_layer=offloaded, host_bytes=host)
+    bound = RankPlan(rank, params, memory, per_layer, flops, split, CommBytes(),
+                     _elementwise_bytes(model, shapes, layout, chunks, assumptions, memo),
+                     _moe_sync(model, layout, chunks, assumptions), offloaded_bytes_per_layer=offloaded,
+                     host_bytes=host, local_params=local, chunks=chunks)
+    return _with_comm(bound, recipe, layout, assumptions, chunks) if comm else bound
+
+
+def _with_local(params: RankParams) -> tuple[RankParams, int]:
+    return params, params.local  # a sum over the rank's units: once
+
+
+def _with_comm(bound: RankPlan, recipe: Recipe, layout: PlanLayout, assumptions: Assumptions,
+               chunks: list[Chunk]) -> RankPlan:
+    """The rank planned without communication (`_plan_rank`'s comm False) with its communication added: the
+    bytes of its collectives, its dispatchers' forward bytes and one MoE layer's work (what they hide behind);
+    nothing else of the rank depends on them."""
+    shapes = _activation_layout(recipe, layout, assumptions)
+    counted = CommBytes.for_rank(recipe, layout, shapes, chunks, bound.params, PARAM_BYTES[recipe.train.precision],
+                                 assumptions)
+    return replace(bound, comm=counted, dispatch_forward=dispatch_forward(recipe, layout, shapes, chunks),
+                   moe_layer=_moe_layer_work(recipe.model, layout, shapes, chunks, assumptions))
 
 
 # An offloaded layer's saves are on the device again while its backward runs, and so are those of the layer before
@@ -412,11 +484,11 @@ def _moe_layer_work(model: ModelConfig, layout: PlanLayout, shapes: ActivationLa
     return MoeLayerWork(forward, backward, a.elementwise_traffic_per_saved_byte * saved, count)
 
 
-def _optimizer_bytes(recipe: Recipe, params: RankParams) -> int:
+def _optimizer_bytes(recipe: Recipe, params: RankParams, local: int) -> int:
     """The optimizer state of the rank's FSDP2 shards: AdamW's two moments per element, or under Muon one
     momentum buffer for Muon's matrices and AdamW's two for the rest, each in train.adam_moment_dtype (AdamW's
     step scalars, 4 bytes a tensor, are left out)."""
-    moments = ADAM_BYTES[recipe.train.adam_moment_dtype] * params.local
+    moments = ADAM_BYTES[recipe.train.adam_moment_dtype] * local
     if recipe.train.optimizer != "muon":
         return moments
     muon = sum(unit.count * fsdp_rows(t.shape[0], unit.shards)[0] * (t.numel // t.shape[0])
@@ -425,7 +497,7 @@ def _optimizer_bytes(recipe: Recipe, params: RankParams) -> int:
 
 
 def _activation_bytes(model: ModelConfig, shapes: ActivationLayout, layout: PlanLayout, rank: int,
-                      chunks: list[Chunk]) -> tuple[float, float]:
+                      chunks: list[Chunk], memo: PlanMemo | None = None) -> tuple[float, float]:
     """(bytes the rank keeps for backward at its peak: each chunk's, its head's and its MTP modules' times the
     micro-batches in flight there, the shared storages once per micro-batch in flight; the largest transient
     extra of a recomputed group's backward)."""
@@ -433,12 +505,18 @@ def _activation_bytes(model: ModelConfig, shapes: ActivationLayout, layout: Plan
     counts = in_flight(layout, rank)
     policy = layout.recompute
     for chunk, count in zip(chunks, counts, strict=False):
-        kept, extra = chunk_activation_bytes(model, shapes, chunk, policy)
+        # a chunk's bytes depend on its layers only through which are MoE (and, full recompute, their order)
+        key = (memo and memo.model_key(model), shapes, policy, tuple(map(model.is_moe_layer, chunk.layers)))
+        kept, extra = _memoised(memo, "chunk_bytes", key,
+                                lambda chunk=chunk: chunk_activation_bytes(model, shapes, chunk, policy))
         activations += kept * count
         transient = max(transient, extra)
         if chunk.loss:
-            activations += head_activation_bytes(model, shapes, vocab_parallel=True) * count
-        activations += chunk.mtp * mtp_activation_bytes(model, shapes, policy) * count
+            activations += _memoised(memo, "shape_bytes", ("head", *key[:2]),
+                                     lambda: head_activation_bytes(model, shapes, vocab_parallel=True)) * count
+        if chunk.mtp:
+            activations += chunk.mtp * _memoised(memo, "shape_bytes", ("mtp", *key[:3]),
+                                                 lambda: mtp_activation_bytes(model, shapes, policy)) * count
     activations += other_activation_bytes(model, shapes) * max(counts)
     return activations, transient
 
@@ -498,17 +576,25 @@ def _buffer_bytes(recipe: Recipe, shapes: ActivationLayout, layout: PlanLayout, 
 
 
 def _elementwise_bytes(model: ModelConfig, shapes: ActivationLayout, layout: PlanLayout, chunks: list[Chunk],
-                       assumptions: Assumptions) -> float:
+                       assumptions: Assumptions, memo: PlanMemo | None = None) -> float:
     """Memory-bound traffic per step: what the rank's layers would save without recompute, over every
     micro-batch, times the stated traffic per saved byte. The routed experts' silu(gate) and unweighted product
     count as saved: the weighted SwiGLU forms them again in backward instead of keeping them
     (models/moe/weighted_swiglu.py), the same memory-bound work either way."""
+    kinds = _memoised(memo, "shape_bytes", ("traffic", memo and memo.model_key(model), shapes),
+                      lambda: _traffic_kinds(model, shapes))
+    saved = sum(kinds[True] * c.moe_layers + kinds[False] * (len(c.layers) - c.moe_layers) for c in chunks)
+    return assumptions.elementwise_traffic_per_saved_byte * saved * layout.micro_batches
+
+
+def _traffic_kinds(model: ModelConfig, shapes: ActivationLayout) -> dict[bool, float]:
+    """{MoE layer: bytes a layer of that kind would save without recompute, the experts' re-formed SwiGLU
+    products too}: `_elementwise_bytes`'s per layer."""
     kinds = {moe: layer_activation_bytes(model, shapes, layer_index=model.num_layers if moe else 0)
              for moe in (False, True)}
     if model.moe is not None:
         kinds[True] += 2 * shapes.act_bytes * expert_rows(model, shapes) * model.moe.ffn_hidden_size / shapes.etp
-    saved = sum(kinds[True] * c.moe_layers + kinds[False] * (len(c.layers) - c.moe_layers) for c in chunks)
-    return assumptions.elementwise_traffic_per_saved_byte * saved * layout.micro_batches
+    return kinds
 
 
 def _moe_sync(model: ModelConfig, layout: PlanLayout, chunks: list[Chunk], assumptions: Assumptions) -> float:
@@ -624,19 +710,73 @@ def _candidate_ranks(per_rank: list[list[Chunk]]) -> list[int]:
 
 
 def estimate(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None = None, *,
-             every_rank: bool = True, comm: bool = True) -> Plan:
+             every_rank: bool = True, comm: bool = True, memo: PlanMemo | None = None) -> Plan:
     """Plan `recipe` (its layout, batch and precision) on `hardware`. `every_rank` False plans only the
     pipeline ranks that can be the most loaded (what `--search` needs); `comm` False leaves communication out,
-    so the step time is a lower bound (communication only adds to it) and the memory is the plan's."""
+    so the step time is a lower bound (communication only adds to it) and the memory is the plan's. `memo`:
+    figures shared with the other plans made with it (`PlanMemo`: one search's), the same results."""
     a = assumptions or Assumptions()
     # train.fp8.recipe auto: what this GPU runs (the engine resolves it from the device the same way)
     auto = recipe.train.fp8.recipe == "auto"
     recipe = with_fp8_resolved(recipe, capability=hardware.compute_capability, from_table=False)
     m = recipe.model
     layout = PlanLayout.from_recipe(recipe)
-    per_rank = rank_chunks(layout, m)
+    # a V (dualpipev) places the stages on other ranks than the interleaved order does
+    per_rank = _memoised(memo, "chunks", (memo and memo.model_key(m), layout.pp, layout.vpp, layout.pp_layout,
+                                          layout.pp_schedule == "dualpipev"), lambda: rank_chunks(layout, m))
     indices = range(len(per_rank)) if every_rank else _candidate_ranks(per_rank)
-    ranks = [_plan_rank(recipe, layout, a, r, per_rank[r], detail=every_rank, comm=comm) for r in indices]
+    ranks = [_plan_rank(recipe, layout, a, r, per_rank[r], detail=every_rank, comm=comm, memo=memo)
+             for r in indices]
+    return _assembled(recipe, hardware, layout, a, ranks, [_rank_time(recipe, layout, hardware, a, r) for r in ranks],
+                      every_rank=every_rank, auto=auto)
+
+
+def with_communication(bound: Plan, *, slower_than: float | None = None) -> Plan | None:
+    """The plan `estimate(..., every_rank=False)` gives, from that call's plan without communication (`comm`
+    False): its ranks' memory and FLOPs kept, their communication added (`plan --search` plans whole only the
+    layouts whose bound can still enter its best). With `slower_than`: None as soon as one rank's step time
+    reaches it (the step is the slowest rank's, so the whole plan's would too), the rank slowest without
+    communication first, and before its whole communication the cheaper bound of its dispatchers' forwards
+    (`_forwards_bound`)."""
+    recipe, layout, a, hw = bound.recipe, bound.layout, bound.assumptions, bound.hardware
+    order = sorted(range(len(bound.ranks)), key=lambda i: bound.ranks[i].rank != bound.time_rank)
+    ranks: list[RankPlan | None] = [None] * len(bound.ranks)
+    timed: list[tuple | None] = [None] * len(bound.ranks)
+    for i in order:
+        if slower_than is not None and _forwards_bound(bound.ranks[i], recipe, layout, hw, a) >= slower_than:
+            return None
+        rank = _with_comm(bound.ranks[i], recipe, layout, a, bound.ranks[i].chunks)
+        ranks[i], timed[i] = rank, _rank_time(recipe, layout, hw, a, rank)
+        if slower_than is not None and timed[i][2][0]["step"] >= slower_than:
+            return None
+    return _assembled(recipe, hw, layout, a, ranks, timed, every_rank=False, auto=bound.fp8_auto)
+
+
+def _forwards_bound(bound: RankPlan, recipe: Recipe, layout: PlanLayout, hw: Hardware, a: Assumptions) -> float:
+    """A lower bound of the rank's step time with its communication, from the dispatchers' forward bytes alone
+    (a share of its collectives' bytes, under the same keys): without ep_overlap and split_wgrad nothing hides
+    the dispatchers' collectives (comm_time hides none of an EP group's), so those seconds are exposed whatever
+    the rest adds, and adding bytes never lowers `_time`'s exposed seconds (each key's hideable part is at most
+    its own). 0 where something could hide them."""
+    if recipe.model.moe is None or recipe.parallel.ep_overlap or recipe.parallel.split_wgrad:
+        return 0.0
+    shapes = _activation_layout(recipe, layout, a)
+    forwards = replace(bound, comm=dispatch_forward(recipe, layout, shapes, bound.chunks))
+    return _time(forwards, layout, hw, a, bound.local_params)[0]["step"]
+
+
+def _rank_time(recipe: Recipe, layout: PlanLayout, hw: Hardware, a: Assumptions, rank: RankPlan) -> tuple:
+    """(what the rank's MoE layers hide their EP comm behind, its offloading's copies, `_time`'s parts and
+    dispatcher collectives)."""
+    phases = paired_phases(recipe, layout, rank.moe_layer, hw, a, rank=rank.rank)
+    copies = offload_copies(recipe.model, layout, hw, a, rank)
+    return phases, copies, _time(rank, layout, hw, a, rank.local_params, phases, copies["exposed_s"] or 0.0)
+
+
+def _assembled(recipe: Recipe, hardware: Hardware, layout: PlanLayout, a: Assumptions, ranks: list[RankPlan],
+               timed: list[tuple], *, every_rank: bool, auto: bool) -> Plan:
+    """The Plan of the planned `ranks` and their `_rank_time`s: the fullest rank's memory, the slowest's time."""
+    m = recipe.model
     tokens = layout.global_batch * layout.seq_length
     model_flops = 3 * forward_flops_per_token(m, seq_length=layout.seq_length) * tokens
     megatron_flops = 3 * forward_flops_per_token(m, seq_length=layout.seq_length, causal=True) * tokens
@@ -645,15 +785,13 @@ def estimate(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None
         executed = sum(r.flops["total"] for r in ranks) * layout.ranks_per_stage
     else:  # the planned ranks stand for all (search ranks layouts; it does not report executed FLOPs)
         executed = sum(r.flops["total"] for r in ranks) * layout.pp / len(ranks) * layout.ranks_per_stage
-    phases = [paired_phases(recipe, layout, r.moe_layer, hardware, a, rank=r.rank) for r in ranks]
-    copies = [offload_copies(m, layout, hardware, a, r) for r in ranks]
-    times = [_time(r, layout, hardware, a, r.params.local, p, c["exposed_s"] or 0.0)
-             for r, p, c in zip(ranks, phases, copies, strict=True)]
+    phases, copies, times = zip(*timed, strict=True)
     worst = max(ranks, key=lambda r: r.memory["total"])
     slowest = max(range(len(ranks)), key=lambda i: times[i][0]["step"])
     return Plan(recipe, hardware, layout, a, ranks, worst, model_flops, executed, megatron_flops,
                 time=times[slowest][0], time_rank=ranks[slowest].rank, fp8_auto=auto,
-                exposed_comm=times[slowest][1], ep_phases=phases[slowest])
+                exposed_comm=times[slowest][1], ep_phases=phases[slowest],
+                offload_copies={r.rank: c for r, c in zip(ranks, copies, strict=True)})
 
 
 def _gathered_bytes(recipe: Recipe, layout: PlanLayout, rank: RankPlan) -> int:
@@ -692,7 +830,7 @@ def _offload_json(plan: Plan, rank: RankPlan) -> dict | None:
     regions = plan.layout.recompute.offload
     if not regions:
         return None
-    copies = offload_copies(plan.recipe.model, plan.layout, plan.hardware, plan.assumptions, rank)
+    copies = plan.offload_copies[rank.rank]
     return {"modules": list(regions), "host_bytes": int(rank.host_bytes),
             "host_link_bytes_per_s": copies["host_link_bytes_per_s"], "exposed_s": copies["exposed_s"],
             "per_layer": {str(k): {**v, "bytes": int(v["bytes"])} for k, v in copies["per_layer"].items()}}

@@ -21,10 +21,10 @@ from dataclasses import dataclass, replace
 
 from moe_train.config.hardware import Hardware
 from moe_train.config.rules import check_recipe, offloadable
-from moe_train.config.schema import OffloadConfig, Recipe, RecomputeConfig
+from moe_train.config.schema import ModelConfig, OffloadConfig, Recipe, RecomputeConfig
 
 from .assumptions import Assumptions
-from .estimate import Plan, estimate
+from .estimate import Plan, PlanMemo, estimate, with_communication
 
 
 @dataclass(frozen=True)
@@ -136,8 +136,10 @@ def layouts(recipe: Recipe, *, nvlink_domain: int | None = None) -> list[dict]:
     return out
 
 
-def _apply(recipe: Recipe, overrides: dict) -> Recipe:
-    """The recipe with the overrides (all schema-valid by construction), without a full re-validation."""
+def _apply(recipe: Recipe, overrides: dict, models: dict[tuple, ModelConfig] | None = None) -> Recipe:
+    """The recipe with the overrides (all schema-valid by construction), without a full re-validation.
+    `models`: the model sections already made, by their model.moe overrides, reused (one object per dispatcher:
+    plan's per-layer caches key on the model section's identity, plan/activation_memory.py)."""
     sections: dict[str, dict] = {}
     for path, value in overrides.items():
         section, key = path.rsplit(".", 1)
@@ -149,53 +151,69 @@ def _apply(recipe: Recipe, overrides: dict) -> Recipe:
     update = {"parallel": recipe.parallel.model_copy(update=parallel),
               "train": recipe.train.model_copy(update=sections["train"])}
     if "model.moe" in sections:
-        moe = recipe.model.moe.model_copy(update=sections["model.moe"])
-        update["model"] = recipe.model.model_copy(update={"moe": moe})
+        key = tuple(sorted(sections["model.moe"].items()))
+        model = None if models is None else models.get(key)
+        if model is None:
+            model = recipe.model.model_copy(update={"moe": recipe.model.moe.model_copy(update=sections["model.moe"])})
+            if models is not None:
+                models[key] = model
+        update["model"] = model
     return recipe.model_copy(update=update)
 
 
 def search(recipe: Recipe, hardware: Hardware, assumptions: Assumptions | None = None, *,
            top: int = 5, imbalance: Callable[[Recipe], float] | None = None,
-           prune: bool = True) -> tuple[list[Candidate], int, int]:
+           prune: bool = True, memo: bool = True) -> tuple[list[Candidate], int, int]:
     """(the best `top` fitting layouts by tokens/s, layouts valid, layouts valid and fitting). `imbalance`:
     each candidate's measured moe_imbalance (`plan --routing`: the trace's loads on its ep), in place of the
     assumption's. `prune` False plans every fitting layout and policy whole (what the pruned search is held
-    to: tests/test_plan_overlap.py).
+    to: tests/test_plan_overlap.py). `memo` False plans each layout from nothing (`PlanMemo`: the figures
+    candidates share, computed once; what tests/test_plan_search.py holds equal).
 
     Per layout, full recompute is planned first: when even it does not fit, no policy does. Then no
     recompute: when it fits, the selective policies fit too and are slower (recompute only adds work), so they
     are counted without being planned. Each is planned first without communication (the memory is the plan's,
     the step time a lower bound); only those whose bound can still enter the best `top` are planned whole,
-    the most promising first (every layout's full plan made the search of deepseek-v3 on 1,024 GPUs 14 s)."""
+    the most promising first (every layout's full plan made the search of deepseek-v3 on 1,024 GPUs 14 s), by
+    adding the communication to the bound's ranks (`with_communication`: their memory and FLOPs are not
+    planned again), rank by rank, dropped as soon as one rank alone is slower than the best `top`. `prune`
+    False plans each fitting one whole with `estimate`, from the recipe."""
     bounds: list[tuple[float, int, dict, Recipe, Assumptions | None]] = []
     valid = fits = 0
     options = _recompute_options(recipe)
+    models: dict[tuple, ModelConfig] = {}
+    shared = PlanMemo() if memo else None
     for base in layouts(recipe, nvlink_domain=hardware.nvlink_domain):
-        first = _apply(recipe, {**base, "parallel.recompute": options[0]})
+        first = _apply(recipe, {**base, "parallel.recompute": options[0]}, models)
         if check_recipe(first, check_files=False):
             continue
         valid += len(options)
         for index, rc in enumerate(options):
             overrides = {**base, "parallel.recompute": rc}
-            candidate = first if index == 0 else _apply(recipe, overrides)
+            candidate = first if index == 0 else _apply(recipe, overrides, models)
             planned = assumptions if imbalance is None else replace(assumptions or Assumptions(),
                                                                      moe_imbalance=imbalance(candidate))
-            bound = estimate(candidate, hardware, planned, every_rank=False, comm=False)
+            bound = estimate(candidate, hardware, planned, every_rank=False, comm=False, memo=shared)
             if not bound.fits:
                 if index == 0 and prune:  # the leanest policy: when it does not fit, none does
                     break
                 continue
             fits += 1
-            bounds.append((bound.step_time, len(bounds), overrides, candidate, planned))
+            bounds.append((bound.step_time, len(bounds), overrides, candidate, planned, bound))
             if rc["granularity"] == "none" and prune:
                 fits += len(options) - index - 1
                 break
     bounds.sort(key=lambda item: item[:2])
     best: list[Candidate] = []
-    for lower, _, overrides, candidate, planned in bounds:
-        if prune and len(best) == top and lower >= best[-1].plan.step_time:
+    for lower, _, overrides, candidate, planned, bound in bounds:
+        cutoff = best[-1].plan.step_time if prune and len(best) == top else None
+        if cutoff is not None and lower >= cutoff:
             break  # this bound and every later one: slower than the best `top` already planned whole
-        best.append(Candidate(overrides, estimate(candidate, hardware, planned, every_rank=False)))
+        if not prune:
+            whole = estimate(candidate, hardware, planned, every_rank=False, memo=shared)
+        elif (whole := with_communication(bound, slower_than=cutoff)) is None:
+            continue  # one of its ranks alone is slower than the best `top`: so is the step
+        best.append(Candidate(overrides, whole))
         best.sort(key=lambda c: c.plan.step_time)
         del best[top:]
     return best, valid, fits
