@@ -1,0 +1,20 @@
+"""Rotary embeddings (models/rope.py): the tables are computed once per forward and shared by every layer, so
+what a layer's rotations save is only their casts (no parameters, no GEMM)."""
+
+from __future__ import annotations
+
+from moe_train.config.schema import ModelConfig
+
+from .layout import ActivationLayout
+from .saves import FP32, Saved
+
+
+def saved(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
+    """bf16 runs: FSDP2 casts each layer's floating-point inputs to bf16, the fp32 rotary tables among them, so
+    the q and k rotations share one cast cos and sin [position rows, s, rotary_dim / 2] per layer (in region
+    `attention`); the fp32 tables themselves are counted once per model, not here."""
+    if lay.act_bytes == FP32:
+        return []
+    seq = lay.seq_length / lay.cp
+    casts = 2 * lay.act_bytes * lay.position_batch * seq * cfg.rotary_dim / 2
+    return [Saved("attention", "rope.cos_sin_casts", casts)]
