@@ -8,10 +8,14 @@ from moe_train.config.schema import ModelConfig
 
 from . import rope
 from .layout import ActivationLayout
-from .parts import CoreAttention, Module, Param, linear
-from .saves import FP32, Saved, gemm_input, norm_items
+from .parts import CORE_REGION, CoreAttention, Module, Param, linear
+from .saves import FP32, Saved, gemm_input, norm_items, without
 
 NAME = "attention"
+CORE = CORE_REGION  # the recompute and offload policies' name for SDPA
+# SDPA's saves an offloaded `core_attn` moves: q and k (the rotations' outputs), its output and logsumexp; v stays,
+# a transpose of v_proj's output (its storage is held elsewhere)
+CORE_MOVED = frozenset({"sdpa.q", "sdpa.k", "sdpa.out", "sdpa.logsumexp"})
 
 
 def declare(cfg: ModelConfig) -> Module:
@@ -54,8 +58,18 @@ def saved(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
         Saved(NAME, "sdpa.q", a * t * heads * d),
         Saved(NAME, "sdpa.k", a * t * kv_heads * d),
         Saved(NAME, "sdpa.v", a * t * kv_heads * d),
-        Saved("core_attn", "sdpa.out", a * t * heads * d),
-        Saved("core_attn", "sdpa.logsumexp", FP32 * t * heads),
+        Saved(CORE, "sdpa.out", a * t * heads * d),
+        Saved(CORE, "sdpa.logsumexp", FP32 * t * heads),
         *gemm_input(NAME, "o_proj.input", t, heads * d, a, fp8),
     ]
     return items
+
+
+def recomputed(items: list[Saved], modules: set[str], cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
+    """`core_attn` run again in backward: SDPA keeps its inputs only (its output and logsumexp go)."""
+    return without(items, {"sdpa.out", "sdpa.logsumexp"}) if CORE in modules else items
+
+
+def moved(region: str, cfg: ModelConfig, lay: ActivationLayout) -> set[str]:
+    """What an offloaded `core_attn` moves (`CORE_MOVED`)."""
+    return set(CORE_MOVED) if region == CORE else set()

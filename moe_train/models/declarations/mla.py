@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from moe_train.config.schema import ModelConfig
 
-from . import rope
+from . import attention, rope
 from .layout import ActivationLayout
 from .parts import CoreAttention, Module, Param, linear
-from .saves import FP32, Saved, gemm_input, norm_items
+from .saves import FP32, Saved, gemm_input, kept_as_input, norm_items, without
 
 NAME = "attention"
 UP, DOWN = "mla_up_proj", "mla_down_proj"  # the parts of its FLOPs a recompute policy names
+SDPA = frozenset({"sdpa.q", "sdpa.k", "sdpa.v", "sdpa.out", "sdpa.logsumexp"})  # what the up region's rerun forms
 
 
 def declare(cfg: ModelConfig) -> Module:
@@ -61,8 +62,39 @@ def saved(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
         Saved(UP, "sdpa.q", a * t * heads * qk_width),
         Saved(UP, "sdpa.k", a * t * heads * qk_width),
         Saved(UP, "sdpa.v", a * t * heads * v_width),
-        Saved("core_attn", "sdpa.out", a * t * heads * v_width),
-        Saved("core_attn", "sdpa.logsumexp", FP32 * t * heads),
+        Saved(attention.CORE, "sdpa.out", a * t * heads * v_width),
+        Saved(attention.CORE, "sdpa.logsumexp", FP32 * t * heads),
         *gemm_input(NAME, "o_proj.input", t, heads * v, a, fp8),
     ]
     return items
+
+
+def recomputed(items: list[Saved], modules: set[str], cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
+    """`mla_up_proj` run again in backward: the up projections, rotary embeddings and attention, so SDPA's q, k,
+    v, output and logsumexp go; the region keeps its inputs: the latents (already kept by the up projections, in
+    bf16 where those kept them in fp8), the rotary tables (in bf16 the layer's casts, already an item) and the
+    shared rope key: under SP the gathered key (a x T x r, a storage of its own), without SP a view of kv_a_proj's
+    output, whose whole storage the kv norm keeps already. Otherwise `core_attn` as GQA's."""
+    if UP not in modules:
+        return attention.recomputed(items, modules, cfg, lay)
+    a, ts = lay.act_bytes, lay.seq_tokens
+    out = without(items, set(SDPA))  # the rotary casts are its inputs
+    if cfg.q_lora_rank:
+        out = kept_as_input(out, "mla_latent", "q_b_proj.input", a * ts * cfg.q_lora_rank)
+    out = kept_as_input(out, "mla_latent", "kv_b_proj.input", a * ts * cfg.kv_lora_rank)
+    if lay.gathers_shards:
+        out.append(Saved(UP, "mla_up_proj.rope_key", a * lay.tokens * cfg.qk_rope_head_dim))
+    return out
+
+
+def moved(region: str, cfg: ModelConfig, lay: ActivationLayout) -> set[str]:
+    """Offloaded `core_attn`: GQA's, and v where it is a tensor of its own (zero-padded: the CPU row of the kernel
+    table; unpadded it is a transpose of kv_b_proj's output, kept). `mla_up_proj`: those, and under sequence
+    parallelism the up projections' inputs (their sequence shards, kept by the column-parallel GEMMs inside the
+    region); without it those are the norms' saves, outside."""
+    if region not in (attention.CORE, UP):
+        return set()
+    out = set(attention.CORE_MOVED) | ({"sdpa.v"} if lay.mla_value_padded else set())
+    if region == UP and lay.gathers_shards:
+        out |= {"q_b_proj.input", "kv_b_proj.input"}
+    return out

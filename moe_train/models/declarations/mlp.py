@@ -6,7 +6,7 @@ from moe_train.config.schema import ModelConfig
 
 from .layout import ActivationLayout
 from .parts import Module, linear
-from .saves import Saved, gemm_input, swiglu_items
+from .saves import SWIGLU, Saved, gemm_input, kept_as_input, swiglu_items, with_scales, without
 
 NAME = "mlp"
 
@@ -31,3 +31,25 @@ def saved(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
     return gemm_input("mlp_input", "mlp.input", lay.seq_tokens, cfg.hidden_size, a, column) + swiglu_items(
         NAME, NAME, t, cfg.ffn_hidden_size / lay.tp, a, fp8
     )
+
+
+def recomputed(items: list[Saved], modules: set[str], cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
+    """`mlp` run again in backward: the MLP keeps its input only (already an item; in bf16 where its fp8 GEMMs
+    kept it in fp8)."""
+    if NAME not in modules:
+        return items
+    out = without(items, {f"{NAME}.{n}" for n in SWIGLU})
+    return kept_as_input(out, "mlp_input", "mlp.input", lay.act_bytes * lay.seq_tokens * cfg.hidden_size)
+
+
+def moved(region: str, cfg: ModelConfig, lay: ActivationLayout) -> set[str]:
+    """Offloaded `mlp`: gate, up and silu(gate); under sequence parallelism its input too (the column-parallel
+    GEMMs' shard); the down projection's input is a view (the GEMM flattens the tokens), kept. With fp8 GEMMs
+    (train.fp8.modules mlp) the other way round: they keep their inputs as they came (or their fp8 copies) and
+    return views of their flat outputs, so the input, silu(gate) and the down projection's input move, gate and
+    up stay."""
+    if region != NAME:
+        return set()
+    if NAME in lay.fp8_gemms:
+        return with_scales({"mlp.input", "mlp.silu", "mlp.down_input"})
+    return {f"{NAME}.{n}" for n in SWIGLU[:3]} | ({"mlp.input"} if lay.gathers_shards else set())

@@ -120,3 +120,21 @@ def saved(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
     else:
         items.append(Saved(REGION, "combine.slot_rows", INT64 * t * k))
     return items
+
+
+def moved(region: str, cfg: ModelConfig, lay: ActivationLayout) -> set[str]:
+    """Offloaded `moe_act`: the experts' gate and up outputs (the weighted SwiGLU keeps nothing else of its own);
+    the rows' weights are a view of the dispatched weights and the weighted product is the down projection's
+    input, saved outside."""
+    return {"experts.gate_up"} if region == ACTIVATION else set()
+
+
+def kept_in_offloaded_layer(cfg: ModelConfig, lay: ActivationLayout) -> set[str]:
+    """What offloading the whole MoE layer leaves of these saves: the rows' routing weights (a view), one of the
+    dispatch's two permutation indices (a view of the other) and, under tensor or expert parallelism, the
+    experts' input rows (then what the dispatch's collectives hand over, kept by them too) unless the experts keep
+    an fp8 copy of them."""
+    kept = {"experts.probs", "dispatch.order"}
+    if (lay.tp > 1 or lay.ep > 1) and lay.kept_fp8(NAME) is None:  # an fp8 copy is the GEMM's own
+        kept.add("experts.input")
+    return kept

@@ -42,3 +42,11 @@ def saved(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
     if router.z_loss_coeff > 0:
         items += [Saved(REGION, "z_loss.logits", FP32 * t * e), Saved(REGION, "z_loss.logsumexp", FP32 * t)]
     return items
+
+
+def kept_in_offloaded_layer(cfg: ModelConfig, lay: ActivationLayout) -> set[str]:
+    """What offloading the whole MoE layer leaves of the router's saves: its input (the norm's output, flattened:
+    a view) and the scores where the sequence-level balancing loss saves a per-sequence view of them."""
+    router = cfg.moe.router
+    seq_aux = router.load_balancing == "seq_aux_loss" and router.aux_loss_coeff > 0
+    return {"router.input"} | ({"router.scores"} if seq_aux else set())

@@ -86,3 +86,22 @@ def swiglu_items(region: str, prefix: str, rows: float, ffn: float, a: int, down
         Saved(region, f"{prefix}.silu", a * rows * ffn),
         *gemm_input(region, f"{prefix}.down_input", rows, ffn, a, down),
     ]
+
+
+def without(items: list[Saved], names: set[str]) -> list[Saved]:
+    """`items` but `names` (and their fp8 scales)."""
+    names = names | with_scales(names)
+    return [i for i in items if i.name not in names]
+
+
+def with_scales(names: set[str]) -> set[str]:
+    """`names` and their fp8 scales' names (`gemm_input`)."""
+    return names | {f"{n}.scale" for n in names}
+
+
+def kept_as_input(items: list[Saved], region: str, name: str, bytes_: float) -> list[Saved]:
+    """A recomputed region's input that one of its own fp8 GEMMs kept in fp8 (`name`, with `name.scale`): the
+    region keeps the input as it came instead (checkpoint saves a region's inputs; what its GEMMs saved goes)."""
+    if not any(i.name == f"{name}.scale" for i in items):
+        return items
+    return [*without(items, {name}), Saved(region, name, bytes_)]

@@ -8,7 +8,7 @@ from moe_train.config.schema import ModelConfig
 from .layout import ActivationLayout
 from .mlp import swiglu
 from .parts import Module
-from .saves import Saved, swiglu_items
+from .saves import SWIGLU, Saved, swiglu_items, with_scales, without
 
 NAME = "shared_experts"
 
@@ -27,3 +27,25 @@ def saved(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
     if not width:
         return []
     return swiglu_items(NAME, NAME, lay.tokens, width / lay.tp, lay.act_bytes, lay.kept_fp8(NAME))
+
+
+def recomputed(items: list[Saved], modules: set[str], cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
+    """`shared_experts` run again in backward: they keep their input only (the router's, already an item)."""
+    return without(items, {f"{NAME}.{n}" for n in SWIGLU}) if NAME in modules else items
+
+
+def moved(region: str, cfg: ModelConfig, lay: ActivationLayout) -> set[str]:
+    """Offloaded `shared_experts`: gate, up, silu(gate) and the down projection's input (they run on flat rows);
+    their input is the router's, saved outside. With fp8 GEMMs only silu(gate) and the down projection's input
+    (gate and up are views)."""
+    if region != NAME:
+        return set()
+    if NAME in lay.fp8_gemms:
+        return with_scales({f"{NAME}.silu", f"{NAME}.down_input"})
+    return with_scales({f"{NAME}.{n}" for n in SWIGLU})
+
+
+def kept_in_offloaded_layer(cfg: ModelConfig, lay: ActivationLayout) -> set[str]:
+    """What offloading the whole MoE layer leaves of these: with fp8 GEMMs their gate and up (views of the fp8
+    GEMMs' flat outputs)."""
+    return {f"{NAME}.gate", f"{NAME}.up"} if NAME in lay.fp8_gemms else set()
