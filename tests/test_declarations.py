@@ -25,8 +25,8 @@ from moe_train.models.declarations.layout import ActivationLayout
 TINY = ["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny", "glm4-moe-tiny", "gpt-oss-tiny"]
 ROOT = Path(moe_train.__file__).parent.parent
 # The plan files that compute from the declarations instead of restating the modules.
-CONVERTED = ("moe_train/plan/saved_tensors.py", "moe_train/plan/flop_count.py", "moe_train/plan/params.py",
-             "moe_train/plan/selective_recompute.py", "moe_train/plan/offloaded_saves.py")
+CONVERTED = tuple(f"moe_train/plan/{name}.py" for name in (
+    "saved_tensors", "flop_count", "params", "selective_recompute", "offloaded_saves", "muon_cost"))
 # The model section's fields that shape one module: read by its declaration, not by the planner.
 MODULE_FIELDS = frozenset({
     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank", "kv_lora_rank", "attention_head_dim",
@@ -108,8 +108,8 @@ def _restatements(path: Path, declared: set[str]) -> list[str]:
 
 
 def test_converted_plan_files_name_no_module_part_of_their_own() -> None:
-    """plan/saved_tensors.py, flop_count.py, params.py, selective_recompute.py and offloaded_saves.py compute from
-    the declarations: none names a module's
+    """plan/saved_tensors.py, flop_count.py, params.py, selective_recompute.py, offloaded_saves.py and
+    muon_cost.py compute from the declarations: none names a module's
     parameters, GEMMs, saved tensors or regions, reads a module-shape field of the model section, or branches on
     the MLA family (before the declarations, each did all of these)."""
     declared = _declared_names()

@@ -83,7 +83,7 @@ class Tensor:
     head; "" for the rest): what FSDP2's fp8 all-gather gathers in fp8 (models/fp8/all_gather.py).
     `split`: the dimension tensor parallelism cuts (tp for a Linear: 0 column-, 1 row-parallel; etp for an
     expert stack: 1 or 2), None where the tensor is whole over it: what Muon gathers to orthogonalise the whole
-    matrix (plan/muon_cost.py)."""
+    matrix (plan/muon_cost.py). `name`: the parameter's declared name (models/declarations), under its module."""
 
     shape: tuple[int, ...]
     unit: str
@@ -91,6 +91,7 @@ class Tensor:
     partial: bool = False
     gemm: str = ""
     split: int | None = None
+    name: str = ""
 
     @functools.cached_property
     def numel(self) -> int:
@@ -115,13 +116,14 @@ def _tensor(p: Param, unit: str, *, tp: int, sequence_parallel: bool, ep: int = 
         shape[0] //= ep
         if p.etp_dim is not None:
             shape[p.etp_dim] //= etp
-        return Tensor(tuple(shape), "experts", "experts", split=p.etp_dim if etp > 1 and len(shape) == 3 else None)
+        return Tensor(tuple(shape), "experts", "experts", split=p.etp_dim if etp > 1 and len(shape) == 3 else None,
+                      name=p.name)
     if p.placement in ("column", "row") and tp > 1:
         dim = 0 if p.placement == "column" else 1
         shape[dim] //= tp
-        return Tensor(tuple(shape), unit, "tp", gemm=p.fp8, split=dim if len(shape) == 2 else None)
+        return Tensor(tuple(shape), unit, "tp", gemm=p.fp8, split=dim if len(shape) == 2 else None, name=p.name)
     partial = {"sequence": sequence_parallel and tp > 1, "replicated": tp > 1}.get(p.placement, False)
-    return Tensor(p.shape, unit, "dense", partial, p.fp8)
+    return Tensor(p.shape, unit, "dense", partial, p.fp8, name=p.name)
 
 
 def _tensors(modules, unit: str, **layout) -> tuple[Tensor, ...]:
