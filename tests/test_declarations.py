@@ -22,7 +22,7 @@ from moe_train.models.declarations import mtp
 from moe_train.models.declarations.layer import decoder_layer, layer_saved
 from moe_train.models.declarations.layout import ActivationLayout
 
-TINY = ["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny", "glm4-moe-tiny", "gpt-oss-tiny"]
+TINY = [name for name in builtin_recipes() if name.endswith("-tiny")]  # every family has one
 ROOT = Path(moe_train.__file__).parent.parent
 # The plan files that compute from the declarations instead of restating the modules.
 CONVERTED = tuple(f"moe_train/plan/{name}.py" for name in (
