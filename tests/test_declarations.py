@@ -26,7 +26,8 @@ TINY = [name for name in builtin_recipes() if name.endswith("-tiny")]  # every f
 ROOT = Path(moe_train.__file__).parent.parent
 # The plan files that compute from the declarations instead of restating the modules.
 CONVERTED = tuple(f"moe_train/plan/{name}.py" for name in (
-    "saved_tensors", "flop_count", "params", "selective_recompute", "offloaded_saves", "muon_cost"))
+    "saved_tensors", "flop_count", "params", "selective_recompute", "offloaded_saves", "muon_cost",
+    "activation_memory"))
 # The model section's fields that shape one module: read by its declaration, not by the planner.
 MODULE_FIELDS = frozenset({
     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank", "kv_lora_rank", "attention_head_dim",
@@ -108,8 +109,8 @@ def _restatements(path: Path, declared: set[str]) -> list[str]:
 
 
 def test_converted_plan_files_name_no_module_part_of_their_own() -> None:
-    """plan/saved_tensors.py, flop_count.py, params.py, selective_recompute.py, offloaded_saves.py and
-    muon_cost.py compute from the declarations: none names a module's
+    """plan/saved_tensors.py, flop_count.py, params.py, selective_recompute.py, offloaded_saves.py, muon_cost.py
+    and activation_memory.py compute from the declarations: none names a module's
     parameters, GEMMs, saved tensors or regions, reads a module-shape field of the model section, or branches on
     the MLA family (before the declarations, each did all of these)."""
     declared = _declared_names()

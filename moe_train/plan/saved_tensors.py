@@ -18,10 +18,9 @@ from moe_train.config.schema import ModelConfig
 from moe_train.models.declarations.layer import layer_saved
 from moe_train.models.declarations.layout import ActivationLayout
 from moe_train.models.declarations.routed_experts import expert_rows, padded_capacity
-from moe_train.models.declarations.saves import FP32, INT32, INT64, Saved, gemm_input, norm_items
+from moe_train.models.declarations.saves import FP32, INT32, INT64, Saved
 
-__all__ = ["FP32", "INT32", "INT64", "ActivationLayout", "Saved", "expert_rows", "gemm_input",
-           "layer_items", "norm_items", "padded_capacity"]
+__all__ = ["FP32", "INT32", "INT64", "ActivationLayout", "Saved", "expert_rows", "layer_items", "padded_capacity"]
 
 
 def layer_items(cfg: ModelConfig, lay: ActivationLayout, *, layer_index: int) -> list[Saved]:

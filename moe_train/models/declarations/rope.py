@@ -18,3 +18,12 @@ def saved(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
     seq = lay.seq_length / lay.cp
     casts = 2 * lay.act_bytes * lay.position_batch * seq * cfg.rotary_dim / 2
     return [Saved("attention", "rope.cos_sin_casts", casts)]
+
+
+def tables_saved(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:
+    """The fp32 cos and sin tables [position rows, s, rotary_dim / 2] one forward computes and every layer's
+    rotations share, kept as they are in an fp32 run (a bf16 run keeps each layer's casts instead: `saved`)."""
+    if lay.act_bytes != FP32:
+        return []
+    seq = lay.seq_length / lay.cp
+    return [Saved("other", "rope.cos_sin", 2 * FP32 * lay.position_batch * seq * cfg.rotary_dim / 2)]
