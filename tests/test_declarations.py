@@ -27,7 +27,7 @@ ROOT = Path(moe_train.__file__).parent.parent
 # The plan files that compute from the declarations instead of restating the modules.
 CONVERTED = tuple(f"moe_train/plan/{name}.py" for name in (
     "saved_tensors", "flop_count", "params", "selective_recompute", "offloaded_saves", "muon_cost",
-    "activation_memory"))
+    "activation_memory", "comm_bytes"))
 # The model section's fields that shape one module: read by its declaration, not by the planner.
 MODULE_FIELDS = frozenset({
     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank", "kv_lora_rank", "attention_head_dim",
@@ -36,8 +36,9 @@ MODULE_FIELDS = frozenset({
     "padded_vocab_size", "vocab_size",
 })
 # Names that are the planner's own as well as a module's: FSDP2 units (parallel/data_parallel.py) and gradient-norm
-# meshes (train/grad_norm.py), which params.Tensor names: the routed experts' and the MTP module's own parts'.
-PLAN_VOCABULARY = frozenset({"experts", "mtp"})
+# meshes (train/grad_norm.py), which params.Tensor names: the routed experts' and the MTP module's own parts'; a
+# pipeline chunk's ends (rank_layout.Chunk), whose collectives comm_bytes.py names "embedding" and "head".
+PLAN_VOCABULARY = frozenset({"experts", "mtp", "embedding", "head"})
 LAYOUTS = [ActivationLayout(micro_batch=2, seq_length=64, tp=tp, sequence_parallel=sp, ep=ep, etp=etp, device=device,
                             fp8_kept=fp8, fp8_modules=("attention", "mlp", "experts", "shared_experts") if fp8 else ())
            for tp, sp, ep, etp, device, fp8 in [(1, False, 1, 1, "cpu", None), (2, True, 2, 2, "cuda", "rowwise")]]
@@ -109,8 +110,8 @@ def _restatements(path: Path, declared: set[str]) -> list[str]:
 
 
 def test_converted_plan_files_name_no_module_part_of_their_own() -> None:
-    """plan/saved_tensors.py, flop_count.py, params.py, selective_recompute.py, offloaded_saves.py, muon_cost.py
-    and activation_memory.py compute from the declarations: none names a module's
+    """plan/saved_tensors.py, flop_count.py, params.py, selective_recompute.py, offloaded_saves.py, muon_cost.py,
+    activation_memory.py and comm_bytes.py compute from the declarations: none names a module's
     parameters, GEMMs, saved tensors or regions, reads a module-shape field of the model section, or branches on
     the MLA family (before the declarations, each did all of these)."""
     declared = _declared_names()

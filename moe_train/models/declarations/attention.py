@@ -8,7 +8,7 @@ from moe_train.config.schema import ModelConfig
 
 from . import rope
 from .layout import ActivationLayout
-from .parts import CORE_REGION, CoreAttention, Module, Param, linear
+from .parts import CORE_REGION, CoreAttention, Module, Param, RegionEntry, linear
 from .saves import FP32, Saved, gemm_input, norm_items, without
 
 NAME = "attention"
@@ -36,8 +36,8 @@ def declare(cfg: ModelConfig) -> Module:
         params.append(Param("sinks", (heads,), "column"))
     if cfg.qk_norm:
         params += [Param("q_norm.weight", (d,), "replicated"), Param("k_norm.weight", (d,), "replicated")]
-    core = CoreAttention(heads, d, d, extra_keys=1 if cfg.attention_sinks else 0)
-    return Module(NAME, tuple(params), tuple(gemms), core)
+    core = CoreAttention(heads, kv, d, d, extra_keys=1 if cfg.attention_sinks else 0)
+    return Module(NAME, tuple(params), tuple(gemms), core, tp_entries=(RegionEntry(h, 3),))  # q, k, v read x
 
 
 def saved(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:

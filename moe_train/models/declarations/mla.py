@@ -7,7 +7,7 @@ from moe_train.config.schema import ModelConfig
 
 from . import attention, rope
 from .layout import ActivationLayout
-from .parts import CoreAttention, Module, Param, linear
+from .parts import CoreAttention, Module, Param, RegionEntry, linear
 from .saves import FP32, Saved, gemm_input, kept_as_input, norm_items, without
 
 NAME = "attention"
@@ -35,7 +35,12 @@ def declare(cfg: ModelConfig) -> Module:
               linear("o_proj", h, heads * cfg.v_head_dim, "row", region=NAME, fp8=NAME)]
     params = tuple(p for ps, _ in parts for p in ps)
     gemms = tuple(g for _, g in parts if g is not None)
-    return Module(NAME, params, gemms, CoreAttention(heads, qk, cfg.v_head_dim))
+    core = CoreAttention(heads, heads, qk, cfg.v_head_dim, rerun_by=(attention.CORE, UP))
+    # the up projections' entries (q's latent, or x where q has no latent; the kv latent), and the shared rope
+    # key joining the heads (`MLA.rope_key_to_heads`), which no GEMM reads
+    entries = (RegionEntry(cfg.q_lora_rank or h, 1, UP), RegionEntry(cfg.kv_lora_rank, 1, UP),
+               RegionEntry(cfg.qk_rope_head_dim, 0))
+    return Module(NAME, params, gemms, core, tp_entries=entries)
 
 
 def saved(cfg: ModelConfig, lay: ActivationLayout) -> list[Saved]:

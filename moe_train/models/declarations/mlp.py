@@ -5,7 +5,7 @@ from __future__ import annotations
 from moe_train.config.schema import ModelConfig
 
 from .layout import ActivationLayout
-from .parts import Module, linear
+from .parts import Module, RegionEntry, linear
 from .saves import SWIGLU, Saved, gemm_input, kept_as_input, swiglu_items, with_scales, without
 
 NAME = "mlp"
@@ -16,7 +16,8 @@ def swiglu(name: str, h: int, ffn: int) -> Module:
     parts = (linear("gate_proj", ffn, h, "column", region=name, fp8=name),
              linear("up_proj", ffn, h, "column", region=name, fp8=name),
              linear("down_proj", h, ffn, "row", region=name, fp8=name))
-    return Module(name, tuple(p for ps, _ in parts for p in ps), tuple(g for _, g in parts))
+    return Module(name, tuple(p for ps, _ in parts for p in ps), tuple(g for _, g in parts),
+                  tp_entries=(RegionEntry(h, 2, name),))  # gate and up read x
 
 
 def declare(cfg: ModelConfig) -> Module:

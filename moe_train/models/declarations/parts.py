@@ -69,14 +69,17 @@ CORE_REGION = "core_attn"  # the region attention's products (and SDPA's saves) 
 
 @dataclass(frozen=True)
 class CoreAttention:
-    """Attention's products of activations, QK^T and AV: `heads` query heads of `qk_dim` and `v_dim`, over the
-    sequence's keys plus `extra_keys` (attention sinks' zero key row). `padded_dim`: the one head width the
-    device's fused kernel runs both at where it needs one (MLA on the CPU row of the kernel table)."""
+    """Attention's products of activations, QK^T and AV: `heads` query heads of `qk_dim` and `v_dim` and
+    `key_heads` key/value heads (what context parallelism exchanges), over the sequence's keys plus `extra_keys`
+    (attention sinks' zero key row). `padded_dim`: the one head width the device's fused kernel runs both at where
+    it needs one (MLA on the CPU row of the kernel table). `rerun_by`: the recompute regions that run it again."""
 
     heads: int
+    key_heads: int
     qk_dim: int
     v_dim: int
     extra_keys: int = 0
+    rerun_by: tuple[str, ...] = (CORE_REGION,)
 
     @property
     def padded_dim(self) -> int:
@@ -84,13 +87,27 @@ class CoreAttention:
 
 
 @dataclass(frozen=True)
+class RegionEntry:
+    """Where tensor parallelism enters a module's column-parallel region (parallel/tensor.py): an input of `width`
+    features per token that `gemms` column-parallel GEMMs read (under SP each keeps the sequence shard and gathers
+    it again in backward); `rerun_by`: the recompute region that runs the entry again, "" where none does. Each
+    such module leaves its region through one row-parallel GEMM of the hidden size."""
+
+    width: int
+    gemms: int
+    rerun_by: str = ""
+
+
+@dataclass(frozen=True)
 class Module:
-    """One module kind's declaration: `name` is the region its FLOPs count under."""
+    """One module kind's declaration: `name` is the region its FLOPs count under; `tp_entries`: its
+    tensor-parallel regions' entries (none: the module runs whole on every tp rank or on its own share)."""
 
     name: str
     params: tuple[Param, ...]
     gemms: tuple[Gemm, ...] = ()
     core: CoreAttention | None = None
+    tp_entries: tuple[RegionEntry, ...] = ()
 
 
 def linear(name: str, out: int, inp: int, placement: str, *, region: str, fp8: str = "",

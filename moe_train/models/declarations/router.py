@@ -50,3 +50,22 @@ def kept_in_offloaded_layer(cfg: ModelConfig, lay: ActivationLayout) -> set[str]
     router = cfg.moe.router
     seq_aux = router.load_balancing == "seq_aux_loss" and router.aux_loss_coeff > 0
     return {"router.input"} | ({"router.scores"} if seq_aux else set())
+
+
+def balancing_exchanges(cfg: ModelConfig, lay: ActivationLayout) -> list[tuple[str, float, bool]]:
+    """The balancing losses' all-reduces in one forward (models/moe/aux_loss.py), each (over which ranks, bytes,
+    whether a recomputation runs it again): `tokens` the micro-batch's tokens on every tp and cp rank (the
+    layer's `token_group`: the switch-style losses' expert counts, seq_aux_loss's per-sequence loads), `data`
+    global_aux_loss's counts over dp."""
+    moe, router = cfg.moe, cfg.moe.router
+    if router.aux_loss_coeff <= 0:
+        return []
+    counts = (moe.num_experts + 1) * INT64  # switch-style losses: the token set's counts
+    out = []
+    if router.load_balancing in ("aux_loss", "global_aux_loss"):
+        out.append(("tokens", counts, False))
+    if router.load_balancing == "global_aux_loss":
+        out.append(("data", counts, False))
+    if router.load_balancing == "seq_aux_loss":
+        out.append(("tokens", lay.micro_batch * moe.num_experts * FP32, True))
+    return out
