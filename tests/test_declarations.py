@@ -10,16 +10,19 @@ from __future__ import annotations
 import ast
 from collections import Counter
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
 import moe_train
 from moe_train.config import load_recipe
 from moe_train.config.loader import builtin_recipes
+from moe_train.config.rules import INNER_REGIONS
+from moe_train.config.schema import RecomputeModule
 from moe_train.models import build_model
 from moe_train.models.declarations import embedding as ends
-from moe_train.models.declarations import mtp
-from moe_train.models.declarations.layer import decoder_layer, layer_saved
+from moe_train.models.declarations import mla, moe_layer, mtp, policies
+from moe_train.models.declarations.layer import attention_module, decoder_layer, layer_saved
 from moe_train.models.declarations.layout import ActivationLayout
 
 TINY = [name for name in builtin_recipes() if name.endswith("-tiny")]  # every family has one
@@ -83,10 +86,10 @@ def _declared_names() -> set[str]:
     for recipe in builtin_recipes():
         cfg = load_recipe(recipe, check_files=False).model
         modules = [ends.embedding(cfg), ends.final_norm(cfg), ends.head(cfg), mtp.declare(cfg)]
-        for moe_layer in {False, cfg.moe is not None}:
-            modules += decoder_layer(cfg, moe_layer=moe_layer)
+        for moe in {False, cfg.moe is not None}:
+            modules += decoder_layer(cfg, moe_layer=moe)
             for lay in LAYOUTS:
-                names |= {n for item in layer_saved(cfg, lay, moe_layer=moe_layer) for n in (item.name, item.region)}
+                names |= {n for item in layer_saved(cfg, lay, moe_layer=moe) for n in (item.name, item.region)}
         names |= {n for m in modules for n in (m.name, *(p.name for p in m.params), *(g.name for g in m.gemms),
                                                *(g.region for g in m.gemms))}
     return (names | {n.split(".")[0] for n in names}) - PLAN_VOCABULARY
@@ -117,3 +120,14 @@ def test_converted_plan_files_name_no_module_part_of_their_own() -> None:
     declared = _declared_names()
     assert {"q_proj", "gate_proj", "sdpa.q", "shared_experts", "router.scores", "core_attn"} <= declared
     assert [hit for rel in CONVERTED for hit in _restatements(ROOT / rel, declared)] == []
+
+
+def test_the_policies_region_names_are_the_declared_ones() -> None:
+    """The recipe's recompute and offload module names (config/schema.py `RecomputeModule`; config imports nothing
+    of models/, so the list is written there) are the regions the declarations own, and config/rules.py's nesting
+    of regions is the declarations': the MoE layer holds its activation and shared experts, MLA's up projections
+    hold core attention."""
+    assert set(get_args(RecomputeModule)) == policies.REGIONS
+    assert set(INNER_REGIONS[moe_layer.REGION]) == set(moe_layer.INNER)
+    mla_core = attention_module(load_recipe("deepseek-v3-tiny").model).core
+    assert set(INNER_REGIONS[mla.UP]) == set(mla_core.rerun_by) - {mla.UP}
