@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from types import ModuleType
 
 from moe_train.config.schema import ModelConfig
 
@@ -18,8 +19,9 @@ Declare = Callable[[ModelConfig], "Module | None"]
 Saves = Callable[[ModelConfig, ActivationLayout], list[Saved]]
 
 
-def attention_kind(cfg: ModelConfig):
-    """The attention declaration the family's blocks hold."""
+def attention_kind(cfg: ModelConfig) -> ModuleType:
+    """The attention declaration the family's blocks hold (the declaration file: its declare, saved, recomputed,
+    moved)."""
     return mla if cfg.family == "deepseek_v3" else attention
 
 
