@@ -16,13 +16,13 @@ from workers.record import record_run
 from moe_train.config import load_recipe
 from moe_train.measure.driver import Target, measure
 from moe_train.measure.targets import as_fake_runs
+from moe_train.models.declarations.saves import grouped_scale_bytes, linear_scale_bytes
 from moe_train.models.fp8 import gemm as fp8_gemm
 from moe_train.models.fp8.gemm import Fp8Gemm
 from moe_train.models.fp8.layouts import padded
 from moe_train.models.fp8.scaling import padded_quantised, quantise
 from moe_train.parallel.recompute import recomputed
 from moe_train.plan.estimate import estimate, plan_json
-from moe_train.plan.saved_tensors import grouped_scale_bytes, linear_scale_bytes
 
 RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
 

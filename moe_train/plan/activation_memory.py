@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from moe_train.config.schema import ModelConfig
 from moe_train.kernels import kernels_for
+from moe_train.models.declarations import embedding as ends
+from moe_train.models.declarations import mtp, rope
 
 from .offloaded_saves import offloaded_items
 from .recompute_policy import RecomputePolicy, recompute_groups
-from .saved_tensors import FP32, INT32, INT64, ActivationLayout, Saved, gemm_input, layer_items, norm_items
+from .saved_tensors import FP32, INT32, INT64, ActivationLayout, Saved, layer_items
 from .selective_recompute import apply_selective
 
 
@@ -101,37 +103,20 @@ def chunk_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, chunk, polic
 
 def head_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, *, vocab_parallel: bool,
                           final_norm: bool = True) -> float:
-    """Final norm (an MTP module's is its own: `mtp_items`), the head's input and the fp32 log-softmax of the
-    loss over the (tp-sharded) padded vocabulary, with the boolean mask of its padding columns (the loss masks
-    padding; the head is never sliced, models/model.py). Chunked (`lay.loss_chunk_tokens`): the head's input
-    as the loss reads it (under sequence parallelism gathered, every token) and one fp32 log-sum-exp per
-    token, no logits (models/linear.py `linear_cross_entropy_sum`, whose GEMMs are never fp8). An fp8 head
-    (train.fp8.modules head) keeps its input as fp8 GEMMs do (`gemm_input`), but as a column-parallel GEMM under
-    sequence parallelism (its bf16 shard)."""
-    a, ts, h = lay.act_bytes, lay.seq_tokens, cfg.hidden_size
-    norm = a * ts * h + FP32 * ts if final_norm else 0  # its input and rstd (models/norm.py)
-    if lay.loss_chunk_tokens:
-        return norm + a * lay.tokens * h + FP32 * lay.tokens
-    padded = cfg.padded_vocab_size()
-    vocab = padded / lay.tp if vocab_parallel and lay.tp > 1 else padded
-    mask = vocab if padded > cfg.vocab_size else 0
-    fp8 = None if lay.gathers_shards else lay.kept_fp8("head")
-    head_input = sum(i.bytes for i in gemm_input("head", "head.input", ts, h, a, fp8))
-    return norm + head_input + FP32 * lay.tokens * vocab + mask
+    """Final norm (an MTP module's is its own: `mtp_items`), the head and its loss, as the head declares them
+    (models/declarations/embedding.py `head_saved`)."""
+    norm = ends.final_norm_saved(cfg, lay) if final_norm else []
+    return sum(i.bytes for i in [*norm, *ends.head_saved(cfg, lay, vocab_parallel=vocab_parallel)])
 
 
 def mtp_items(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) -> list[Saved]:
-    """One MTP module's saves (its head and loss aside): the embedding's norm, the hidden state's norm (whose
-    input, the main model's final norm output, the head keeps too: counted there), the 2h -> h
-    projection's input, one decoder block of the last layer's kind (selective recompute applies, full does not:
-    MTP blocks are not part of the stack; offloading does, to the block alone) and the final norm."""
-    a, ts, h = lay.act_bytes, lay.seq_tokens, cfg.hidden_size
-    hnorm = norm_items("mtp", "hnorm", ts, h, a)[1:]  # its input is the head's
-    items = [*norm_items("mtp", "enorm", ts, h, a), *hnorm, Saved("mtp", "eh_proj.input", a * ts * 2 * h)]
+    """One MTP module's saves (its head and loss aside, models/declarations/mtp.py) around one decoder block of
+    the last layer's kind (selective recompute applies, full does not: MTP blocks are not part of the stack;
+    offloading does, to the block alone)."""
     block = layer_items(cfg, lay, layer_index=cfg.num_layers)
     if policy.granularity == "selective":
         block = apply_selective(block, policy.modules, cfg, lay)
-    return [*items, *block, *norm_items("mtp", "norm", ts, h, a)]
+    return mtp.saved(cfg, lay, block=block)
 
 
 def _mtp_split(cfg: ModelConfig, lay: ActivationLayout, policy: RecomputePolicy) -> tuple[float, float]:
@@ -163,11 +148,9 @@ def mtp_activation_bytes(cfg: ModelConfig, lay: ActivationLayout, policy: Recomp
 
 def other_activation_bytes(cfg: ModelConfig, lay: ActivationLayout) -> float:
     """Storages shared by every layer of one forward: the rotary tables (fp32 cos and sin; in a bf16 run each
-    layer keeps its own cast instead, `saved_tensors._rope_casts`) and, with packed documents
+    layer keeps its own cast instead: models/declarations/rope.py) and, with packed documents
     (data.reset_at_eod), the attention mask (`document_mask_bytes`)."""
-    seq = lay.seq_length / lay.cp
-    tables = 2 * FP32 * lay.position_batch * seq * cfg.rotary_dim / 2 if lay.act_bytes == FP32 else 0
-    return tables + document_mask_bytes(lay)
+    return sum(i.bytes for i in rope.tables_saved(cfg, lay)) + document_mask_bytes(lay)
 
 
 # FlexAttention's block size (torch.nn.attention.flex_attention._DEFAULT_SPARSE_BLOCK_SIZE)

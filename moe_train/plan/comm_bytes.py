@@ -61,6 +61,10 @@ from moe_train.config.hardware import Hardware
 from moe_train.config.routing_shapes import ForcedRouting
 from moe_train.config.schema import ModelConfig, Recipe
 from moe_train.kernels import kernels_for
+from moe_train.models.declarations import embedding as ends
+from moe_train.models.declarations import mlp, moe_layer, router, shared_experts
+from moe_train.models.declarations.layer import attention_module
+from moe_train.models.declarations.parts import Module
 
 from .assumptions import Assumptions
 from .muon_cost import muon_gathers
@@ -159,7 +163,8 @@ class CommBytes:
         # the last stage's copy of the embedding (MTP, tied head) and the first stage's sum their gradient
         # shards once per step over a group of the two (parallel/pipeline.py: sync_shared_gradients)
         if layout.pp > 1 and (m.mtp_layers > 0 or m.tie_embeddings):
-            rows = fsdp_rows(m.padded_vocab_size() // layout.tp, layout.dps * layout.cp)[0]
+            vocab = ends.embedding(m).params[0].shape[0]  # the embedding's rows, cut by tp
+            rows = fsdp_rows(vocab // layout.tp, layout.dps * layout.cp)[0]
             holders = sum(c.virtual_index in (0, last) for c in chunks)
             out.add("embedding", "all_reduce", FP32 * rows * m.hidden_size, 2, holders)
         return out
@@ -227,7 +232,7 @@ class _ModelComm:
                  routing=None) -> None:
         """`routing`: what gives the all-to-all dispatcher's slots per expert slot, this rank's own first
         (`counts(tokens)`); measure's forced routing unless `plan --routing` passes a trace's (plan/routing.py)."""
-        self.m, self.layout, self.routing = m, layout, routing
+        self.m, self.layout, self.lay, self.routing = m, layout, lay, routing
         self.tp, self.cp, self.cp_comm = layout.tp, layout.cp, cp_comm
         self.sp = layout.sequence_parallel and layout.tp > 1
         self.a, self.h = lay.act_bytes, m.hidden_size
@@ -264,14 +269,14 @@ class _ModelComm:
             return [("tp", "all_reduce", full)] if direction != "backward" else []
         return [("tp", "reduce_scatter", full)] if direction != "backward" else [("tp", "all_gather", full / self.tp)]
 
+    def _entries(self, module: Module, direction: str, *, rerun_by: str | None = None, **rows) -> list[Collective]:
+        """The entries of `module`'s tensor-parallel regions (those `rerun_by` runs again, when given)."""
+        return [c for e in module.tp_entries if rerun_by is None or e.rerun_by == rerun_by
+                for c in self._enter(e.width, direction, gemms=e.gemms, **rows)]
+
     def attention(self, direction: str) -> list[Collective]:
-        m = self.m
-        if m.family != "deepseek_v3":
-            return self._enter(self.h, direction, gemms=3) + self._context(direction) + self._exit(direction)
-        q_width = m.q_lora_rank or self.h
-        out = self._enter(q_width, direction, gemms=1) + self._enter(m.kv_lora_rank, direction, gemms=1)
-        out += self._enter(m.qk_rope_head_dim, direction, gemms=0)  # the shared rope key joins the heads
-        return out + self._context(direction) + self._exit(direction)
+        entries = self._entries(attention_module(self.m), direction)
+        return entries + self._context(direction) + self._exit(direction)
 
     def _context(self, direction: str) -> list[Collective]:
         """Context-parallel attention's K/V exchange (parallel/ring_attention.py): this rank's K and V (the
@@ -279,16 +284,12 @@ class _ModelComm:
         and their fp32 gradients. p2p: cp-1
         sends and receives of K/V forward; backward cp-1 of K/V and cp of the gradients. allgather: one
         all-gather forward; backward another and a reduce-scatter of every rank's gradients."""
-        cp, m = self.cp, self.m
+        cp, core = self.cp, attention_module(self.m).core
         if cp == 1:
             return []
-        if m.family == "deepseek_v3":
-            qk, v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
-            padded = kernels_for(self.layout.device).mla_value == "padded"  # MLA pads where the kernel table says
-            width = 2 * max(qk, v) if padded else qk + v
-            kv_heads = m.num_attention_heads / self.tp
-        else:
-            width, kv_heads = 2 * m.attention_head_dim, m.kv_heads / self.tp
+        padded = kernels_for(self.layout.device).mla_value == "padded"  # one head width where the kernel needs it
+        width = 2 * core.padded_dim if padded else core.qk_dim + core.v_dim
+        kv_heads = core.key_heads / self.tp
         elements = self.t * kv_heads * width
         kv, grads = self.a * elements, FP32 * elements
         backward = direction == "backward"
@@ -298,12 +299,11 @@ class _ModelComm:
         return [("cp", "all_gather", kv)] + ([("cp", "reduce_scatter", cp * grads)] if backward else [])
 
     def mlp(self, direction: str) -> list[Collective]:
-        return self._enter(self.h, direction, gemms=2) + self._exit(direction)
+        return self._entries(mlp.declare(self.m), direction) + self._exit(direction)
 
     def moe(self, direction: str, *, recompute: bool = False) -> list[Collective]:
         """A MoE layer's tensor- and expert-parallel collectives (forward includes its recompute when asked)."""
-        moe, a, h, tp = self.m.moe, self.a, self.h, self.tp
-        router = moe.router
+        a, h, tp = self.a, self.h, self.tp
         out: list[Collective] = []
         forward = direction == "forward"
         if tp > 1 and not self.sp and not forward:
@@ -311,17 +311,17 @@ class _ModelComm:
         # the balancing losses' token set: the micro-batch's tokens on every tp and cp rank (`token_group`)
         shared = tp * self.cp > 1
         tokens = "tp" if self.cp == 1 else "cp" if tp == 1 else "cp_tp"
-        if forward and router.aux_loss_coeff > 0 and not recompute:
-            counts = (moe.num_experts + 1) * INT64  # switch-style losses: the token set's counts
-            if router.load_balancing in ("aux_loss", "global_aux_loss") and shared:
-                out.append((tokens, "all_reduce", counts))
-            if router.load_balancing == "global_aux_loss":
-                out.append(("dp", "all_reduce", counts))
-        if forward and router.load_balancing == "seq_aux_loss" and router.aux_loss_coeff > 0 and shared:
-            out.append((tokens, "all_reduce", self.batch * moe.num_experts * FP32))
+        for scope, size, rerun in router.balancing_exchanges(self.m, self.lay) if forward else ():
+            if recompute and not rerun:
+                continue
+            if scope == "data":
+                out.append(("dp", "all_reduce", size))
+            elif shared:
+                out.append((tokens, "all_reduce", size))
         out += self._dispatch(direction)
-        if moe.shared_expert_ffn_hidden_size:  # a sequence-parallel MLP over the layer's token slices
-            out += self._enter(h, direction, gemms=2, sp=True, rows=self.tm)
+        shared_mlp = shared_experts.declare(self.m)
+        if shared_mlp is not None:  # a sequence-parallel MLP over the layer's token slices
+            out += self._entries(shared_mlp, direction, sp=True, rows=self.tm)
             out += self._exit(direction, sp=True, rows=self.tm * tp)
         if tp > 1 and not self.sp and forward:
             out.append(("tp", "all_gather", a * self.tm * h))  # the outputs gathered again
@@ -419,19 +419,23 @@ class _ModelComm:
         return out
 
     def selective_recompute(self, moe: bool, modules: set[str]) -> list[Collective]:
+        """What the recomputed `modules` run again of a layer's collectives: attention across the cp shards where
+        a region holding it runs again, and each rerun region's tensor-parallel entries (the whole MoE layer's
+        forward, less what runs after its last save)."""
+        attn = attention_module(self.m)
         out: list[Collective] = []
-        m = self.m
-        if "core_attn" in modules or (m.family == "deepseek_v3" and "mla_up_proj" in modules):
-            out += self._context("recompute")  # attention across the cp shards runs again
-        if m.family == "deepseek_v3" and "mla_up_proj" in modules:  # the up projections enter their regions
-            out += self._enter(m.q_lora_rank or self.h, "recompute", gemms=1)
-            out += self._enter(m.kv_lora_rank, "recompute", gemms=1)
+        if modules & set(attn.core.rerun_by):
+            out += self._context("recompute")
+        out += [c for region in sorted(modules) for c in self._entries(attn, "recompute", rerun_by=region)]
         if not moe:
-            return out + (self._enter(self.h, "recompute", gemms=2) if "mlp" in modules else [])
-        if "moe" in modules:
+            return out + [c for region in sorted(modules)
+                          for c in self._entries(mlp.declare(self.m), "recompute", rerun_by=region)]
+        if moe_layer.REGION in modules:
             return out + _minus(self.moe("forward", recompute=True), self._tail(True))
-        if "shared_experts" in modules and m.moe.shared_expert_ffn_hidden_size:
-            out += self._enter(self.h, "recompute", gemms=2, sp=True, rows=self.tm)
+        shared_mlp = shared_experts.declare(self.m)
+        if shared_mlp is not None:
+            out += [c for region in sorted(modules) for c in self._entries(shared_mlp, "recompute", rerun_by=region,
+                                                                           sp=True, rows=self.tm)]
         return out
 
     def group_recompute(self, kinds: list[bool]) -> list[Collective]:

@@ -329,6 +329,8 @@ def _rank_flops(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk], a: Assu
     def add(target: dict, regions: dict[str, float], times: float = 1.0) -> None:
         for name, value in regions.items():
             if name != "mla_up_proj" or target is rec:  # forward: part of `attention`
+                if name not in kernel_of:  # a region only a recompute lists (with nothing to rerun, e.g. 0 FLOPs)
+                    kernel_of[name] = _kernel(name, layout.fp8_modules)
                 target[kernel_of[name]] += times * value * tokens
 
     def forward_layer(moe: bool, count: int = 1) -> None:

@@ -25,20 +25,26 @@ from __future__ import annotations
 import functools
 
 from moe_train.config.schema import ModelConfig
+from moe_train.models.declarations import embedding as ends
+from moe_train.models.declarations import mtp
+from moe_train.models.declarations.layer import attention_module, decoder_layer
+from moe_train.models.declarations.parts import CORE_REGION, CoreAttention
 from moe_train.plan.params import attention_matrices, ffn_matrices
+
+
+def _core(core: CoreAttention, seq_length: int, *, causal: bool = False, padded: bool = False) -> float:
+    """Multiply-adds of QK^T and AV per token over `seq_length` keys (`causal`: half of them); `padded`: at the
+    one head width the kernel runs both at."""
+    qk, v = (core.padded_dim, core.padded_dim) if padded else (core.qk_dim, core.v_dim)
+    return attended_keys(core, seq_length, causal) * core.heads * (qk + v)
 
 
 def _attention(cfg: ModelConfig, seq_length: int, causal: bool = False) -> float:
     """Projections (2 FLOPs per weight) plus QK^T and AV over `seq_length` keys (`causal`: half of them)."""
-    if cfg.family == "deepseek_v3":
-        qk_dim, v_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-    else:
-        qk_dim = v_dim = cfg.attention_head_dim
-    quadratic = attended_keys(cfg, seq_length, causal) * cfg.num_attention_heads * (qk_dim + v_dim)
-    return 2.0 * (attention_matrices(cfg) + quadratic)
+    return 2.0 * (attention_matrices(cfg) + _core(attention_module(cfg).core, seq_length, causal=causal))
 
 
-def attended_keys(cfg: ModelConfig, seq_length: int, causal: bool = False) -> float:
+def attended_keys(core: CoreAttention, seq_length: int, causal: bool = False) -> float:
     """Keys a query's QK^T and AV run over: `seq_length`, or half of it (`causal`). gpt-oss's sinks join the
     softmax's normaliser through its log-sum-exp (models/blockwise_attention.py), no key; its sliding windows
     mask keys without skipping them, so the count is the same (measure's FLOP counter agrees)."""
@@ -49,13 +55,17 @@ def _ffn(cfg: ModelConfig, layer: int) -> float:
     return 2.0 * ffn_matrices(cfg, moe_layer=cfg.is_moe_layer(layer), active=True)
 
 
+def _gemm_flops(module) -> float:
+    return 2.0 * sum(g.weights for g in module.gemms)
+
+
 @functools.lru_cache(maxsize=256)
 def forward_flops_per_token(cfg: ModelConfig, *, seq_length: int, causal: bool = False) -> float:
     """Forward FLOPs for one token (see the module docstring for what is counted). `causal`: Megatron-Core's
     convention (its published TFLOP/s), the causal mask's half of the s x s scores (s / 2 keys a query)."""
-    head = 2.0 * cfg.hidden_size * cfg.vocab_size
+    head = _gemm_flops(ends.head(cfg, padded=False))
     layers = sum(_attention(cfg, seq_length, causal) + _ffn(cfg, i) for i in range(cfg.num_layers))
-    mtp_layer = 2.0 * 2 * cfg.hidden_size * cfg.hidden_size + _attention(cfg, seq_length, causal)
+    mtp_layer = _gemm_flops(mtp.declare(cfg)) + _attention(cfg, seq_length, causal)
     mtp_layer += _ffn(cfg, cfg.num_layers - 1) + head
     return layers + head + cfg.mtp_layers * mtp_layer
 
@@ -80,25 +90,13 @@ def layer_flops_by_region(cfg: ModelConfig, *, layer: int, seq_length: int, exec
 
 @functools.lru_cache(maxsize=1024)
 def _regions(cfg: ModelConfig, moe_layer: bool, seq_length: int, padded: bool) -> tuple[tuple[str, float], ...]:
-    """Layers of one kind have the same FLOPs: computed once per kind."""
-    h, heads = cfg.hidden_size, cfg.num_attention_heads
-    out = {"attention": 2.0 * attention_matrices(cfg)}
-    if cfg.family == "deepseek_v3":
-        qk_dim, v_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-        if padded:
-            qk_dim = v_dim = max(qk_dim, v_dim)
-        q_up = (cfg.q_lora_rank or 0) * heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
-        kv_up = cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-        out["mla_up_proj"] = 2.0 * (q_up + kv_up)
-        out["mla_down_proj"] = 2.0 * h * ((cfg.q_lora_rank or 0) + cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-    else:
-        qk_dim = v_dim = cfg.attention_head_dim
-    out["core_attn"] = 2.0 * attended_keys(cfg, seq_length) * heads * (qk_dim + v_dim)
-    if moe_layer:
-        moe = cfg.moe
-        out["router"] = 2.0 * moe.num_experts * h
-        out["experts"] = 2.0 * moe.top_k * 3 * h * moe.ffn_hidden_size
-        out["shared_experts"] = 2.0 * 3 * h * moe.shared_expert_ffn_hidden_size
-    else:
-        out["mlp"] = 2.0 * 3 * h * cfg.ffn_hidden_size
+    """Layers of one kind have the same FLOPs: computed once per kind. Each module's GEMMs count under its
+    name and, where a GEMM names a part of it (MLA's up and down projections), under that part too."""
+    out: dict[str, float] = {}
+    for module in decoder_layer(cfg, moe_layer=moe_layer):
+        for g in module.gemms:
+            for region in {module.name, g.region}:
+                out[region] = out.get(region, 0.0) + 2.0 * g.weights
+        if module.core is not None:
+            out[CORE_REGION] = 2.0 * _core(module.core, seq_length, padded=padded)
     return tuple(out.items())

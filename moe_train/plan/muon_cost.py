@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from moe_train.config.schema import MuonConfig
+
 from .params import RankParams, Tensor, Unit, fsdp_rows
 from .rank_layout import PlanLayout
 
@@ -37,13 +39,15 @@ def newton_schulz_flops(rows: int, cols: int, *, steps: int) -> int:
     return steps * (4 * m * m * n + 2 * m**3)
 
 
+DEFAULT_EXCLUDE = MuonConfig().exclude  # train.muon.exclude's default: the module names AdamW trains
+
+
 def muon_trained(tensor: Tensor) -> bool:
-    """Whether train.optimizer muon gives `tensor` to Muon under the default `train.muon.exclude`: every attention,
-    MLP and shared-expert weight and each routed expert's matrices, not their bias stacks ([E, width]; train/muon.py's
-    muon_param_groups)."""
-    if tensor.unit == "experts":
-        return len(tensor.shape) == 3
-    return tensor.gemm in ("attention", "mlp", "shared_experts")
+    """Whether train.optimizer muon gives `tensor` to Muon under the default `train.muon.exclude`: train/muon.py's
+    muon_param_groups rule on its declared name (models/declarations): a matrix (not a vector: fewer than 2
+    dimensions or a `<stack>_bias`, gpt-oss's [E, width] expert biases) of no module the exclude names."""
+    name = tensor.name.split(".")
+    return len(tensor.shape) >= 2 and not name[-1].endswith("_bias") and not set(name[:-1]) & set(DEFAULT_EXCLUDE)
 
 
 def whole_matrices(tensor: Tensor, layout: PlanLayout) -> tuple[int, int, int]:

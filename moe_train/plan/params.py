@@ -1,4 +1,5 @@
-"""Parameter counts from a model section, without building the model (the login node has no torch).
+"""Parameter counts from a model section, without building the model (the login node has no torch): the sums
+of the modules' declared parameters and GEMMs (models/declarations), placed as each declares.
 
 Counts use the unpadded vocabulary, as published model cards do; `padded=True` counts what the engine
 allocates. `active` counts the parameters one token passes through (top-k routed experts, not all of them).
@@ -12,6 +13,10 @@ import functools
 from dataclasses import dataclass, field
 
 from moe_train.config.schema import ModelConfig, Recipe
+from moe_train.models.declarations import embedding as ends
+from moe_train.models.declarations import mtp as mtp_module
+from moe_train.models.declarations.layer import attention_module, decoder_layer, ffn_modules
+from moe_train.models.declarations.parts import Module, Param
 
 from .rank_layout import Chunk, PlanLayout
 
@@ -25,64 +30,31 @@ class ParameterCount:
 
 
 def attention_matrices(m: ModelConfig) -> int:
-    """Weights of the attention projections (GQA: q, k, v, o; MLA: q down/up or q, kv down/up, o)."""
-    h, heads = m.hidden_size, m.num_attention_heads
-    if m.family == "deepseek_v3":
-        qk_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
-        q = (h + heads * qk_dim) * m.q_lora_rank if m.q_lora_rank else h * heads * qk_dim
-        kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
-        return q + kv + heads * m.v_head_dim * h
-    d = m.attention_head_dim
-    return h * heads * d + 2 * h * m.kv_heads * d + heads * d * h
-
-
-def _attention_vectors(m: ModelConfig) -> int:
-    """Attention's vector parameters: MLA's latent norms; GQA's QK-norm weights, q/k/v biases, the o_proj bias
-    and the sinks (one per head)."""
-    if m.family == "deepseek_v3":
-        return (m.q_lora_rank or 0) + m.kv_lora_rank
-    d = m.attention_head_dim
-    biases = (m.num_attention_heads + 2 * m.kv_heads) * d if m.attention_bias else 0
-    biases += m.hidden_size if m.attention_output_bias else 0
-    sinks = m.num_attention_heads if m.attention_sinks else 0
-    return (2 * d if m.qk_norm else 0) + biases + sinks
-
-
-def _ffn_vectors(m: ModelConfig, *, moe_layer: bool, active: bool) -> int:
-    """A MoE layer's vector parameters (gpt-oss): the router's logit bias and each expert's gate, up and down
-    biases (top_k experts' when `active`)."""
-    if not moe_layer:
-        return 0
-    moe = m.moe
-    router = moe.num_experts if moe.router.learned_bias else 0
-    experts = moe.top_k if active else moe.num_experts
-    return router + (experts * (2 * moe.ffn_hidden_size + m.hidden_size) if moe.expert_biases else 0)
+    """Weights of the attention projections (the declared GEMMs of the layer's attention)."""
+    return sum(g.matrices for g in attention_module(m).gemms)
 
 
 def ffn_matrices(m: ModelConfig, *, moe_layer: bool, active: bool) -> int:
-    """Weights of one layer's MLP: dense SwiGLU, or router + routed experts (top_k of them when `active`) +
-    shared expert."""
-    h = m.hidden_size
-    if not moe_layer:
-        return 3 * h * m.ffn_hidden_size
-    moe = m.moe
-    experts = moe.top_k if active else moe.num_experts
-    return moe.num_experts * h + experts * 3 * h * moe.ffn_hidden_size + 3 * h * moe.shared_expert_ffn_hidden_size
+    """Weights of one layer's feed-forward GEMMs: dense SwiGLU, or router + routed experts (top_k of them when
+    `active`) + shared experts."""
+    return sum(g.weights if active else g.matrices for module in ffn_modules(m, moe_layer=moe_layer)
+               for g in module.gemms)
 
 
 def _layer(m: ModelConfig, *, moe_layer: bool, active: bool) -> int:
-    """Parameters of one decoder layer: attention, its norms, the two pre-norms and the MLP."""
-    return attention_matrices(m) + _attention_vectors(m) + 2 * m.hidden_size + ffn_matrices(
-        m, moe_layer=moe_layer, active=active
-    ) + _ffn_vectors(m, moe_layer=moe_layer, active=active)
+    """Parameters of one decoder layer: every declared parameter of its modules (`active`: a token's share)."""
+    return sum(p.count(active=active) for module in decoder_layer(m, moe_layer=moe_layer) for p in module.params)
+
+
+def _numel(*modules: Module) -> int:
+    return sum(p.numel for module in modules for p in module.params)
 
 
 def count_parameters(m: ModelConfig, *, padded: bool = False) -> ParameterCount:
     """`padded`: the vocabulary as allocated, padded to `make_vocab_size_divisible_by` (never by tp: every layout
     has the same parameter shapes, docs/decisions.md)."""
-    vocab = m.padded_vocab_size() if padded else m.vocab_size
-    embedding = vocab * m.hidden_size * (1 if m.tie_embeddings else 2)
-    total = active = embedding + m.hidden_size  # + final norm
+    embedding = _numel(ends.embedding(m, padded=padded), ends.head(m, padded=padded, tied=m.tie_embeddings))
+    total = active = embedding + _numel(ends.final_norm(m))
     moe_layers = m.moe_layers_in(0, m.num_layers)  # counted, not walked: validate answers at any num_layers
     for moe_layer, count in ((True, moe_layers), (False, m.num_layers - moe_layers)):
         if not count:
@@ -90,7 +62,7 @@ def count_parameters(m: ModelConfig, *, padded: bool = False) -> ParameterCount:
         total += count * _layer(m, moe_layer=moe_layer, active=False)
         active += count * _layer(m, moe_layer=moe_layer, active=True)
     mtp_block = _layer(m, moe_layer=m.moe is not None, active=False)
-    mtp = m.mtp_layers * (mtp_block + 2 * m.hidden_size * m.hidden_size + 3 * m.hidden_size)
+    mtp = m.mtp_layers * (mtp_block + _numel(mtp_module.declare(m)))
     return ParameterCount(total=total, active=active, embedding=embedding, mtp=mtp)
 
 
@@ -111,7 +83,7 @@ class Tensor:
     head; "" for the rest): what FSDP2's fp8 all-gather gathers in fp8 (models/fp8/all_gather.py).
     `split`: the dimension tensor parallelism cuts (tp for a Linear: 0 column-, 1 row-parallel; etp for an
     expert stack: 1 or 2), None where the tensor is whole over it: what Muon gathers to orthogonalise the whole
-    matrix (plan/muon_cost.py)."""
+    matrix (plan/muon_cost.py). `name`: the parameter's declared name (models/declarations), under its module."""
 
     shape: tuple[int, ...]
     unit: str
@@ -119,6 +91,7 @@ class Tensor:
     partial: bool = False
     gemm: str = ""
     split: int | None = None
+    name: str = ""
 
     @functools.cached_property
     def numel(self) -> int:
@@ -136,95 +109,49 @@ def fsdp_rows(rows: int, shards: int) -> tuple[int, int]:
     return min(chunk, rows), chunk
 
 
-def _linear(out: int, inp: int, unit: str, *, shard: int | None, tp: int, partial: bool = False,
-            gemm: str = "") -> Tensor:
-    """A linear weight [out, in]: `shard` 0 (column-parallel) or 1 (row-parallel) over tp, None: replicated;
-    `gemm`: its fp8 kind (Tensor)."""
-    if shard is None or tp == 1:
-        return Tensor((out, inp), unit, "dense", partial and tp > 1, gemm)
-    shape = (out // tp, inp) if shard == 0 else (out, inp // tp)
-    return Tensor(shape, unit, "tp", gemm=gemm, split=shard)
+def _tensor(p: Param, unit: str, *, tp: int, sequence_parallel: bool, ep: int = 1, etp: int = 1) -> Tensor:
+    """A declared parameter as one rank holds it, placed as it declares (models/declarations/parts.py)."""
+    shape = list(p.shape)
+    if p.placement == "expert":  # expert stacks: an FSDP2 unit of their own, their gradient norm over the experts
+        shape[0] //= ep
+        if p.etp_dim is not None:
+            shape[p.etp_dim] //= etp
+        return Tensor(tuple(shape), "experts", "experts", split=p.etp_dim if etp > 1 and len(shape) == 3 else None,
+                      name=p.name)
+    if p.placement in ("column", "row") and tp > 1:
+        dim = 0 if p.placement == "column" else 1
+        shape[dim] //= tp
+        return Tensor(tuple(shape), unit, "tp", gemm=p.fp8, split=dim if len(shape) == 2 else None, name=p.name)
+    partial = {"sequence": sequence_parallel and tp > 1, "replicated": tp > 1}.get(p.placement, False)
+    return Tensor(p.shape, unit, "dense", partial, p.fp8, name=p.name)
+
+
+def _tensors(modules, unit: str, **layout) -> tuple[Tensor, ...]:
+    return tuple(_tensor(p, unit, **layout) for module in modules for p in module.params)
 
 
 @functools.lru_cache(maxsize=1024)
 def block_tensors(m: ModelConfig, *, moe_layer: bool, tp: int, sequence_parallel: bool, ep: int,
                   etp: int) -> tuple[Tensor, ...]:
     """The parameters of one decoder block (parallel/tensor.py's plan, parallel/expert.py's expert shards)."""
-    h, heads, sp = m.hidden_size, m.num_attention_heads, sequence_parallel and tp > 1
-    out = [Tensor((h,), "block", "dense", sp), Tensor((h,), "block", "dense", sp)]  # the two pre-norms
-    if m.family == "deepseek_v3":
-        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        if m.q_lora_rank:
-            out += [_linear(m.q_lora_rank, h, "block", shard=None, tp=tp, partial=sp, gemm="attention"),
-                    Tensor((m.q_lora_rank,), "block", "dense", sp),
-                    _linear(heads * qk, m.q_lora_rank, "block", shard=0, tp=tp, gemm="attention")]
-        else:
-            out.append(_linear(heads * qk, h, "block", shard=0, tp=tp, gemm="attention"))
-        out += [_linear(m.kv_lora_rank + m.qk_rope_head_dim, h, "block", shard=None, tp=tp, partial=sp,
-                        gemm="attention"),
-                Tensor((m.kv_lora_rank,), "block", "dense", sp),
-                _linear(heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, "block", shard=0, tp=tp,
-                        gemm="attention"),
-                _linear(h, heads * m.v_head_dim, "block", shard=1, tp=tp, gemm="attention")]
-    else:
-        d = m.attention_head_dim
-        for rows in (heads * d, m.kv_heads * d, m.kv_heads * d):  # q, k, v, each with its bias (column-parallel)
-            out.append(_linear(rows, h, "block", shard=0, tp=tp, gemm="attention"))
-            if m.attention_bias:
-                out.append(Tensor((rows // tp,), "block", "tp" if tp > 1 else "dense"))
-        out.append(_linear(h, heads * d, "block", shard=1, tp=tp, gemm="attention"))
-        if m.attention_output_bias:  # gpt-oss: whole on every tp rank, added after the reduce (partial under SP)
-            out.append(Tensor((h,), "block", "dense", sp))
-        if m.attention_sinks:
-            out.append(Tensor((heads // tp,), "block", "tp" if tp > 1 else "dense"))
-        if m.qk_norm:  # one weight per head_dim, on this rank's heads
-            out += [Tensor((d,), "block", "dense", tp > 1), Tensor((d,), "block", "dense", tp > 1)]
-    if not moe_layer:
-        f = m.ffn_hidden_size
-        return (*out, _linear(f, h, "block", shard=0, tp=tp, gemm="mlp"),
-                _linear(f, h, "block", shard=0, tp=tp, gemm="mlp"), _linear(h, f, "block", shard=1, tp=tp, gemm="mlp"))
-    moe = m.moe
-    out.append(Tensor((moe.num_experts, h), "block", "dense", tp > 1))  # the router
-    if moe.router.learned_bias:
-        out.append(Tensor((moe.num_experts,), "block", "dense", tp > 1))
-    experts, f = moe.num_experts // ep, moe.ffn_hidden_size // etp
-    inner, outer = (1, 2) if etp > 1 else (None, None)  # etp cuts the expert width: gate/up's rows, down's columns
-    out += [Tensor((experts, f, h), "experts", "experts", split=inner),
-            Tensor((experts, f, h), "experts", "experts", split=inner),
-            Tensor((experts, h, f), "experts", "experts", split=outer)]
-    if moe.expert_biases:  # gpt-oss (etp = 1 only: validate)
-        out += [Tensor((experts, f), "experts", "experts"), Tensor((experts, f), "experts", "experts"),
-                Tensor((experts, h), "experts", "experts")]
-    if moe.shared_expert_ffn_hidden_size:
-        fs = moe.shared_expert_ffn_hidden_size
-        out += [_linear(fs, h, "block", shard=0, tp=tp, gemm="shared_experts"),
-                _linear(fs, h, "block", shard=0, tp=tp, gemm="shared_experts"),
-                _linear(h, fs, "block", shard=1, tp=tp, gemm="shared_experts")]
-    return tuple(out)
+    return _tensors(decoder_layer(m, moe_layer=moe_layer), "block", tp=tp, sequence_parallel=sequence_parallel,
+                    ep=ep, etp=etp)
 
 
 @functools.lru_cache(maxsize=1024)
 def root_tensors(m: ModelConfig, *, tp: int, sequence_parallel: bool, embedding: bool = True,
                  head: bool = True) -> tuple[Tensor, ...]:
     """Embedding and head (vocabulary-parallel: rows over tp; one tensor when tied) and the final norm."""
-    vocab = m.padded_vocab_size()
-    out = []
-    if embedding:
-        out.append(_linear(vocab, m.hidden_size, "root", shard=0, tp=tp))
+    modules = [ends.embedding(m)] if embedding else []
     if head:
-        out.append(Tensor((m.hidden_size,), "root", "dense", sequence_parallel and tp > 1))
-        if not (m.tie_embeddings and embedding):  # tied: the embedding's weight, which stays bf16 in the gather
-            out.append(_linear(vocab, m.hidden_size, "root", shard=0, tp=tp,
-                               gemm="" if m.tie_embeddings else "head"))
-    return tuple(out)
+        modules += [ends.final_norm(m), ends.head(m, tied=m.tie_embeddings and embedding)]
+    return _tensors(modules, "root", tp=tp, sequence_parallel=sequence_parallel)
 
 
 @functools.lru_cache(maxsize=256)
 def mtp_tensors(m: ModelConfig, *, tp: int, sequence_parallel: bool) -> tuple[Tensor, ...]:
     """An MTP module's own enorm, hnorm, eh_proj (2h -> h) and norm, all replicated over tp (its block aside)."""
-    h, sp = m.hidden_size, sequence_parallel and tp > 1
-    return (Tensor((h,), "mtp", "dense", sp), Tensor((h,), "mtp", "dense", sp),
-            Tensor((h, 2 * h), "mtp", "dense", sp), Tensor((h,), "mtp", "dense", sp))
+    return _tensors([mtp_module.declare(m)], "mtp", tp=tp, sequence_parallel=sequence_parallel)
 
 
 # ------------------------------------------------------------------------------- a rank's FSDP2 units
@@ -359,7 +286,7 @@ def rank_params(m: ModelConfig, layout: PlanLayout, chunks: list[Chunk]) -> Rank
             root += root_tensors(m, tp=layout.tp, sequence_parallel=sp, embedding=embedding, head=chunk.loss)
     if root:
         out.units.append(Unit(tuple(root), dense_shards, 1))
-        vocab = m.padded_vocab_size() * m.hidden_size / layout.tp
+        vocab = _numel(ends.embedding(m)) / layout.tp
         if vocab > out.largest_unit:  # one vocabulary matrix: the head's when the root holds no embedding
             out.largest_unit = vocab
             matrices = [t for t in root if len(t.shape) == 2]
