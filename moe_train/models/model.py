@@ -91,7 +91,7 @@ class Transformer(nn.Module):
                 dispatcher = module.dispatcher
                 nodes = dispatcher.nodes if isinstance(dispatcher, HierarchicalDispatcher) else 1
                 module.router.even_routing = even
-                module.router.forced = ForcedRouting.of(module.moe, nodes)
+                module.router.forced = ForcedRouting.of(module.cfg, nodes)
                 if isinstance(dispatcher, HierarchicalDispatcher):
                     dispatcher.forced = module.router.forced if even else None
 

@@ -79,7 +79,7 @@ def apply_compile(model: Transformer, recipe: Recipe, device: torch.device) -> N
                 # the switch-style losses' gradient is a holder's value, filled after the layer's forward (by
                 # the layer, or the model for all_layers_aux_loss) and read by backward: a compiled backward
                 # would read it at trace time. Attached eagerly, it is read when backward runs.
-                block.mlp._attach_balancing_losses = torch.compiler.disable(block.mlp._attach_balancing_losses)
+                block.ffn._attach_balancing_losses = torch.compiler.disable(block.ffn._attach_balancing_losses)
             if block.is_moe and moe_rerun:
-                block.mlp.forward = torch.compiler.disable(block.mlp.forward)
+                block.ffn.forward = torch.compiler.disable(block.ffn.forward)
             block.compile(backend=backend, dynamic=True if block.is_moe else None)

@@ -58,9 +58,9 @@ def apply_fsdp(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> None
     blocks: list[nn.Module] = [*model.layers.values(), *(module.block for module in model.mtp.values())]
     for block in blocks:
         if block.is_moe and apart:
-            fully_shard(block.mlp.experts, mesh=expert, **options)
-            if block.mlp.experts.deferred_wgrad is not None:
-                _post_backward_after_delayed_grads(block.mlp.experts)
+            fully_shard(block.ffn.experts, mesh=expert, **options)
+            if block.ffn.experts.deferred_wgrad is not None:
+                _post_backward_after_delayed_grads(block.ffn.experts)
         fully_shard(block, mesh=dense, **options)
     for module in model.mtp.values():  # its projection and norms around the block
         fully_shard(module, mesh=dense, **options)
@@ -92,7 +92,7 @@ def _post_backward_after_delayed_grads(experts: FSDPModule) -> None:
 def _units(block: nn.Module, apart: bool) -> list[FSDPModule]:
     """A block's FSDP2 units in the order its forward uses them: the block (attention), then its experts when
     they are a unit of their own."""
-    return [block, block.mlp.experts] if block.is_moe and apart else [block]
+    return [block, block.ffn.experts] if block.is_moe and apart else [block]
 
 
 def _prefetch_one_block_ahead(units: list[list[FSDPModule]]) -> None:

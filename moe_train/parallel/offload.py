@@ -321,15 +321,15 @@ def _regions(block: DecoderBlock, modules: set[str], pool: OffloadPool) -> None:
         _offload_forward(block.post_attention_layernorm, pool)
     if not block.is_moe:
         if "mlp" in modules:
-            _offload_forward(block.mlp, pool)
+            _offload_forward(block.ffn, pool)
         return
     if "moe" in modules:
-        _offload_forward(block.mlp, pool)
+        _offload_forward(block.ffn, pool)
         return
     if "moe_act" in modules:
-        block.mlp.experts.activation = _in_region(block.mlp.experts.activation, pool)
-    if "shared_experts" in modules and block.mlp.shared_experts is not None:
-        _offload_forward(block.mlp.shared_experts, pool)
+        block.ffn.experts.activation = _in_region(block.ffn.experts.activation, pool)
+    if "shared_experts" in modules and block.ffn.shared_experts is not None:
+        _offload_forward(block.ffn.shared_experts, pool)
 
 
 def _layer(block: DecoderBlock, pool: OffloadPool) -> None:

@@ -81,15 +81,15 @@ def _selective(block: DecoderBlock, modules: set[str]) -> None:
         _recompute_forward(block.post_attention_layernorm)
     if not block.is_moe:
         if "mlp" in modules:
-            _recompute_forward(block.mlp)
+            _recompute_forward(block.ffn)
         return
     if "moe" in modules:
-        _recompute_forward(block.mlp)
+        _recompute_forward(block.ffn)
         return
     if "moe_act" in modules:
-        block.mlp.experts.activation = checkpointed(block.mlp.experts.activation)
-    if "shared_experts" in modules and block.mlp.shared_experts is not None:
-        _recompute_forward(block.mlp.shared_experts)
+        block.ffn.experts.activation = checkpointed(block.ffn.experts.activation)
+    if "shared_experts" in modules and block.ffn.shared_experts is not None:
+        _recompute_forward(block.ffn.shared_experts)
 
 
 def run_layers_recomputed(layers: list[DecoderBlock], hidden: torch.Tensor, *args, method: str,

@@ -266,22 +266,24 @@ class _Planner:
                     continue
             setattr(_submodule(module, name, nn.Module), PARTIAL_GRADIENT, True)
 
-    def moe(self, moe: MoELayer) -> None:
-        moe.token_group = self.group
-        self.partial_gradient("moe", moe)
-        if moe.shared_experts is not None:  # on the layer's token slice, whatever the mode
-            self.apply("mlp", moe.shared_experts, self.region(sequence_parallel=True))
+    def split_moe_tokens(self, layer: MoELayer) -> None:
+        """The MoE layer routes this rank's slice of the tokens (counted over the tp group); its shared experts
+        are split by ffn features like a dense MLP, on that slice."""
+        layer.token_group = self.group
+        self.partial_gradient("moe", layer)
+        if layer.shared_experts is not None:  # on the layer's token slice, whatever the mode
+            self.apply("mlp", layer.shared_experts, self.region(sequence_parallel=True))
         if not self.sequence_parallel:
-            moe.tp_group = self.group
-            _swap_class(moe, _RoutesSlice)
+            layer.tp_group = self.group
+            _swap_class(layer, _RoutesSlice)
 
     def block(self, block: DecoderBlock) -> None:
         attn = _submodule(block, "self_attn", nn.Module)
         self.apply("mla" if isinstance(attn, MLA) else "attention", attn)
         if block.is_moe:
-            self.moe(_submodule(block, "mlp", MoELayer))
+            self.split_moe_tokens(_submodule(block, "ffn", MoELayer))
         else:
-            self.apply("mlp", _submodule(block, "mlp", MLP))
+            self.apply("mlp", _submodule(block, "ffn", MLP))
         self.partial_gradient("block", block)
 
 
