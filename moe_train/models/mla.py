@@ -18,6 +18,7 @@ from torch import nn
 from moe_train.config.schema import ModelConfig
 from moe_train.kernels import kernels_for
 from moe_train.models.attention import CoreAttention, head_max_logits, track_max_logits
+from moe_train.models.layout_region import LayoutRegion
 from moe_train.models.linear import Linear
 from moe_train.models.norm import RMSNorm
 from moe_train.models.rope import apply_rotary, yarn_mscale
@@ -51,6 +52,8 @@ class MLA(nn.Module):
         # Extension point: the shared rope key enters the heads' region here. Tensor parallelism replaces it by
         # the region's entry (a gather of the sequence, or a copy whose gradient is summed over ranks).
         self.rope_key_to_heads: nn.Module = nn.Identity()
+        # The mla_up_proj region of recomputation and offloading (up projections, rotary embeddings, attention).
+        self.layout_up_attend = LayoutRegion(MLA.up_attend)
 
         self.scale = qk_dim**-0.5
         yarn = cfg.rope.scaling
@@ -62,7 +65,8 @@ class MLA(nn.Module):
         # their norms run on it, and the sequence is gathered where the heads begin (parallel/tensor.py).
         q_latent = x if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        out = self.up_attend(q_latent, self.kv_a_layernorm(latent), self.rope_key_to_heads(k_rot), cos, sin, mask)
+        out = self.layout_up_attend(self, q_latent, self.kv_a_layernorm(latent), self.rope_key_to_heads(k_rot), cos,
+                                    sin, mask)
         return self.o_proj(out)
 
     def up_attend(self, q_latent: torch.Tensor, kv_latent: torch.Tensor, k_rot: torch.Tensor, cos: torch.Tensor,

@@ -28,9 +28,8 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from moe_train.models.attention import Attention
+from moe_train.models.attention import Attention, CoreAttention
 from moe_train.models.loss import IGNORE_INDEX
 from moe_train.models.mla import MLA
 from moe_train.models.moe import MoELayer
@@ -54,9 +53,11 @@ def chunk_indices(seq_length: int, *, cp: int, rank: int) -> torch.Tensor:
     return shard_sequence(torch.arange(seq_length), cp=cp, rank=rank)
 
 
-class ContextParallelAttention(nn.Module):
+class ContextParallelAttention(CoreAttention):
     """`CoreAttention` across the cp ranks (no parameters): takes the same q, k, v [b, heads, 2c, d] and keyword
-    arguments as SDPA there (`scale`; grouped-query heads follow from the shapes) and a `ShardMask`."""
+    arguments as SDPA there (`scale`; grouped-query heads follow from the shapes) and a `ShardMask`. The model's
+    core-attention slot holds it (a submodule the attention declares, as the MoE layer's dispatcher is), and
+    its `layout_forward` is CoreAttention's region, so recomputation and offloading wrap it alike."""
 
     def __init__(self, *, group: dist.ProcessGroup, comm: str) -> None:
         super().__init__()
@@ -65,8 +66,8 @@ class ContextParallelAttention(nn.Module):
     # Eager inside a compiled block (train.compile): the exchange's point-to-point ops and its hand-written
     # backward are not traceable, so the block's graph breaks around attention instead of failing.
     @torch.compiler.disable
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: ShardMask, *,
-                scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: ShardMask, *,
+                 scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return context_parallel_attention(q, k, v, mask, scale=scale, group=self.group, comm=self.comm)
 

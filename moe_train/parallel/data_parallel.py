@@ -26,11 +26,14 @@ a shard group is the whole world or of size 1 (pytorch#160285, PR #167178).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from moe_train.parallel.layout import replace_fsdp_post_backward
 
 if TYPE_CHECKING:
     from moe_train.config import Recipe
@@ -76,17 +79,17 @@ def apply_fsdp(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> None
 def _post_backward_after_delayed_grads(experts: FSDPModule) -> None:
     """`parallel.split_wgrad`: the experts unit's post-backward (its gradients' reduce-scatter, or their fp32
     accumulation) fires once the experts' inputs have their gradients, before the dispatch's backward runs the
-    delayed weight gradients; it waits for them (models/moe/deferred_wgrad.py `hold`). FSDP2 calls the param
-    group's post_backward by attribute from its hook and its end-of-backward callback, which skips a group
-    already past it; torch's own pipelining calls it directly for the same reason (weights split from inputs)."""
-    group = experts._get_fsdp_state()._fsdp_param_group
-    post_backward = group.post_backward
+    delayed weight gradients; it waits for them (models/moe/deferred_wgrad.py `hold`). FSDP2 has no hook for it:
+    the one rewrite left outside the model's declared points (parallel/layout.py)."""
 
-    def after_delayed_grads(*grads: torch.Tensor) -> None:
-        if not experts.deferred_wgrad.hold(lambda: post_backward(*grads)):
-            post_backward(*grads)
+    def after_delayed_grads(post_backward: Callable[..., None]) -> Callable[..., None]:
+        def run(*grads: torch.Tensor) -> None:
+            if not experts.deferred_wgrad.hold(lambda: post_backward(*grads)):
+                post_backward(*grads)
 
-    group.post_backward = after_delayed_grads
+        return run
+
+    replace_fsdp_post_backward(experts._get_fsdp_state()._fsdp_param_group, after_delayed_grads)
 
 
 def _units(block: nn.Module, apart: bool) -> list[FSDPModule]:

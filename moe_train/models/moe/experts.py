@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from moe_train.config.schema import ClampedSwiGLU
 from moe_train.kernels import kernels_for
 from moe_train.models.fp8.gemm import Fp8Gemm
+from moe_train.models.layout_region import LayoutRegion
 from moe_train.models.linear import batched_mm, expert_offsets, grouped_mm, linear
 from moe_train.models.moe.deferred_wgrad import DeferredWeightGrads
 from moe_train.models.moe.weighted_swiglu import weighted_swiglu
@@ -105,6 +106,8 @@ class GroupedExperts(nn.Module):
         # parallel.split_wgrad (set by parallel/expert.py): the GEMMs' weight gradients (fp8 ones too) wait for
         # the dispatch's backward collective (deferred_wgrad.py)
         self.deferred_wgrad: DeferredWeightGrads | None = None
+        # The moe_act region of recomputation and offloading: the SwiGLU, between the GEMMs.
+        self.layout_activation = LayoutRegion(GroupedExperts.activation)
 
     def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, *, probs: torch.Tensor,
                 capacity: int | None = None) -> torch.Tensor:
@@ -188,7 +191,7 @@ class GroupedExperts(nn.Module):
         experts = None if biases is None else torch.repeat_interleave(
             torch.arange(gate_proj.shape[0], device=rows.device), tokens_per_expert, output_size=rows.shape[0])
         gate, up = self._biased(gate, up, biases, experts)
-        down = self._gemm("grouped", self.activation(gate, up, probs), down_proj, offsets)
+        down = self._gemm("grouped", self.layout_activation(self, gate, up, probs), down_proj, offsets)
         out = self._down_bias(down, biases, experts, probs)
         if out.requires_grad:  # its backward rejects stride-0 gradients, which an out.sum() downstream gives
             out.register_hook(torch.Tensor.contiguous)
@@ -215,8 +218,8 @@ class GroupedExperts(nn.Module):
             biases = tuple(b.unsqueeze(1) for b in biases)
         gate, up = self._biased(self._gemm("batched", padded, gate_proj), self._gemm("batched", padded, up_proj),
                                 biases, slice(None))
-        out = self._down_bias(self._gemm("batched", self.activation(gate, up, padded_probs), down_proj), biases,
-                              slice(None), padded_probs)
+        down = self._gemm("batched", self.layout_activation(self, gate, up, padded_probs), down_proj)
+        out = self._down_bias(down, biases, slice(None), padded_probs)
         return out.reshape(experts * capacity, -1).index_select(0, slot)
 
     @torch.compiler.disable  # compiled, each expert's data-dependent rows would be a graph break of its own
@@ -232,6 +235,6 @@ class GroupedExperts(nn.Module):
                                                                             strict=True)):
             gate, up = self._biased(self._gemm("linear", chunk, gate_proj), self._gemm("linear", chunk, up_proj),
                                     biases, e)
-            down = self._gemm("linear", self.activation(gate, up, p), down_proj)
+            down = self._gemm("linear", self.layout_activation(self, gate, up, p), down_proj)
             outputs.append(self._down_bias(down, biases, e, p))
         return torch.cat(outputs)

@@ -31,6 +31,7 @@ from torch import nn
 from moe_train.config.routing_shapes import expert_capacity
 from moe_train.config.schema import MoEConfig
 from moe_train.models.autograd_phase import in_recomputation
+from moe_train.models.layout_region import LayoutRegion
 from moe_train.models.mlp import MLP
 from moe_train.models.moe.aux_loss import (
     ScoreGradient,
@@ -85,6 +86,10 @@ class MoELayer(nn.Module):
     Extension points `parallelize` sets (each documented in docs/interfaces.md): `dispatcher` (the layer's token
     dispatcher, replaced by an expert-parallel one), `token_group` and `balance_group` (the ranks its balancing
     losses count over). `balancing` is the model's `StepBalancing`, shared by its MoE layers.
+
+    Layouts (`layout_forward`): tensor parallelism without sequence parallelism routes this rank's slice of the
+    replicated micro-batch (parallel/tensor.py); recomputation and offloading wrap it whole as the `moe`
+    region; compile keeps it eager where a recomputation reruns it from Python (parallel/compile.py).
     """
 
     def __init__(self, *, hidden_size: int, cfg: MoEConfig, balancing: StepBalancing | None = None):
@@ -113,6 +118,7 @@ class MoELayer(nn.Module):
         self.register_buffer("assignments", torch.zeros((), dtype=torch.int64), persistent=False)
         self.register_buffer("aux_loss_value", torch.zeros((), dtype=torch.float64), persistent=False)
         self.register_buffer("router_entropy_sum", torch.zeros((), dtype=torch.float64), persistent=False)
+        self.layout_forward = LayoutRegion(MoELayer._forward)
 
     def reset_telemetry(self) -> None:
         """Zero the step's telemetry (the trainer: once per step)."""
@@ -122,6 +128,9 @@ class MoELayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, records: RoutingRecords | None = None) -> torch.Tensor:
         """hidden [b, s, h] -> [b, s, h]. `records` collects this forward's routing for all_layers_aux_loss."""
+        return self.layout_forward(self, hidden, records)
+
+    def _forward(self, hidden: torch.Tensor, records: RoutingRecords | None) -> torch.Tensor:
         batch, seq, hidden_size = hidden.shape
         x = hidden.reshape(-1, hidden_size)
         routing = self.router(x)
@@ -210,6 +219,10 @@ class MoELayer(nn.Module):
         shared.record_stream(main)
         return shared
 
+    # Eager under train.compile: the switch-style losses' gradient is a holder's value, filled after the layer's
+    # forward (by the layer, or the model for all_layers_aux_loss) and read by backward; a compiled backward
+    # would read it at trace time. Attached eagerly, it is read when backward runs.
+    @torch.compiler.disable
     def _attach_balancing_losses(self, out, routing, counts, batch, seq, records, recomputing) -> torch.Tensor:
         """Each loss over its token set. With a `token_group` (sequence parallelism) the set spans equal shards
         on several ranks: each rank's loss is its share (its tokens over the whole set), the shares sum to the
