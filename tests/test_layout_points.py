@@ -6,9 +6,9 @@ points the module declares, so `type(module)` is the model's own class under eve
   (`types.MethodType`), outside the one mechanism (parallel/layout.py, models/layout_region.py);
 - built as a rank of each layout builds it (torch's fake process group, as `measure --fake` does, on the meta
   device), every module of every chunk has the class the single-process model has at that name (FSDP2's
-  `FSDP<class>` read as its base class), a class defined at its module's top level (no generated class); the
-  declared submodule slots (CP's core attention, TP's rope-key entry) hold parallel/'s own module classes; and
-  the layout did act, through the points (a region's wrappers, a Linear's `parallel`, the chunk's `stage`).
+  `FSDP<class>` read as its base class), a class defined at its module's top level (no generated class); and
+  the layout did act, through the points (a region's wrappers, a Linear's or CoreAttention's `parallel`, the
+  chunk's `stage`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ import moe_train
 
 PACKAGE = Path(moe_train.__file__).parent
 MECHANISM = {"parallel/layout.py", "models/layout_region.py"}
-# Submodule slots a model declares for a layout to fill (Attention/MLA: `core_attention`; MLA: `rope_key_to_heads`).
-SLOTS = {"core_attention": "ContextParallelAttention", "rope_key_to_heads": "RegionEntry"}
 
 
 def _sources() -> dict[str, ast.Module]:
@@ -146,26 +144,22 @@ def test_every_module_keeps_the_models_class_under_the_layout(name):
         for path, module in chunk.named_modules():
             cls = _model_class(module)
             assert getattr(sys.modules[cls.__module__], cls.__qualname__, None) is cls, f"{path}: generated {cls}"
-            slot = path.rsplit(".", 1)[-1]
-            if slot in SLOTS and cls is not plain[path]:
-                assert cls.__name__ == SLOTS[slot] and issubclass(cls, plain[path]) or slot == "rope_key_to_heads", \
-                    f"{path}: {cls}"
-                continue
             assert cls is plain[path], f"{path}: {cls} under {name}, {plain[path]} in one process"
     wrappers = _wrappers(chunks)
     parallel_linears = [m for chunk in chunks for m in chunk.modules() if isinstance(m, Linear) and m.parallel]
+    moe = recipe.model.moe
     expected = {
-        "tp2-sp": lambda: ("tensor parallel: input enters the region" in wrappers and bool(parallel_linears)
-                   and "tensor parallel: route a slice" not in wrappers),
+        "tp2-sp": lambda: ({"tensor parallel: input enters the region", "tensor parallel: joins the region"}
+                           <= wrappers and bool(parallel_linears) and "tensor parallel: route a slice" not in wrappers),
         "tp2-moe-slices": lambda: "tensor parallel: route a slice" in wrappers,
         "pp2": lambda: ([chunk.stage.index for chunk in chunks] == [0]
                         and len(chunks[0].layers) < recipe.model.num_layers),
-        "ep2": lambda: all(chunk.layers[str(i)].ffn.dispatcher.num_local_experts == recipe.model.moe.num_experts // 2
-                   for chunk in chunks for i in range(recipe.model.first_k_dense, recipe.model.num_layers)),
-        "cp2": lambda: all(type(chunk.layers["0"].self_attn.core_attention).__name__ == "ContextParallelAttention"
-                   for chunk in chunks),
+        "ep2": lambda: all(chunk.layers[str(i)].ffn.dispatcher.num_local_experts == moe.num_experts // 2
+                           for chunk in chunks for i in range(recipe.model.first_k_dense, recipe.model.num_layers)),
+        "cp2": lambda: all(type(chunk.layers[i].self_attn.core_attention.parallel).__name__
+                           == "ContextParallelAttention" for chunk in chunks for i in chunk.layers),
         "selective": lambda: {"recompute mla_up_proj", "recompute layernorm", "recompute mlp", "recompute moe_act",
-                      "recompute shared_experts"} <= wrappers,
+                              "recompute shared_experts"} <= wrappers,
         "recompute-moe-compiled": lambda: ({"recompute core_attn", "recompute moe", "compile: eager MoE layer"}
                                            <= wrappers),
         "offload": lambda: {"offload core_attn", "offload mlp", "offload moe", "offload layer pass"} <= wrappers,

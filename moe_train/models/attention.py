@@ -15,6 +15,7 @@ backends in its order (`sdpa_backends`: cuDNN, then flash, on CUDA), never torch
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -176,19 +177,23 @@ def track_max_logits(module: nn.Module, logits: torch.Tensor) -> None:
 
 
 class CoreAttention(nn.Module):
-    """`attend` as a module (no parameters). Layouts (`layout_forward`): the `core_attn` region of recomputation
-    and offloading; context parallelism puts its own subclass here (parallel/context_parallel.py), whose
-    `_forward` attends across the cp ranks."""
+    """`attend` as a module (no parameters). Layouts: `layout_forward` is the `core_attn` region of
+    recomputation and offloading; `parallel` (a class default of None) is context parallelism's attention
+    across the cp ranks (parallel/context_parallel.py), called with the same arguments."""
+
+    parallel: Callable[..., torch.Tensor] | None = None
 
     def __init__(self) -> None:
         super().__init__()
-        self.layout_forward = LayoutRegion(type(self)._forward)
+        self.layout_forward = LayoutRegion(CoreAttention._forward)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, **kwargs) -> torch.Tensor:
         return self.layout_forward(self, q, k, v, mask, **kwargs)
 
     def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None,
                  **kwargs) -> torch.Tensor:
+        if self.parallel is not None:
+            return self.parallel(q, k, v, mask, **kwargs)
         return attend(q, k, v, mask, **kwargs)
 
 

@@ -45,7 +45,9 @@ class Transformer(nn.Module):
     `moe_train.parallel.parallelize` replaces besides parameters (docs/interfaces.md, "Extension points"):
     `lm_loss` (the loss object: vocabulary-parallel under tp), `run_layers` (how the decoder stack runs:
     recomputed groups under full recomputation), each MoE layer's `dispatcher`, `token_group` and
-    `balance_group`, each MLA's `rope_key_to_heads`; `balancing` is what the step sets (`start_step`)."""
+    `balance_group`, `stage` (a pipeline stage's contents, which forward runs), and the layout points of its
+    modules (a Linear's or CoreAttention's `parallel`, their regions: models/layout_region.py, parallel/layout.py);
+    `balancing` is what the step sets (`start_step`)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
 from moe_train.models.decoder import DecoderBlock
+from moe_train.models.layout_region import LayoutRegion
 from moe_train.models.linear import Linear, linear
 from moe_train.models.mla import MLA
 from moe_train.models.mlp import MLP
@@ -109,8 +110,8 @@ class Region:
 
 # ------------------------------------------------------------------------------------------------ the styles
 #
-# Each is what a module declares room for (parallel/layout.py): a Linear's `parallel` (its GEMM), a region
-# wrapper of a module's `layout_forward`, or the MLA's `rope_key_to_heads` submodule. Not a forward hook: a
+# Each is what a module declares room for (parallel/layout.py): a Linear's `parallel` (its GEMM), or a wrapper
+# of a module's declared region (`layout_forward`, MLA's `rope_key_to_heads`). Not a forward hook: a
 # recomputed region (parallel/recompute.py) wraps the module's declared forward, and its rerun must repeat
 # these collectives; a hook would run outside it.
 
@@ -143,21 +144,10 @@ class RowParallel:
         return out if module.bias is None else out + module.bias
 
 
-class RegionEntry(nn.Module):
-    """What an activation that joins a region without a GEMM of its own goes through (MLA's shared rope key,
-    the model's `rope_key_to_heads`): the region's entry, a gather of the sequence or a copy."""
-
-    def __init__(self, region: Region) -> None:
-        super().__init__()
-        self.region = region
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.region.enter(x)
-
-
 def entering(region: Region):
-    """A `layout_forward` wrapper for a module whose forward starts a region (attention, MLP): its first
-    argument enters once."""
+    """A region wrapper for a module whose forward starts a tp region (attention, MLP), or for an activation
+    that joins one without a GEMM of its own (MLA's shared rope key, `rope_key_to_heads`): its first argument
+    enters once (a gather of the sequence, or a copy)."""
 
     def wrap(step):
         def run(module: nn.Module, x: torch.Tensor, *args, **kwargs):
@@ -237,8 +227,8 @@ class _Planner:
         for names, style in PLANS[kind].items():
             name = _present(module, names)
             if style == ENTRY:
-                _submodule(module, name, nn.Module)  # the model declares the point (an identity by default)
-                setattr(module, name, RegionEntry(shared))  # a submodule slot, as CP's core attention
+                entry = _submodule(module, name, LayoutRegion)  # the model declares it (as is, by default)
+                wrap_region(entry, entering(shared), reason="tensor parallel: joins the region")
                 continue
             target = _submodule(module, name, Linear)
             _shard_weight(target, self.mesh, 1 if style == ROW else 0)
