@@ -167,7 +167,7 @@ def test_the_global_reference_counts_over_the_ranks() -> None:
     """The direct computation tells global_aux_loss from its per-rank variant: with dp 1 it is a different
     gradient (each micro-batch's loads over fewer tokens), so the layout comparison above can fail."""
     dp2, dp1 = global_aux_loss_gradients(2, 2), global_aux_loss_gradients(2, 1)
-    router = "layers.1.mlp.router.weight"
+    router = "layers.1.ffn.router.weight"
     assert not torch.allclose(dp2[router], dp1[router], rtol=1e-2)
 
 

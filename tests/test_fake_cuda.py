@@ -151,9 +151,9 @@ def test_the_shared_experts_run_on_the_side_stream_in_order():
         with torch.device("meta"):
             model = Transformer(cfg)
         layer = next(
-            block.mlp
+            block.ffn
             for block in on_fake_cuda(model).layers.values()
-            if getattr(block.mlp, "shared_experts", None) is not None
+            if getattr(block.ffn, "shared_experts", None) is not None
         )
         layer.dispatcher.num_local_experts = cfg.moe.num_experts // 2  # as with expert parallelism: it overlaps
         seen = []

@@ -139,7 +139,7 @@ def routings(model, ids: torch.Tensor) -> dict[int, object]:
     seen, hooks = {}, []
     for block in model.modules():
         if getattr(block, "is_moe", False):
-            hooks.append(block.mlp.router.register_forward_hook(
+            hooks.append(block.ffn.router.register_forward_hook(
                 lambda mod, args, out, index=block.layer_index: seen.__setitem__(index, out)))
     with torch.no_grad():
         model(ids)
@@ -155,7 +155,7 @@ def assert_routing_margins(model, ids: torch.Tensor, min_gap: float = 1e-4) -> N
         if cfg.router.num_groups:
             continue  # group masking decides first; its scores are checked through the logits comparison
         choice = routing.scores.detach()
-        bias = model.layers[str(index)].mlp.router.expert_bias
+        bias = model.layers[str(index)].ffn.router.expert_bias
         if bias is not None:
             choice = choice + bias
         top = choice.topk(cfg.top_k + 1, dim=-1).values if cfg.top_k < cfg.num_experts else None
@@ -203,7 +203,7 @@ def test_import_reads_padding_tied_buffers_and_families(tmp_path):
     assert state["embed_tokens.weight"].shape == (model_cfg.padded_vocab_size(), 64)
     assert state["embed_tokens.weight"][200:].abs().sum() == 0
     bias = reference.model.layers[1].mlp.gate.e_score_correction_bias
-    assert torch.equal(state["layers.1.mlp.router.expert_bias"], bias)
+    assert torch.equal(state["layers.1.ffn.router.expert_bias"], bias)
 
     tied = hf_model("qwen3-mha-tied-yarn")
     tied.save_pretrained(tmp_path / "tied")
@@ -249,7 +249,7 @@ def test_qwen3_moe_aux_loss_equals_transformers(tmp_path):
     aux = model.aux_loss_value  # the weighted value, completed once every layer had routed
     assert abs(aux.item() / coeff - expected.item()) < 1e-5
     (out.lm_sum * 0).backward()  # its gradient reaches every layer's router through the attached scores
-    assert all(b.mlp.router.weight.grad.abs().sum() > 0 for b in model.layers.values())
+    assert all(b.ffn.router.weight.grad.abs().sum() > 0 for b in model.layers.values())
     assert expected.item() > 2.0  # top-2: 2 at perfect balance, so a non-trivial value was compared
 
 
@@ -264,7 +264,7 @@ def test_mtp_round_trip_through_deepseek_files(case, tmp_path):
     with_mtp = model_cfg.model_copy(update={"mtp_layers": 1})
     model = build_model(with_mtp, seed=3)
     model.load_state_dict({**model.state_dict(), **state}, strict=True)
-    model.mtp["0"].block.mlp.router.expert_bias.uniform_(-0.1, 0.1)
+    model.mtp["0"].block.ffn.router.expert_bias.uniform_(-0.1, 0.1)
     export_hf(with_mtp, model.state_dict(), tmp_path / "export")
 
     config = json.loads((tmp_path / "export" / "config.json").read_text())
@@ -415,7 +415,8 @@ def test_gradients_match_transformers(case, tmp_path):
     for name, param in model.named_parameters():
         if name.startswith("mtp."):
             continue
-        ours_as_hf = name if gpt_oss else name.replace("mlp.router.", "mlp.gate.")  # gpt-oss's router is ours
+        ours_as_hf = name.replace(".ffn.", ".mlp.")  # our feed-forward slot is transformers' `mlp`
+        ours_as_hf = ours_as_hf if gpt_oss else ours_as_hf.replace("mlp.router.", "mlp.gate.")  # gpt-oss: ours
         hf_name = name if name == "lm_head.weight" else "model." + ours_as_hf
         expected = theirs.pop(hf_name)
         if name in ("embed_tokens.weight", "lm_head.weight"):

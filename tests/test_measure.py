@@ -300,7 +300,7 @@ def test_even_routing_spreads_every_token_over_distinct_experts():
     assert all(len(set(row.tolist())) == 4 for row in indices)
     assert count_per_expert(indices, 16).tolist() == [3] * 16
     recipe = load_recipe("deepseek-v3-tiny")
-    router = Router(hidden_size=128, moe=recipe.model.moe)
+    router = Router(hidden_size=128, cfg=recipe.model.moe)
     torch.nn.init.normal_(router.weight)
     torch.nn.init.zeros_(router.expert_bias)
     x = torch.randn(32, 128)

@@ -50,7 +50,7 @@ def test_init_depends_only_on_seed_and_name():
         if not name.endswith("norm.weight"):
             assert not torch.equal(param, dict(other_seed.named_parameters())[name]), name
     # Same shape, other name: other values. Norms are ones; matrices N(0, init_std).
-    assert not torch.equal(small.layers["0"].mlp.up_proj.weight, small.layers["1"].mlp.up_proj.weight)
+    assert not torch.equal(small.layers["0"].ffn.up_proj.weight, small.layers["1"].ffn.up_proj.weight)
     assert torch.equal(small.layers["1"].self_attn.q_norm.weight, torch.ones(16))
     std = small.embed_tokens.weight.std().item()
     assert abs(std - QWEN3.init_std) < 0.1 * QWEN3.init_std
@@ -75,8 +75,8 @@ def test_meta_build_tied_head_and_buffers():
     meta = build_model(DEEPSEEK, device="meta")
     assert all(p.is_meta for p in meta.parameters())
     model = build_model(DEEPSEEK)
-    assert torch.equal(model.layers["1"].mlp.router.expert_bias, torch.zeros(8))
-    assert model.layers["1"].mlp.router.expert_bias.dtype == torch.float32
+    assert torch.equal(model.layers["1"].ffn.router.expert_bias, torch.zeros(8))
+    assert model.layers["1"].ffn.router.expert_bias.dtype == torch.float32
     assert not torch.equal(model.lm_head.weight, model.embed_tokens.weight)  # untied
     tied = build_model(QWEN3.model_copy(update={"tie_embeddings": True}))
     assert tied.lm_head.weight is tied.embed_tokens.weight
@@ -175,13 +175,13 @@ def capture_routing(model) -> dict[int, list]:
     seen: dict[int, list] = {}
     for module in model.modules():
         if getattr(module, "is_moe", False):
-            module.mlp.router.register_forward_hook(
+            module.ffn.router.register_forward_hook(
                 lambda mod, args, out, index=module.layer_index: seen.setdefault(index, []).append(out))
     return seen
 
 
 def moe_layers(model) -> dict:
-    return {m.layer_index: m.mlp for m in model.modules() if getattr(m, "is_moe", False)}
+    return {m.layer_index: m.ffn for m in model.modules() if getattr(m, "is_moe", False)}
 
 
 @pytest.mark.parametrize("depths", [1, 2])
@@ -273,8 +273,8 @@ def test_seq_aux_loss_is_attached_per_layer_including_mtp():
     assert sorted(routing) == [1, 2]
     losses = [1e-2 * seq_aux_loss(r.scores.view(3, 10, -1), r.topk_indices.view(3, 10, -1), 2)
               for r in (routing[i][0] for i in (1, 2))]
-    routers = {"layers.1.mlp.router.weight": model.layers["1"].mlp.router.weight,
-               "mtp.0.block.mlp.router.weight": model.mtp["0"].block.mlp.router.weight}
+    routers = {"layers.1.ffn.router.weight": model.layers["1"].ffn.router.weight,
+               "mtp.0.block.ffn.router.weight": model.mtp["0"].block.ffn.router.weight}
     expected = dict(zip(routers, torch.autograd.grad(sum(losses), list(routers.values())), strict=True))
     grads = aux_gradients(model, tokens, labels)
     recorded = sum(layer.aux_loss_value.item() for layer in moe_layers(model).values())
@@ -329,7 +329,7 @@ def test_switch_losses_over_their_token_sets(kind):
         expected_value += loss.item()
         routers = [layers[i].router.weight for i in (0, 1)]
         for index, want in zip((0, 1), torch.autograd.grad(loss, routers), strict=True):
-            got = grads[micro][f"layers.{index}.mlp.router.weight"]
+            got = grads[micro][f"layers.{index}.ffn.router.weight"]
             assert want.abs().sum() > 0 and torch.allclose(got, want, atol=1e-8), (micro, index)
     # The two steps' values accumulated in the telemetry buffers (the trainer resets them per step).
     assert abs(total_value - expected_value) < 1e-6

@@ -45,7 +45,7 @@ def moe_config(**fields) -> MoEConfig:
 def make_layer(hidden_size: int, moe: MoEConfig, seed: int = 0, std: float = 0.5) -> MoELayer:
     """A layer built on meta, materialised and filled with random weights (the model's init does this by name)."""
     with torch.device("meta"):
-        layer = MoELayer(hidden_size=hidden_size, moe=moe)
+        layer = MoELayer(hidden_size=hidden_size, cfg=moe)
     layer.to_empty(device="cpu")
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -122,9 +122,9 @@ def test_sigmoid_router_bias_selects_only_and_groups_limit(grouped: bool):
 
 def test_bad_group_settings_are_refused():
     with pytest.raises(ValueError, match="group_top_k"):
-        MoELayer(hidden_size=8, moe=moe_config(num_experts=8, top_k=8, router={"num_groups": 4, "group_top_k": 2}))
+        MoELayer(hidden_size=8, cfg=moe_config(num_experts=8, top_k=8, router={"num_groups": 4, "group_top_k": 2}))
     with pytest.raises(ValueError, match="num_groups"):
-        MoELayer(hidden_size=8, moe=moe_config(num_experts=8, top_k=2, router={"num_groups": 3, "group_top_k": 1}))
+        MoELayer(hidden_size=8, cfg=moe_config(num_experts=8, top_k=2, router={"num_groups": 3, "group_top_k": 1}))
 
 
 # --------------------------------------------------------------------------------------- against transformers
@@ -617,7 +617,7 @@ def test_meta_construction_and_checkpoint_names():
         router={"score_function": "sigmoid", "expert_bias": True},
     )
     with torch.device("meta"):
-        layer = MoELayer(hidden_size=128, moe=moe)
+        layer = MoELayer(hidden_size=128, cfg=moe)
     assert all(t.is_meta for t in layer.state_dict().values())
     shapes = {name: tuple(t.shape) for name, t in layer.state_dict().items()}
     assert shapes == {
@@ -633,7 +633,7 @@ def test_meta_construction_and_checkpoint_names():
     assert layer.router.expert_bias.dtype == torch.float32
     layer.to_empty(device="cpu")
     assert not any(t.is_meta for t in layer.state_dict().values())
-    plain = MoELayer(hidden_size=128, moe=moe_config())
+    plain = MoELayer(hidden_size=128, cfg=moe_config())
     assert set(plain.state_dict()) == {
         "router.weight", "experts.gate_proj", "experts.up_proj", "experts.down_proj"
     }

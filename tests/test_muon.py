@@ -81,14 +81,14 @@ def test_muon_takes_hidden_matrices_and_adamw_the_rest() -> None:
     model = build_model(recipe.model, seed=1)
     names = {id(p): n for n, p in model.named_parameters()}
     muon, decay, no_decay = ([names[id(p)] for p in g["params"]] for g in muon_param_groups(model, train=recipe.train))
-    assert "layers.1.mlp.experts.gate_proj" in muon and "layers.1.mlp.shared_experts.down_proj.weight" in muon
-    assert "layers.0.self_attn.q_b_proj.weight" in muon and "layers.0.mlp.up_proj.weight" in muon
+    assert "layers.1.ffn.experts.gate_proj" in muon and "layers.1.ffn.shared_experts.down_proj.weight" in muon
+    assert "layers.0.self_attn.q_b_proj.weight" in muon and "layers.0.ffn.up_proj.weight" in muon
     assert "mtp.0.block.self_attn.o_proj.weight" in muon
     assert sorted(decay) == [
         "embed_tokens.weight",
-        "layers.1.mlp.router.weight",
+        "layers.1.ffn.router.weight",
         "lm_head.weight",
-        "mtp.0.block.mlp.router.weight",
+        "mtp.0.block.ffn.router.weight",
         "mtp.0.eh_proj.weight",
     ]
     assert all(model.get_parameter(n).ndim == 1 for n in no_decay) and "norm.weight" in no_decay
@@ -96,7 +96,7 @@ def test_muon_takes_hidden_matrices_and_adamw_the_rest() -> None:
     # exclude names modules: the shared experts leave Muon, the router joins it
     recipe = _tiny(["train.optimizer=muon", 'train.muon.exclude=["embed_tokens","lm_head","shared_experts"]'])
     muon, decay, _ = ([names[id(p)] for p in g["params"]] for g in muon_param_groups(model, train=recipe.train))
-    assert "layers.1.mlp.router.weight" in muon and "layers.1.mlp.shared_experts.up_proj.weight" in decay
+    assert "layers.1.ffn.router.weight" in muon and "layers.1.ffn.shared_experts.up_proj.weight" in decay
 
 
 def test_expert_bias_stacks_are_vectors_to_both_optimizers() -> None:
@@ -110,7 +110,7 @@ def test_expert_bias_stacks_are_vectors_to_both_optimizers() -> None:
     assert len(stacks) == 6  # gate, up and down of two layers
     muon, decay, no_decay = ([names[id(p)] for p in g["params"]] for g in muon_param_groups(model, train=recipe.train))
     assert set(stacks) <= set(no_decay) and not set(stacks) & set(muon + decay)
-    assert "layers.0.mlp.experts.gate_proj" in muon
+    assert "layers.0.ffn.experts.gate_proj" in muon
     from moe_train.train.optimizer import param_groups
 
     decayed, undecayed = ({names[id(p)] for p in g["params"]} for g in param_groups(model, weight_decay=0.1))

@@ -181,7 +181,7 @@ def _by_expert(state: dict[str, torch.Tensor], slot_of: dict[int, list[int]]) ->
     out = dict(state)
     for layer, slots in slot_of.items():
         for name in ("gate_proj", "up_proj", "down_proj"):
-            key = f"layers.{layer}.mlp.experts.{name}"
+            key = f"layers.{layer}.ffn.experts.{name}"
             out[key] = state[key][torch.tensor(slots)]
     return out
 

@@ -221,7 +221,7 @@ def test_tp_sp_and_recompute_are_accepted_and_a_plan_must_name_real_modules() ->
     assert refused == ["model.moe.router.load_balancing: all_layers_aux_loss with tensor parallelism (tp > 1) is "
                        "not supported yet"]
     model = build_model(load_recipe("qwen3-moe-tiny").model, device="meta")
-    with pytest.raises(ValueError, match="DecoderBlock has no MLP named 'mlp'"):
-        _submodule(model.layers["0"], "mlp", MLP)  # a MoE layer's mlp is not a dense MLP
+    with pytest.raises(ValueError, match="DecoderBlock has no MLP named 'ffn'"):
+        _submodule(model.layers["0"], "ffn", MLP)  # a MoE layer's ffn is not a dense MLP
     with pytest.raises(ValueError, match="Attention has no Linear named 'q_b_proj'"):
         _submodule(model.layers["0"].self_attn, "q_b_proj", torch.nn.Linear)

@@ -239,7 +239,7 @@ def test_expert_bias_moves_against_the_measured_load_by_the_rate(tmp_path: Path)
         return hook
 
     for index, layer in t.moe_layers.items():
-        layer.router.register_forward_hook(counter(index, layer.moe.num_experts))
+        layer.router.register_forward_hook(counter(index, layer.cfg.num_experts))
     before = {i: layer.router.expert_bias.detach().clone() for i, layer in t.moe_layers.items()}
     assert t.train_step(1).finite
     assert set(loads) == set(before) and len(loads) >= 2

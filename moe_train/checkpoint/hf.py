@@ -2,10 +2,12 @@
 
 Our module names are transformers' without the `model.` prefix, so most keys map by prefix alone. The
 differences, all handled here:
-- MoE: `mlp.gate.weight` is our `mlp.router.weight`, `mlp.gate.e_score_correction_bias` our
-  `mlp.router.expert_bias`; files hold per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight` (what
+- The feed-forward slot: transformers' `mlp` (dense MLP or MoE) is our block's `ffn`. The names below are the
+  files' (`mlp.`); ours are the same with `ffn.`.
+- MoE: `mlp.gate.weight` is our `ffn.router.weight`, `mlp.gate.e_score_correction_bias` our
+  `ffn.router.expert_bias`; files hold per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight` (what
   save_pretrained writes) or transformers' fused `mlp.experts.{gate_up_proj,down_proj}` (gate rows first);
-  ours are three stacks `mlp.experts.{gate,up,down}_proj` [E, ...] (see models/moe/experts.py). Export
+  ours are three stacks `ffn.experts.{gate,up,down}_proj` [E, ...] (see models/moe/experts.py). Export
   writes per-expert keys.
 - Padded vocabulary: our embedding and head have `padded_vocab_size()` rows; files have `vocab_size`.
 - GLM-4.5 has DeepSeek-V3's MoE names (gate, e_score_correction_bias, shared_experts) and MTP layout.
@@ -13,7 +15,7 @@ differences, all handled here:
   -> norm, the rest -> block); its copies of the shared embedding and head are skipped on import, not written.
 - gpt-oss: experts fused and transposed, gate_up_proj [E, H, 2I] with gate and up interleaved (gate the even
   columns), gate_up_proj_bias [E, 2I] likewise, down_proj [E, I, H]; ours are the three stacks plus
-  `{gate,up,down}_proj_bias`. Router (`mlp.router.weight`, `.bias`) and `self_attn.sinks` are our names.
+  `{gate,up,down}_proj_bias`. Router (`mlp.router.weight`, `.bias`) and `self_attn.sinks` are as ours.
 - Tied embeddings: files have no lm_head.weight; our state_dict has both names (one tensor).
 Files are read without transformers installed; export writes each file to a temporary name, then renames.
 """
@@ -38,6 +40,7 @@ FAMILIES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "de
             "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 PER_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
 EXPERT_STACK = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+FFN = "ffn"  # our DecoderBlock's feed-forward slot, transformers' `mlp`
 LAYER = re.compile(r"^model\.layers\.(?P<index>\d+)\.(?P<rest>.*)$")
 MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
            "shared_head.norm.weight": "norm.weight"}
@@ -369,9 +372,11 @@ def _our_name(hf_name: str, num_layers: int, mtp_layers: int) -> str | None:
 
 
 def _moe_to_ours(rest: str) -> str:
-    return rest.replace("mlp.gate.e_score_correction_bias", "mlp.router.expert_bias").replace(
+    """A layer's key below `model.layers.{i}.` -> ours: `mlp.` is our `ffn.`, the router `gate` our `router`."""
+    rest = rest.replace("mlp.gate.e_score_correction_bias", "mlp.router.expert_bias").replace(
         "mlp.gate.weight", "mlp.router.weight"
     )
+    return f"{FFN}.{rest.removeprefix('mlp.')}" if rest.startswith("mlp.") else rest
 
 
 def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
@@ -592,8 +597,9 @@ def _hf_name(name: str, num_layers: int, *, router_named_gate: bool = True) -> s
     """`router_named_gate`: the file calls the router `mlp.gate` (every family but gpt-oss: `mlp.router`)."""
     if name == "lm_head.weight":
         return name
+    name = name.replace(f".{FFN}.", ".mlp.")
     if router_named_gate:
-            name = name.replace("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias").replace(
+        name = name.replace("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias").replace(
             "mlp.router.weight", "mlp.gate.weight"
         )
     if name.startswith("mtp."):

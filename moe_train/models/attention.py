@@ -17,6 +17,7 @@ its log-sum-exp (models/blockwise_attention.py), which keeps what a fused kernel
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from moe_train.config.schema import ModelConfig
 from moe_train.kernels import kernels_for
 from moe_train.models.blockwise_attention import sink_window_attention
+from moe_train.models.layout_region import LayoutRegion
 from moe_train.models.linear import Linear, attention_product
 from moe_train.models.norm import RMSNorm
 from moe_train.models.rope import apply_rotary
@@ -155,10 +157,23 @@ def track_max_logits(module: nn.Module, logits: torch.Tensor) -> None:
 
 
 class CoreAttention(nn.Module):
-    """`attend` as a module (no parameters): the region `parallel.recompute`'s core_attn policy recomputes."""
+    """`attend` as a module (no parameters). Layouts: `layout_forward` is the `core_attn` region of
+    recomputation and offloading; `parallel` (a class default of None) is context parallelism's attention
+    across the cp ranks (parallel/context_parallel.py), called with the same arguments."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None,
-                **kwargs) -> torch.Tensor:
+    parallel: Callable[..., torch.Tensor] | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layout_forward = LayoutRegion(CoreAttention._forward)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, **kwargs) -> torch.Tensor:
+        return self.layout_forward(self, q, k, v, mask, **kwargs)
+
+    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None,
+                 **kwargs) -> torch.Tensor:
+        if self.parallel is not None:
+            return self.parallel(q, k, v, mask, **kwargs)
         return attend(q, k, v, mask, **kwargs)
 
 
@@ -166,7 +181,10 @@ class Attention(nn.Module):
     """Multi-head attention with num_query_groups key/value heads, optional RMSNorm over head_dim on q and k
     (qk_norm), optional q/k/v biases (attention_bias, GLM-4.5), an o_proj bias, sinks and a sliding window
     (gpt-oss) and rotary embeddings over the first `rotary_dim` features of each head (the angles' width
-    decides: models/rope.py)."""
+    decides: models/rope.py).
+
+    Layouts (`layout_forward`): tensor parallelism enters its region with the input, q/k/v column- and o_proj
+    row-parallel (each Linear's `parallel`), the heads (and sinks) sharded."""
 
     def __init__(self, cfg: ModelConfig, *, layer_index: int = 0) -> None:
         """`layer_index`: which of `cfg.layer_types` this layer is (its sliding window, gpt-oss)."""
@@ -184,8 +202,13 @@ class Attention(nn.Module):
         self.core_attention = CoreAttention()
         self.measures_max_logits = False  # QK-clip (train/qk_clip.py) sets it: `max_logits` per head, in training
         self.max_logits: torch.Tensor | None = None
+        self.layout_forward = LayoutRegion(Attention._forward)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return self.layout_forward(self, x, cos, sin, mask)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
+                 ) -> torch.Tensor:
         # Head counts come from the projections' outputs (-1), so tensor parallelism can shard heads.
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, -1, self.head_dim)

@@ -1,4 +1,4 @@
-"""One pre-norm decoder block: x + attention(norm(x)), then x + mlp(norm(x)), the MLP dense or MoE."""
+"""One pre-norm decoder block: x + attention(norm(x)), then x + ffn(norm(x)), the feed-forward dense or MoE."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from torch import nn
 
 from moe_train.config.schema import ModelConfig
 from moe_train.models.attention import Attention
+from moe_train.models.layout_region import LayoutRegion
 from moe_train.models.mla import MLA
 from moe_train.models.mlp import MLP
 from moe_train.models.moe import MoELayer
@@ -16,10 +17,13 @@ from moe_train.models.norm import RMSNorm
 
 
 class DecoderBlock(nn.Module):
-    """Attention is MLA for deepseek_v3, GQA otherwise; the MLP is MoE where `cfg.is_moe_layer(layer_index)`.
+    """Attention is MLA for deepseek_v3, GQA otherwise; the feed-forward `ffn` is a MoELayer where
+    `cfg.is_moe_layer(layer_index)`, a dense MLP otherwise.
 
-    Submodule names are transformers' (self_attn, mlp, input_layernorm, post_attention_layernorm), so HF
-    checkpoint keys map onto ours by prefix alone, except inside the MoE layer.
+    Submodule names are transformers' (self_attn, input_layernorm, post_attention_layernorm) but for `ffn`,
+    transformers' `mlp` (which names a MoE layer too): checkpoint/hf.py maps the two.
+
+    Layouts (`layout_forward`): offloading runs the whole block as one pass of its pool (parallel/offload.py).
     """
 
     def __init__(self, cfg: ModelConfig, *, layer_index: int, balancing: StepBalancing | None = None) -> None:
@@ -31,9 +35,10 @@ class DecoderBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.is_moe = cfg.is_moe_layer(layer_index)
         if self.is_moe:
-            self.mlp = MoELayer(hidden_size=cfg.hidden_size, moe=cfg.moe, balancing=balancing)
+            self.ffn = MoELayer(hidden_size=cfg.hidden_size, cfg=cfg.moe, balancing=balancing)
         else:
-            self.mlp = MLP(hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size)
+            self.ffn = MLP(hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size)
+        self.layout_forward = LayoutRegion(DecoderBlock._forward)
 
     def forward(
         self,
@@ -44,6 +49,10 @@ class DecoderBlock(nn.Module):
         records: RoutingRecords | None = None,
     ) -> torch.Tensor:
         """records: the model's collection of routings for all_layers_aux_loss (MoE layers only)."""
+        return self.layout_forward(self, x, cos, sin, mask, records)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                 records: RoutingRecords | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, records) if self.is_moe else self.mlp(h))
+        return x + (self.ffn(h, records) if self.is_moe else self.ffn(h))

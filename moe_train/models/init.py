@@ -1,9 +1,9 @@
 """Weight initialisation that depends only on the seed and each tensor's fully-qualified name.
 
-Every tensor draws from its own torch.Generator seeded by a SHA-256 of (seed, name) (Python's hash() changes
-between processes), on the CPU in fp32, whatever the target device, dtype or build order. So a model split
-into pipeline stages, sharded by FSDP, TP or EP, or built on another device starts from the same weights as the
-single-process model: a parallel layout can be tested for equality with the plain run.
+Every tensor draws from its own torch.Generator seeded by a SHA-256 of (seed, name) (the name as `drawn_name`
+spells it; Python's hash() changes between processes), on the CPU in fp32, whatever the target device, dtype or
+build order. So a model split into pipeline stages, sharded by FSDP, TP or EP, or built on another device starts
+from the same weights as the single-process model: a parallel layout can be tested for equality with the plain run.
 Rules: RMSNorm weights 1; biases (linear, router, expert stacks) and buffers (the router's expert bias,
 telemetry; not its placement table) 0;
 every other tensor N(0, init_std). An expert stack [E, ...] draws each expert separately, by the name
@@ -32,8 +32,14 @@ def name_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+def drawn_name(name: str) -> str:
+    """The name a tensor draws by: transformers' (our block's `ffn` is their `mlp`), so the weights a seed gives
+    do not change when our module names do (a run started before the `mlp` -> `ffn` rename draws the same)."""
+    return name.replace(".ffn.", ".mlp.")
+
+
 def normal_by_name(shape: torch.Size | tuple[int, ...], *, seed: int, name: str, std: float) -> torch.Tensor:
-    generator = torch.Generator(device="cpu").manual_seed(name_seed(seed, name))
+    generator = torch.Generator(device="cpu").manual_seed(name_seed(seed, drawn_name(name)))
     return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
 
 

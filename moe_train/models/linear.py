@@ -102,11 +102,18 @@ def batched_mm_weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state-dict names) whose product runs through `linear`; `fp8` (a class
-    default of None, set per module by models/fp8/select.py) is what its GEMMs run in fp8 with."""
+    default of None, set per module by models/fp8/select.py) is what its GEMMs run in fp8 with.
+
+    Layouts: `parallel` (a class default of None, set per module by tensor parallelism, parallel/tensor.py) is
+    the GEMM under tp, column-parallel (weight rows sharded, the input entering the tp region) or row-parallel
+    (columns sharded, the partial sums reduced); called with the module and the input."""
 
     fp8: Fp8Gemm | None = None
+    parallel: Callable[[Linear, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel is not None:
+            return self.parallel(self, x)
         return linear(x, self.weight, self.bias, fp8=self.fp8)
 
 

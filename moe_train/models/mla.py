@@ -18,6 +18,7 @@ from torch import nn
 from moe_train.config.schema import ModelConfig
 from moe_train.kernels import kernels_for
 from moe_train.models.attention import CoreAttention, head_max_logits, track_max_logits
+from moe_train.models.layout_region import LayoutRegion
 from moe_train.models.linear import Linear
 from moe_train.models.norm import RMSNorm
 from moe_train.models.rope import apply_rotary, yarn_mscale
@@ -48,9 +49,11 @@ class MLA(nn.Module):
         self.core_attention = CoreAttention()
         self.measures_max_logits = False  # QK-clip (train/qk_clip.py) sets it: `max_logits` per head, in training
         self.max_logits: torch.Tensor | None = None
-        # Extension point: the shared rope key enters the heads' region here. Tensor parallelism replaces it by
-        # the region's entry (a gather of the sequence, or a copy whose gradient is summed over ranks).
-        self.rope_key_to_heads: nn.Module = nn.Identity()
+        # The shared rope key joins the heads here: as it is in one process; tensor parallelism wraps it with the
+        # heads' region entry (a gather of the sequence, or a copy whose gradient is summed over ranks).
+        self.rope_key_to_heads = LayoutRegion(MLA._shared_rope_key)
+        # The mla_up_proj region of recomputation and offloading (up projections, rotary embeddings, attention).
+        self.layout_up_attend = LayoutRegion(MLA.up_attend)
 
         self.scale = qk_dim**-0.5
         yarn = cfg.rope.scaling
@@ -62,8 +65,12 @@ class MLA(nn.Module):
         # their norms run on it, and the sequence is gathered where the heads begin (parallel/tensor.py).
         q_latent = x if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        out = self.up_attend(q_latent, self.kv_a_layernorm(latent), self.rope_key_to_heads(k_rot), cos, sin, mask)
+        k_rot = self.rope_key_to_heads(self, k_rot)
+        out = self.layout_up_attend(self, q_latent, self.kv_a_layernorm(latent), k_rot, cos, sin, mask)
         return self.o_proj(out)
+
+    def _shared_rope_key(self, k_rot: torch.Tensor) -> torch.Tensor:
+        return k_rot
 
     def up_attend(self, q_latent: torch.Tensor, kv_latent: torch.Tensor, k_rot: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

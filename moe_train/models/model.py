@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from moe_train.config.pp_layout import StageContents
 from moe_train.config.routing_shapes import ForcedRouting
 from moe_train.config.schema import ModelConfig
 from moe_train.models.attention import attention_mask
@@ -44,7 +45,9 @@ class Transformer(nn.Module):
     `moe_train.parallel.parallelize` replaces besides parameters (docs/interfaces.md, "Extension points"):
     `lm_loss` (the loss object: vocabulary-parallel under tp), `run_layers` (how the decoder stack runs:
     recomputed groups under full recomputation), each MoE layer's `dispatcher`, `token_group` and
-    `balance_group`, each MLA's `rope_key_to_heads`; `balancing` is what the step sets (`start_step`)."""
+    `balance_group`, `stage` (a pipeline stage's contents, which forward runs), and the layout points of its
+    modules (a Linear's or CoreAttention's `parallel`, their regions: models/layout_region.py, parallel/layout.py);
+    `balancing` is what the step sets (`start_step`)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -73,6 +76,9 @@ class Transformer(nn.Module):
         # What every attention reads besides q, k, v, from the positions: context parallelism swaps in the mask
         # of this rank's shard of the sequence (parallel/context_parallel.py).
         self.attention_mask_of: Callable[[torch.Tensor, bool], object] = local_attention_mask
+        # Set by pipeline parallelism (parallel/pipeline.py): what this chunk of the model holds of the stage
+        # layout; forward then runs that stage (None: the whole model).
+        self.stage: StageContents | None = None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -91,31 +97,44 @@ class Transformer(nn.Module):
                 dispatcher = module.dispatcher
                 nodes = dispatcher.nodes if isinstance(dispatcher, HierarchicalDispatcher) else 1
                 module.router.even_routing = even
-                module.router.forced = ForcedRouting.of(module.moe, nodes)
+                module.router.forced = ForcedRouting.of(module.cfg, nodes)
                 if isinstance(dispatcher, HierarchicalDispatcher):
                     dispatcher.forced = module.router.forced if even else None
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        x: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         *,
+        input_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         mtp_inputs: torch.Tensor | None = None,
         mtp_targets: torch.Tensor | None = None,
-    ) -> torch.Tensor | LossTerms:
-        """input_ids [b, s] -> logits [b, s, vocab_size], or LossTerms when labels [b, s] (-100: ignored) are
+    ) -> torch.Tensor | LossTerms | tuple[torch.Tensor, torch.Tensor]:
+        """x: token ids [b, s] -> logits [b, s, vocab_size], or LossTerms when labels [b, s] (-100: ignored) are
         given. position_ids [b, s] or [1, s]: default 0..s-1; attention restarts wherever they fall back to 0.
         mtp_inputs, mtp_targets [b, mtp_layers, s]: MTP's shifted tokens and targets when the caller shifted them
-        on the whole sequence (context parallelism, `mtp_shifts`); None: shifted here."""
+        on the whole sequence (context parallelism, `mtp_shifts`); None: shifted here.
+
+        A pipeline stage (`stage` set): x is the previous stage's hidden states (the token ids on the first
+        stage), the tokens come as `input_ids`; it returns its hidden states, or on the last stage the loss
+        terms as a plain tuple (what the schedule takes)."""
+        stage = self.stage
+        input_ids = x if input_ids is None else input_ids
         documents = position_ids is not None  # the default positions have no restart: no mask, no read of them
         position_ids = default_positions(input_ids, position_ids)
         context = self.attention_context(position_ids, documents=documents)
-        moe = self.cfg.moe
-        records = RoutingRecords() if moe is not None and moe.router.load_balancing == "all_layers_aux_loss" else None
-        hidden = self.run_layers(list(self.layers.values()), self.embed_tokens(input_ids), *context, records)
+        moe_cfg = self.cfg.moe
+        # all_layers_aux_loss needs every layer's routing in one forward: refused under pipelining (rules.py)
+        collects = stage is None and moe_cfg is not None and moe_cfg.router.load_balancing == "all_layers_aux_loss"
+        records = RoutingRecords() if collects else None
+        hidden = self.embed_tokens(x) if stage is None or stage.embedding else x
+        hidden = self.run_layers(list(self.layers.values()), hidden, *context, records)
+        if stage is not None and not stage.loss:
+            return hidden
         shifted = None if mtp_inputs is None else (mtp_inputs, mtp_targets)
-        return self.head(hidden, input_ids, position_ids, labels, context, records, shifted)
+        out = self.head(hidden, input_ids, position_ids, labels, context, records, shifted)
+        return out if stage is None else tuple(out)
 
     def attention_context(self, position_ids: torch.Tensor, *, documents: bool = True) -> tuple[torch.Tensor, ...]:
         """(cos, sin, mask): what every block's attention reads besides its input. `documents` False: the

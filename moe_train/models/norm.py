@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moe_train.models.layout_region import LayoutRegion
+
 
 class _RMSNorm(torch.autograd.Function):
     """weight * (x / rms(x)): rms over the last dimension in fp32, the product in the activation dtype."""
@@ -41,12 +43,19 @@ class _RMSNorm(torch.autograd.Function):
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight. The weight is created uninitialised: `models.init` sets it to ones by name."""
+    """x / rms(x) * weight. The weight is created uninitialised: `models.init` sets it to ones by name.
+
+    Layouts (`layout_forward`): a decoder block's two norms are the `layernorm` region of recomputation and
+    offloading (parallel/recompute.py, parallel/offload.py)."""
 
     def __init__(self, dim: int, *, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
+        self.layout_forward = LayoutRegion(RMSNorm._forward)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layout_forward(self, x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         return _RMSNorm.apply(x, self.weight, self.eps)

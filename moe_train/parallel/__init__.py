@@ -2,7 +2,8 @@
 parallelism from outside the model, in a fixed order.
 
 Models know nothing of process groups; `parallelize` changes a meta-device model in place, each step in its
-own file and a no-op where its dimension is 1. The order matters: a pipeline split decides which layers a
+own file and a no-op where its dimension is 1, only through the points the model's modules declare
+(parallel/layout.py: no class swaps, no rebound methods). The order matters: a pipeline split decides which layers a
 rank holds (one model chunk per virtual stage, each then parallelised as a whole model is); tensor parallelism
 turns their weights into sharded DTensors; context parallelism makes attention span the cp ranks' shards of
 each sequence (and sets the MoE layers' token groups, over cp and tp); expert parallelism hands MoE layers their

@@ -39,6 +39,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from moe_train.kernels import kernels_for
 from moe_train.models.decoder import DecoderBlock
+from moe_train.parallel.layout import wrap_region
 
 if TYPE_CHECKING:
     from moe_train.config import Recipe
@@ -75,11 +76,7 @@ def apply_compile(model: Transformer, recipe: Recipe, device: torch.device) -> N
     moe_rerun = policy.granularity == "full" or (policy.granularity == "selective" and "moe" in policy.modules)
     for block in model.modules():
         if isinstance(block, DecoderBlock):
-            if block.is_moe:
-                # the switch-style losses' gradient is a holder's value, filled after the layer's forward (by
-                # the layer, or the model for all_layers_aux_loss) and read by backward: a compiled backward
-                # would read it at trace time. Attached eagerly, it is read when backward runs.
-                block.mlp._attach_balancing_losses = torch.compiler.disable(block.mlp._attach_balancing_losses)
+            # (the MoE layer's balancing losses are attached eagerly always: models/moe/layer.py)
             if block.is_moe and moe_rerun:
-                block.mlp.forward = torch.compiler.disable(block.mlp.forward)
+                wrap_region(block.ffn.layout_forward, torch.compiler.disable, reason="compile: eager MoE layer")
             block.compile(backend=backend, dynamic=True if block.is_moe else None)

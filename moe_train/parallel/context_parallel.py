@@ -6,9 +6,10 @@ The data is cut after everything that needs the whole sequence (train/batch.py: 
 shifted inputs and targets), so each rank's labels, RoPE positions and document ids are its tokens' own.
 
 What changes in the model, from outside (`apply_context_parallel`, after tensor parallelism, before recompute):
-- each attention's `core_attention` becomes `ContextParallelAttention` (parallel/ring_attention.py), which sees
-  the queries of this rank's tokens and the keys and values of the whole sequence through a ring of p2p
-  exchanges or one all-gather (`parallel.cp_comm`; the default per family: `ParallelConfig.cp_exchange`);
+- each attention's `core_attention` attends through `ContextParallelAttention` (its `parallel`; the exchange in
+  parallel/ring_attention.py), which sees the queries of this rank's tokens and the keys and values of the
+  whole sequence through a ring of p2p exchanges or one all-gather (`parallel.cp_comm`; the default per
+  family: `ParallelConfig.cp_exchange`);
 - `attention_mask_of` gives a `ShardMask` (this rank's chunks and, with data.reset_at_eod, its positions);
 - MoE layers route their own tokens; their balancing losses count over the micro-batch's shards on every cp
   (and tp) rank (`token_group`): aux_loss and z-loss over the whole micro-batch, seq_aux_loss per sequence over
@@ -28,7 +29,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from moe_train.models.attention import Attention
 from moe_train.models.loss import IGNORE_INDEX
@@ -54,21 +54,21 @@ def chunk_indices(seq_length: int, *, cp: int, rank: int) -> torch.Tensor:
     return shard_sequence(torch.arange(seq_length), cp=cp, rank=rank)
 
 
-class ContextParallelAttention(nn.Module):
-    """`CoreAttention` across the cp ranks (no parameters): takes the same q, k, v [b, heads, 2c, d] and keyword
-    arguments as `attend` there (`scale`, gpt-oss's `window` and `sinks`; grouped-query heads follow from the
-    shapes) and a `ShardMask`."""
+class ContextParallelAttention:
+    """`CoreAttention.parallel` under CP: attention across the cp ranks, with the same q, k, v [b, heads, 2c, d]
+    and keyword arguments as `attend` there (`scale`, gpt-oss's `window` and `sinks`; grouped-query heads follow
+    from the shapes) and a `ShardMask`. Inside CoreAttention's forward, so recomputation and offloading wrap it
+    as they wrap SDPA."""
 
     def __init__(self, *, group: dist.ProcessGroup, comm: str) -> None:
-        super().__init__()
         self.group, self.comm = group, comm
 
     # Eager inside a compiled block (train.compile): the exchange's point-to-point ops and its hand-written
     # backward are not traceable, so the block's graph breaks around attention instead of failing.
     @torch.compiler.disable
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: ShardMask, *,
-                scale: float | None = None, enable_gqa: bool = False, window: int | None = None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: ShardMask, *,
+                 scale: float | None = None, enable_gqa: bool = False, window: int | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         return context_parallel_attention(q, k, v, mask, scale=scale, group=self.group, comm=self.comm,
                                           window=window, sinks=sinks)
@@ -123,7 +123,7 @@ def apply_context_parallel(model: Transformer, recipe: Recipe, ctx: ParallelCont
     comm = recipe.parallel.cp_exchange(recipe.model.family)
     for module in model.modules():
         if isinstance(module, Attention | MLA):
-            module.core_attention = ContextParallelAttention(group=group, comm=comm)
+            module.core_attention.parallel = ContextParallelAttention(group=group, comm=comm)
     model.attention_mask_of = ShardMasks(cp=cp, rank=ctx.coord("cp"), documents=recipe.data.reset_at_eod)
     # The balancing losses' token set: the micro-batch, whose tokens lie on every cp and tp rank of it.
     token_group = ctx.group("cp_tp") if ctx.size("tp") > 1 else group

@@ -27,11 +27,14 @@ a shard group is the whole world or of size 1 (pytorch#160285, PR #167178).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from moe_train.parallel.layout import replace_fsdp_post_backward
 
 if TYPE_CHECKING:
     from moe_train.config import Recipe
@@ -59,9 +62,9 @@ def apply_fsdp(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> None
     blocks: list[nn.Module] = [*model.layers.values(), *(module.block for module in model.mtp.values())]
     for block in blocks:
         if block.is_moe and apart:
-            fully_shard(block.mlp.experts, mesh=expert, **options)
-            if block.mlp.experts.deferred_wgrad is not None:
-                _post_backward_after_delayed_grads(block.mlp.experts)
+            fully_shard(block.ffn.experts, mesh=expert, **options)
+            if block.ffn.experts.deferred_wgrad is not None:
+                _post_backward_after_delayed_grads(block.ffn.experts)
         fully_shard(block, mesh=dense, **options)
     for module in model.mtp.values():  # its projection and norms around the block
         fully_shard(module, mesh=dense, **options)
@@ -79,17 +82,17 @@ def apply_fsdp(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> None
 def _post_backward_after_delayed_grads(experts: FSDPModule) -> None:
     """`parallel.split_wgrad`: the experts unit's post-backward (its gradients' reduce-scatter, or their fp32
     accumulation) fires once the experts' inputs have their gradients, before the dispatch's backward runs the
-    delayed weight gradients; it waits for them (models/moe/deferred_wgrad.py `hold`). FSDP2 calls the param
-    group's post_backward by attribute from its hook and its end-of-backward callback, which skips a group
-    already past it; torch's own pipelining calls it directly for the same reason (weights split from inputs)."""
-    group = experts._get_fsdp_state()._fsdp_param_group
-    post_backward = group.post_backward
+    delayed weight gradients; it waits for them (models/moe/deferred_wgrad.py `hold`). FSDP2 has no hook for it:
+    the one rewrite left outside the model's declared points (parallel/layout.py)."""
 
-    def after_delayed_grads(*grads: torch.Tensor) -> None:
-        if not experts.deferred_wgrad.hold(lambda: post_backward(*grads)):
-            post_backward(*grads)
+    def after_delayed_grads(post_backward: Callable[..., None]) -> Callable[..., None]:
+        def run(*grads: torch.Tensor) -> None:
+            if not experts.deferred_wgrad.hold(lambda: post_backward(*grads)):
+                post_backward(*grads)
 
-    group.post_backward = after_delayed_grads
+        return run
+
+    replace_fsdp_post_backward(experts._get_fsdp_state()._fsdp_param_group, after_delayed_grads)
 
 
 def _reduce_in_every_backward(model: FSDPModule) -> None:
@@ -114,7 +117,7 @@ def _reduce_in_every_backward(model: FSDPModule) -> None:
 def _units(block: nn.Module, apart: bool) -> list[FSDPModule]:
     """A block's FSDP2 units in the order its forward uses them: the block (attention), then its experts when
     they are a unit of their own."""
-    return [block, block.mlp.experts] if block.is_moe and apart else [block]
+    return [block, block.ffn.experts] if block.is_moe and apart else [block]
 
 
 def _prefetch_one_block_ahead(units: list[list[FSDPModule]]) -> None:

@@ -51,9 +51,11 @@ from moe_train.measure.memory import in_host_memory
 from moe_train.models.autograd_phase import in_backward
 from moe_train.models.decoder import DecoderBlock
 from moe_train.models.mla import MLA
+from moe_train.parallel.layout import wrap_region
 
 if TYPE_CHECKING:
     from moe_train.config import Recipe
+    from moe_train.models.layout_region import LayoutRegion
     from moe_train.models.model import Transformer
 
 
@@ -305,43 +307,49 @@ def _in_region(fn: Callable, pool: OffloadPool) -> Callable:
     return run
 
 
-def _offload_forward(module: torch.nn.Module, pool: OffloadPool) -> None:
-    module.forward = _in_region(module.forward, pool)
+def _offload(region: LayoutRegion, name: str, pool: OffloadPool) -> None:
+    """The module's declared region (models/layout_region.py) inside the pool's hooks."""
+    wrap_region(region, functools.partial(_in_region, pool=pool), reason=f"offload {name}")
 
 
 def _regions(block: DecoderBlock, modules: set[str], pool: OffloadPool) -> None:
     """The named regions of `block`, as parallel/recompute.py's `_selective` wraps them."""
     attn = block.self_attn
     if isinstance(attn, MLA) and "mla_up_proj" in modules:
-        attn.up_attend = _in_region(attn.up_attend, pool)
+        _offload(attn.layout_up_attend, "mla_up_proj", pool)
     elif "core_attn" in modules:
-        _offload_forward(attn.core_attention, pool)
+        _offload(attn.core_attention.layout_forward, "core_attn", pool)
     if "layernorm" in modules:
-        _offload_forward(block.input_layernorm, pool)
-        _offload_forward(block.post_attention_layernorm, pool)
+        _offload(block.input_layernorm.layout_forward, "layernorm", pool)
+        _offload(block.post_attention_layernorm.layout_forward, "layernorm", pool)
     if not block.is_moe:
         if "mlp" in modules:
-            _offload_forward(block.mlp, pool)
+            _offload(block.ffn.layout_forward, "mlp", pool)
         return
     if "moe" in modules:
-        _offload_forward(block.mlp, pool)
+        _offload(block.ffn.layout_forward, "moe", pool)
         return
     if "moe_act" in modules:
-        block.mlp.experts.activation = _in_region(block.mlp.experts.activation, pool)
-    if "shared_experts" in modules and block.mlp.shared_experts is not None:
-        _offload_forward(block.mlp.shared_experts, pool)
+        _offload(block.ffn.experts.layout_activation, "moe_act", pool)
+    if "shared_experts" in modules and block.ffn.shared_experts is not None:
+        _offload(block.ffn.shared_experts.layout_forward, "shared_experts", pool)
+
+
+def _one_pass(forward: Callable, *, pool: OffloadPool) -> Callable:
+    """A decoder block's forward (module first) as one pass of the pool: its regions' saves in one group,
+    flushed when it returns; a forward without autograd, or rerun in backward, stores nothing."""
+
+    @functools.wraps(forward)
+    def run(block: DecoderBlock, *args, **kwargs):
+        if in_backward() or not torch.is_grad_enabled():
+            return forward(block, *args, **kwargs)
+        return pool.run_layer(block.layer_index, forward, block, *args, **kwargs)
+
+    return run
 
 
 def _layer(block: DecoderBlock, pool: OffloadPool) -> None:
-    forward = block.forward
-
-    @functools.wraps(forward)
-    def run(*args, **kwargs):
-        if in_backward() or not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        return pool.run_layer(block.layer_index, forward, *args, **kwargs)
-
-    block.forward = run
+    wrap_region(block.layout_forward, functools.partial(_one_pass, pool=pool), reason="offload layer pass")
 
 
 def apply_offload(model: Transformer, recipe: Recipe, device: torch.device) -> None:

@@ -37,42 +37,11 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_train.config.pp_layout import StageContents, stages_of
-from moe_train.models.model import LossTerms, Transformer, default_positions
+from moe_train.models.model import LossTerms, Transformer
 
 if TYPE_CHECKING:
     from moe_train.config import Recipe
     from moe_train.parallel.context import ParallelContext
-
-
-class StageChunk:
-    """Mixin for a Transformer cut to one pipeline stage: its forward takes the previous stage's hidden states
-    (the token ids on the first stage) and returns hidden states, or the loss terms on the last stage."""
-
-    stage: StageContents
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        *,
-        input_ids: torch.Tensor,
-        labels: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        mtp_inputs: torch.Tensor | None = None,
-        mtp_targets: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        documents = position_ids is not None  # the default positions have no restart: no mask, no read of them
-        position_ids = default_positions(input_ids, position_ids)
-        context = self.attention_context(position_ids, documents=documents)
-        hidden = self.embed_tokens(x) if self.stage.embedding else x
-        hidden = self.run_layers(list(self.layers.values()), hidden, *context, None)
-        if not self.stage.loss:
-            return hidden
-        shifted = None if mtp_inputs is None else (mtp_inputs, mtp_targets)
-        # the schedule wants a tuple
-        return tuple(self.head(hidden, input_ids, position_ids, labels, context, None, shifted))
-
-
-_CHUNK_CLASSES: dict[type, type] = {}
 
 
 def keep_layers(model: Transformer, *, layers: Iterable[int], mtp: Iterable[int]) -> None:
@@ -89,10 +58,9 @@ def keep_layers(model: Transformer, *, layers: Iterable[int], mtp: Iterable[int]
 
 
 def _cut(model: Transformer, stage: StageContents) -> Transformer:
-    """`model` (meta) reduced to what `stage` holds, with the stage's forward.
-
-    The chunk takes the stage's forward by a class swap (StageChunk first in the MRO), not a wrapper module: a
-    wrapper would prefix every parameter name, and checkpoints must hold the single-process model's names."""
+    """`model` (meta) reduced to what `stage` holds, running that stage: the Transformer's own forward reads
+    `stage` (models/model.py). Not a wrapper module: a wrapper would prefix every parameter name, and
+    checkpoints must hold the single-process model's names."""
     keep_layers(model, layers=stage.layers, mtp=stage.mtp)
     needs_embedding = stage.embedding or (stage.loss and (len(model.mtp) > 0 or model.cfg.tie_embeddings))
     if not needs_embedding:
@@ -100,10 +68,6 @@ def _cut(model: Transformer, stage: StageContents) -> Transformer:
     if not stage.loss:
         model.norm = None
         model.lm_head = None
-    cls = type(model)
-    if cls not in _CHUNK_CLASSES:
-        _CHUNK_CLASSES[cls] = type(f"Stage{cls.__name__}", (StageChunk, cls), {})
-    model.__class__ = _CHUNK_CLASSES[cls]
     model.stage = stage
     return model
 
@@ -170,7 +134,7 @@ def duplicate_parameters(chunks: list[Transformer]) -> list[nn.Parameter]:
     return [
         weight
         for chunk in chunks
-        if isinstance(chunk, StageChunk) and not chunk.stage.embedding
+        if chunk.stage is not None and not chunk.stage.embedding
         for weight in [_embedding_weight(chunk)]
         if weight is not None
     ]

@@ -33,9 +33,11 @@ from moe_train.models.autograd_phase import recomputation
 from moe_train.models.decoder import DecoderBlock
 from moe_train.models.mla import MLA
 from moe_train.models.model import run_layers
+from moe_train.parallel.layout import wrap_region
 
 if TYPE_CHECKING:
     from moe_train.config import Recipe
+    from moe_train.models.layout_region import LayoutRegion
     from moe_train.models.model import Transformer
 
 
@@ -64,32 +66,33 @@ def checkpointed(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
     return run
 
 
-def _recompute_forward(module: torch.nn.Module) -> None:
-    """Checkpoint `module`'s forward in place. Not torch's checkpoint_wrapper: a wrapper module would rename
-    every parameter below it (`_checkpoint_wrapped_module.`), and checkpoints keep the plain model's names."""
-    module.forward = checkpointed(module.forward)
+def _recompute(region: LayoutRegion, name: str) -> None:
+    """Checkpoint the module's declared region (models/layout_region.py). Not torch's checkpoint_wrapper: a
+    wrapper module would rename every parameter below it (`_checkpoint_wrapped_module.`), and checkpoints keep
+    the plain model's names."""
+    wrap_region(region, checkpointed, reason=f"recompute {name}")
 
 
 def _selective(block: DecoderBlock, modules: set[str]) -> None:
     attn = block.self_attn
     if isinstance(attn, MLA) and "mla_up_proj" in modules:
-        attn.up_attend = checkpointed(attn.up_attend)
+        _recompute(attn.layout_up_attend, "mla_up_proj")
     elif "core_attn" in modules:
-        _recompute_forward(attn.core_attention)
+        _recompute(attn.core_attention.layout_forward, "core_attn")
     if "layernorm" in modules:
-        _recompute_forward(block.input_layernorm)
-        _recompute_forward(block.post_attention_layernorm)
+        _recompute(block.input_layernorm.layout_forward, "layernorm")
+        _recompute(block.post_attention_layernorm.layout_forward, "layernorm")
     if not block.is_moe:
         if "mlp" in modules:
-            _recompute_forward(block.mlp)
+            _recompute(block.ffn.layout_forward, "mlp")
         return
     if "moe" in modules:
-        _recompute_forward(block.mlp)
+        _recompute(block.ffn.layout_forward, "moe")
         return
     if "moe_act" in modules:
-        block.mlp.experts.activation = checkpointed(block.mlp.experts.activation)
-    if "shared_experts" in modules and block.mlp.shared_experts is not None:
-        _recompute_forward(block.mlp.shared_experts)
+        _recompute(block.ffn.experts.layout_activation, "moe_act")
+    if "shared_experts" in modules and block.ffn.shared_experts is not None:
+        _recompute(block.ffn.shared_experts.layout_forward, "shared_experts")
 
 
 def run_layers_recomputed(layers: list[DecoderBlock], hidden: torch.Tensor, *args, method: str,

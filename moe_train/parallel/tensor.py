@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
 
 from moe_train.models.decoder import DecoderBlock
+from moe_train.models.layout_region import LayoutRegion
 from moe_train.models.linear import Linear, linear
 from moe_train.models.mla import MLA
 from moe_train.models.mlp import MLP
@@ -51,6 +52,7 @@ from moe_train.parallel.collectives import (
     reduce_scatter_sequence,
     scatter_sequence,
 )
+from moe_train.parallel.layout import wrap_region
 from moe_train.parallel.vocab_parallel import VocabParallelLoss
 
 if TYPE_CHECKING:
@@ -107,80 +109,67 @@ class Region:
 
 
 # ------------------------------------------------------------------------------------------------ the styles
+#
+# Each is what a module declares room for (parallel/layout.py): a Linear's `parallel` (its GEMM), or a wrapper
+# of a module's declared region (`layout_forward`, MLA's `rope_key_to_heads`). Not a forward hook: a
+# recomputed region (parallel/recompute.py) wraps the module's declared forward, and its rerun must repeat
+# these collectives; a hook would run outside it.
 
 
-class ColumnParallelLinear(Linear):
-    """A Linear whose weight rows (output features) are sharded over tp, and its bias with them (GLM-4.5's
-    q/k/v); reads its input from `tp_region`, entering the region itself when `enters_region` (a GEMM alone in
-    its region)."""
+class ColumnParallel:
+    """A Linear's GEMM (`Linear.parallel`) with its weight rows (output features) sharded over tp, and its bias
+    with them (GLM-4.5's q/k/v); reads its input from `region`, entering the region itself when
+    `enters_region` (a GEMM alone in its region)."""
 
-    tp_region: Region
-    enters_region: bool
+    def __init__(self, region: Region, *, enters_region: bool) -> None:
+        self.region, self.enters_region = region, enters_region
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp_region.column(self.tp_region.enter(x) if self.enters_region else x, _local(self.weight),
-                                    self.fp8)
-        return out if self.bias is None else out + _local(self.bias)
-
-
-class RowParallelLinear(Linear):
-    """A Linear whose weight columns (input features) are sharded over tp; ends its region."""
-
-    tp_region: Region
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp_region.leave_region(linear(x, _local(self.weight), fp8=self.fp8))
-        # A bias (gpt-oss's o_proj) is whole on every rank and added once, after the reduce; under sequence
-        # parallelism each rank adds it to its sequence slice, so its gradient is partial (PARTIAL_BIAS).
-        return out if self.bias is None else out + self.bias
+    def __call__(self, module: Linear, x: torch.Tensor) -> torch.Tensor:
+        x = self.region.enter(x) if self.enters_region else x
+        out = self.region.column(x, _local(module.weight), module.fp8)
+        return out if module.bias is None else out + _local(module.bias)
 
 
-class RegionEntry(nn.Module):
-    """What an activation that joins a region without a GEMM of its own goes through (MLA's shared rope key,
-    the model's `rope_key_to_heads`): the region's entry, a gather of the sequence or a copy."""
+class RowParallel:
+    """A Linear's GEMM (`Linear.parallel`) with its weight columns (input features) sharded over tp; ends its
+    region."""
 
     def __init__(self, region: Region) -> None:
-        super().__init__()
         self.region = region
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.region.enter(x)
+    def __call__(self, module: Linear, x: torch.Tensor) -> torch.Tensor:
+        out = self.region.leave_region(linear(x, _local(module.weight), fp8=module.fp8))
+        # A bias (gpt-oss's o_proj) is whole on every rank and added once, after the reduce; under sequence
+        # parallelism each rank adds it to its sequence slice, so its gradient is partial (PARTIAL_BIAS).
+        return out if module.bias is None else out + module.bias
 
 
-# A module whose forward starts a region (attention, MLP) or routes a slice of the micro-batch (MoE) gets the
-# behaviour by a class swap, not a forward hook: selective recomputation checkpoints the module's own forward
-# (parallel/recompute.py), whose rerun must repeat these collectives; a hook would run outside it.
+def entering(region: Region):
+    """A region wrapper for a module whose forward starts a tp region (attention, MLP), or for an activation
+    that joins one without a GEMM of its own (MLA's shared rope key, `rope_key_to_heads`): its first argument
+    enters once (a gather of the sequence, or a copy)."""
+
+    def wrap(step):
+        def run(module: nn.Module, x: torch.Tensor, *args, **kwargs):
+            return step(module, region.enter(x), *args, **kwargs)
+
+        return run
+
+    return wrap
 
 
-class _EntersRegion:
-    """Mixin for a module whose forward starts a region (attention, MLP): its first argument enters once."""
+def routing_slice(group: dist.ProcessGroup):
+    """A MoE layer's `layout_forward` wrapper without sequence parallelism: it routes this rank's slice of the
+    replicated micro-batch and gathers the outputs again, so each token is routed (and counted) once."""
 
-    tp_region: Region
+    def wrap(step):
+        def run(module: nn.Module, hidden: torch.Tensor, *args, **kwargs):
+            mine = scatter_sequence(hidden, SEQUENCE_DIM, group)
+            return gather_replicated(step(module, mine, *args, **kwargs), SEQUENCE_DIM, group)
 
-    def forward(self, x: torch.Tensor, *args, **kwargs):
-        return super().forward(self.tp_region.enter(x), *args, **kwargs)
+        return run
 
-
-class _RoutesSlice:
-    """Mixin for a MoE layer without sequence parallelism: it routes this rank's slice of the replicated
-    micro-batch and gathers the outputs again, so each token is routed (and counted) once."""
-
-    tp_group: dist.ProcessGroup
-
-    def forward(self, hidden: torch.Tensor, *args, **kwargs):
-        mine = scatter_sequence(hidden, SEQUENCE_DIM, self.tp_group)
-        return gather_replicated(super().forward(mine, *args, **kwargs), SEQUENCE_DIM, self.tp_group)
-
-
-_SUBCLASSES: dict[tuple[type, type], type] = {}
-
-
-def _swap_class(module: nn.Module, mixin: type) -> None:
-    """Give `module` the behaviour of `mixin` in place (parameter names and state stay as they are)."""
-    key = (mixin, type(module))
-    if key not in _SUBCLASSES:
-        _SUBCLASSES[key] = type(f"TensorParallel{type(module).__name__}", (mixin, type(module)), {})
-    module.__class__ = _SUBCLASSES[key]
+    return wrap
 
 
 # -------------------------------------------------------------------------------------------------- the plan
@@ -238,20 +227,18 @@ class _Planner:
         for names, style in PLANS[kind].items():
             name = _present(module, names)
             if style == ENTRY:
-                _submodule(module, name, nn.Module)  # the model declares the point (an identity by default)
-                setattr(module, name, RegionEntry(shared))
+                entry = _submodule(module, name, LayoutRegion)  # the model declares it (as is, by default)
+                wrap_region(entry, entering(shared), reason="tensor parallel: joins the region")
                 continue
             target = _submodule(module, name, Linear)
             _shard_weight(target, self.mesh, 1 if style == ROW else 0)
-            target.__class__ = RowParallelLinear if style == ROW else ColumnParallelLinear
             if style == ROW and target.bias is not None and shared.sequence_parallel:
                 setattr(target, PARTIAL_BIAS, True)
-            target.tp_region = shared if kind in ENTERS_ONCE else self.region()
-            if style != ROW:
-                target.enters_region = style == COLUMN_ENTERING
+            region = shared if kind in ENTERS_ONCE else self.region()
+            target.parallel = RowParallel(region) if style == ROW else ColumnParallel(
+                region, enters_region=style == COLUMN_ENTERING)
         if kind in ENTERS_ONCE:
-            module.tp_region = shared
-            _swap_class(module, _EntersRegion)
+            wrap_region(module.layout_forward, entering(shared), reason="tensor parallel: input enters the region")
         if kind in PARTIAL:
             self.partial_gradient(kind, module)
         if getattr(module, "sinks", None) is not None:  # gpt-oss: one sink per head, sharded with the heads
@@ -266,22 +253,23 @@ class _Planner:
                     continue
             setattr(_submodule(module, name, nn.Module), PARTIAL_GRADIENT, True)
 
-    def moe(self, moe: MoELayer) -> None:
-        moe.token_group = self.group
-        self.partial_gradient("moe", moe)
-        if moe.shared_experts is not None:  # on the layer's token slice, whatever the mode
-            self.apply("mlp", moe.shared_experts, self.region(sequence_parallel=True))
+    def split_moe_tokens(self, layer: MoELayer) -> None:
+        """The MoE layer routes this rank's slice of the tokens (counted over the tp group); its shared experts
+        are split by ffn features like a dense MLP, on that slice."""
+        layer.token_group = self.group
+        self.partial_gradient("moe", layer)
+        if layer.shared_experts is not None:  # on the layer's token slice, whatever the mode
+            self.apply("mlp", layer.shared_experts, self.region(sequence_parallel=True))
         if not self.sequence_parallel:
-            moe.tp_group = self.group
-            _swap_class(moe, _RoutesSlice)
+            wrap_region(layer.layout_forward, routing_slice(self.group), reason="tensor parallel: route a slice")
 
     def block(self, block: DecoderBlock) -> None:
         attn = _submodule(block, "self_attn", nn.Module)
         self.apply("mla" if isinstance(attn, MLA) else "attention", attn)
         if block.is_moe:
-            self.moe(_submodule(block, "mlp", MoELayer))
+            self.split_moe_tokens(_submodule(block, "ffn", MoELayer))
         else:
-            self.apply("mlp", _submodule(block, "mlp", MLP))
+            self.apply("mlp", _submodule(block, "ffn", MLP))
         self.partial_gradient("block", block)
 
 

@@ -80,7 +80,7 @@ class VocabParallelLoss(LanguageModelLoss):
         chunks of `chunk_tokens` when set."""
         if not self.chunk_tokens:
             return super().head_sum(head, hidden, targets)
-        x = head.tp_region.enter(hidden)
+        x = head.parallel.region.enter(hidden)
         weight = head.weight.to_local() if isinstance(head.weight, DTensor) else head.weight
         return linear_cross_entropy_sum(
             x.flatten(0, -2), weight, targets.flatten(), chunk_tokens=self.chunk_tokens, vocab_size=self.vocab_size,

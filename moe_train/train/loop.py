@@ -171,7 +171,7 @@ class Trainer:
         # This rank's MoE layers by index (MTP blocks count as layers num_layers + k), and every MoE layer of the
         # whole model, whose figures all ranks exchange in one tensor of the same shape whatever their stage.
         self.moe_layers: dict[int, MoELayer] = {
-            m.layer_index: m.mlp for chunk in self.chunks for m in chunk.modules()
+            m.layer_index: m.ffn for chunk in self.chunks for m in chunk.modules()
             if isinstance(m, DecoderBlock) and m.is_moe
         }
         cfg = recipe.model
@@ -276,7 +276,7 @@ class Trainer:
         """[E] float64: the rows this rank's experts received at their slots' positions (zeros elsewhere), a
         share 1/etp of them (etp ranks receive the same rows), for the all-reduce to sum into per-slot loads."""
         local = layer.dispatcher.num_local_experts
-        out = torch.zeros(layer.moe.num_experts, dtype=torch.float64, device=self.device)
+        out = torch.zeros(layer.cfg.num_experts, dtype=torch.float64, device=self.device)
         first = self.ctx.coord("ep") * local
         out[first:first + local] = layer.rows_per_local_expert[:local].double() / self.ctx.size("etp")
         return out
@@ -286,7 +286,7 @@ class Trainer:
         for index, layer in self.moe_layers.items():
             bias = layer.router.expert_bias
             if bias is not None:
-                update_expert_bias(bias, counts[index], layer.moe.router.bias_update_rate)
+                update_expert_bias(bias, counts[index], layer.cfg.router.bias_update_rate)
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -29,7 +29,7 @@ def main() -> None:
         trainer.train_step(1)
         (model,) = trainer.trainable.chunks
         for name, module in model.named_modules():
-            if name.endswith(("self_attn", "mlp.experts")):
+            if name.endswith(("self_attn", "ffn.experts")):
                 label = name.rsplit(".", 1)[-1]
                 module.register_forward_pre_hook(lambda *_, label=label: overlap.record("compute", f"{label}.fwd"))
                 module.register_full_backward_pre_hook(

@@ -53,16 +53,16 @@ def apply_fp8(model: Transformer, fp8: Fp8Config) -> dict[str, int]:
     for block in blocks:
         if "attention" in kinds:
             marked["attention"] += _mark_linears(block.self_attn, gemm)
-        if isinstance(block.mlp, MLP) and "mlp" in kinds:
-            marked["mlp"] += _mark_linears(block.mlp, gemm)
-        if isinstance(block.mlp, MoELayer):
-            if "shared_experts" in kinds and block.mlp.shared_experts is not None:
-                shared = block.mlp.shared_experts
+        if isinstance(block.ffn, MLP) and "mlp" in kinds:
+            marked["mlp"] += _mark_linears(block.ffn, gemm)
+        if isinstance(block.ffn, MoELayer):
+            if "shared_experts" in kinds and block.ffn.shared_experts is not None:
+                shared = block.ffn.shared_experts
                 marked["shared_experts"] += _mark_linears(shared, gemm)
                 if isinstance(gemm, Fp8Gemm):
                     shared.gate_proj.fp8 = shared.up_proj.fp8 = replace(gemm, saved_inputs="bf16")
             if "experts" in kinds:
-                block.mlp.experts.fp8 = gemm
+                block.ffn.experts.fp8 = gemm
                 marked["experts"] += 1
     if "head" in kinds and model.lm_head is not None:
         model.lm_head.fp8 = gemm

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from moe_train.config.schema import ClampedSwiGLU
 from moe_train.kernels import kernels_for
 from moe_train.models.fp8.gemm import Fp8Gemm
+from moe_train.models.layout_region import LayoutRegion
 from moe_train.models.linear import batched_mm, expert_offsets, grouped_mm, linear
 from moe_train.models.moe.deferred_wgrad import DeferredWeightGrads
 from moe_train.models.moe.weighted_swiglu import clamped_weighted_swiglu, weighted_swiglu
@@ -138,6 +139,8 @@ class GroupedExperts(nn.Module):
         # parallel.split_wgrad (set by parallel/expert.py): the GEMMs' weight gradients (fp8 ones too) wait for
         # the dispatch's backward collective (deferred_wgrad.py)
         self.deferred_wgrad: DeferredWeightGrads | None = None
+        # The moe_act region of recomputation and offloading: the SwiGLU, between the GEMMs.
+        self.layout_activation = LayoutRegion(GroupedExperts.activation)
 
     def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, *, probs: torch.Tensor,
                 capacity: int | None = None) -> torch.Tensor:
@@ -201,18 +204,30 @@ class GroupedExperts(nn.Module):
         return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_proj, self.up_proj,
                                                                                self.down_proj))
 
+    def _gemm(self, kind: Literal["grouped", "batched", "linear"], x: torch.Tensor, weight: torch.Tensor,
+              offsets: torch.Tensor | None = None) -> torch.Tensor:
+        """One of the experts' GEMMs, x @ weight^T: `grouped` over `offsets` (models.linear.grouped_mm),
+        `batched` (batched_mm, the padded path, which runs without fp8) or one expert's `linear`, in fp8 with
+        `fp8`; under parallel.split_wgrad the same product with its weight gradient delayed
+        (deferred_wgrad.py)."""
+        if self.deferred_wgrad is not None:
+            return self.deferred_wgrad.gemm(kind, x, weight, offsets, fp8=self.fp8)
+        if kind == "grouped":
+            return grouped_mm(x, weight, offsets, fp8=self.fp8)
+        if kind == "batched":
+            return batched_mm(x, weight)
+        return linear(x, weight, fp8=self.fp8)
+
     def _grouped(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         gate_proj, up_proj, down_proj = self.local_weights()
         biases = self.local_biases()
         offsets = expert_offsets(tokens_per_expert)
-        delayed = self.deferred_wgrad
-        product = (lambda x, w: grouped_mm(x, w, offsets, fp8=self.fp8)) if delayed is None else (
-            lambda x, w: delayed.gemm("grouped", x, w, offsets, fp8=self.fp8))
-        gate, up = product(rows, gate_proj), product(rows, up_proj)
+        gate, up = self._gemm("grouped", rows, gate_proj, offsets), self._gemm("grouped", rows, up_proj, offsets)
         experts = None if biases is None else torch.repeat_interleave(
             torch.arange(gate_proj.shape[0], device=rows.device), tokens_per_expert, output_size=rows.shape[0])
         gate, up = self._biased(gate, up, biases, experts)
-        out = self._down_bias(product(self.activation(gate, up, probs), down_proj), biases, experts, probs)
+        down = self._gemm("grouped", self.layout_activation(self, gate, up, probs), down_proj, offsets)
+        out = self._down_bias(down, biases, experts, probs)
         if out.requires_grad:  # its backward rejects stride-0 gradients, which an out.sum() downstream gives
             out.register_hook(torch.Tensor.contiguous)
         return out
@@ -233,14 +248,13 @@ class GroupedExperts(nn.Module):
         padded = rows.new_zeros(experts * capacity, rows.shape[1]).index_copy(0, slot, rows)
         padded = padded.view(experts, capacity, rows.shape[1])
         padded_probs = probs.new_zeros(experts * capacity, 1).index_copy(0, slot, probs).view(experts, capacity, 1)
-        delayed = self.deferred_wgrad  # no fp8 here (forward)
-        product = batched_mm if delayed is None else lambda x, w: delayed.gemm("batched", x, w)
         biases = self.local_biases()
         if biases is not None:  # [E, 1, width]: each expert's bias over its block of rows
             biases = tuple(b.unsqueeze(1) for b in biases)
-        gate, up = self._biased(product(padded, gate_proj), product(padded, up_proj), biases, slice(None))
-        out = self._down_bias(product(self.activation(gate, up, padded_probs), down_proj), biases, slice(None),
-                              padded_probs)
+        gate, up = self._biased(self._gemm("batched", padded, gate_proj), self._gemm("batched", padded, up_proj),
+                                biases, slice(None))
+        down = self._gemm("batched", self.layout_activation(self, gate, up, padded_probs), down_proj)
+        out = self._down_bias(down, biases, slice(None), padded_probs)
         return out.reshape(experts * capacity, -1).index_select(0, slot)
 
     @torch.compiler.disable  # compiled, each expert's data-dependent rows would be a graph break of its own
@@ -251,12 +265,11 @@ class GroupedExperts(nn.Module):
         counts = tokens_per_expert.tolist()
         chunks, chunk_probs = torch.split(rows, counts), torch.split(probs, counts)
         weights = zip(*(w.unbind(0) for w in self.local_weights()), strict=True)
-        delayed = self.deferred_wgrad
-        product = (lambda x, w: linear(x, w, fp8=self.fp8)) if delayed is None else (
-            lambda x, w: delayed.gemm("linear", x, w, fp8=self.fp8))
         biases = self.local_biases()
         for e, (chunk, p, (gate_proj, up_proj, down_proj)) in enumerate(zip(chunks, chunk_probs, weights,
                                                                             strict=True)):
-            gate, up = self._biased(product(chunk, gate_proj), product(chunk, up_proj), biases, e)
-            outputs.append(self._down_bias(product(self.activation(gate, up, p), down_proj), biases, e, p))
+            gate, up = self._biased(self._gemm("linear", chunk, gate_proj), self._gemm("linear", chunk, up_proj),
+                                    biases, e)
+            down = self._gemm("linear", self.layout_activation(self, gate, up, p), down_proj)
+            outputs.append(self._down_bias(down, biases, e, p))
         return torch.cat(outputs)

@@ -31,6 +31,7 @@ from torch import nn
 from moe_train.config.routing_shapes import expert_capacity
 from moe_train.config.schema import MoEConfig
 from moe_train.models.autograd_phase import in_recomputation
+from moe_train.models.layout_region import LayoutRegion
 from moe_train.models.mlp import MLP
 from moe_train.models.moe.aux_loss import (
     ScoreGradient,
@@ -85,26 +86,30 @@ class MoELayer(nn.Module):
     Extension points `parallelize` sets (each documented in docs/interfaces.md): `dispatcher` (the layer's token
     dispatcher, replaced by an expert-parallel one), `token_group` and `balance_group` (the ranks its balancing
     losses count over). `balancing` is the model's `StepBalancing`, shared by its MoE layers.
+
+    Layouts (`layout_forward`): tensor parallelism without sequence parallelism routes this rank's slice of the
+    replicated micro-batch (parallel/tensor.py); recomputation and offloading wrap it whole as the `moe`
+    region; compile keeps it eager where a recomputation reruns it from Python (parallel/compile.py).
     """
 
-    def __init__(self, *, hidden_size: int, moe: MoEConfig, balancing: StepBalancing | None = None):
+    def __init__(self, *, hidden_size: int, cfg: MoEConfig, balancing: StepBalancing | None = None):
         super().__init__()
-        self.moe = moe
+        self.cfg = cfg
         self.balancing = StepBalancing() if balancing is None else balancing
-        self.router = Router(hidden_size=hidden_size, moe=moe)
+        self.router = Router(hidden_size=hidden_size, cfg=cfg)
         self.experts = GroupedExperts(
-            num_experts=moe.num_experts, hidden_size=hidden_size, ffn_hidden_size=moe.ffn_hidden_size,
-            biases=moe.expert_biases, clamp=moe.clamped_swiglu,
+            num_experts=cfg.num_experts, hidden_size=hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
+            biases=cfg.expert_biases, clamp=cfg.clamped_swiglu,
         )
-        if moe.shared_expert_ffn_hidden_size > 0:
-            self.shared_experts = MLP(hidden_size=hidden_size, ffn_hidden_size=moe.shared_expert_ffn_hidden_size)
+        if cfg.shared_expert_ffn_hidden_size > 0:
+            self.shared_experts = MLP(hidden_size=hidden_size, ffn_hidden_size=cfg.shared_expert_ffn_hidden_size)
         else:
             self.shared_experts = None
         # parallelize hands in a dispatcher over the expert-parallel group and the groups below.
-        self.dispatcher = LocalDispatcher(num_experts=moe.num_experts)
+        self.dispatcher = LocalDispatcher(num_experts=cfg.num_experts)
         self.token_group: dist.ProcessGroup | None = None  # ranks sharing one micro-batch's tokens (SP, CP)
         self.balance_group: dist.ProcessGroup | None = None  # global_aux_loss: the data-parallel group
-        experts = moe.num_experts
+        experts = cfg.num_experts
         self.register_buffer("tokens_per_expert", torch.zeros(experts, dtype=torch.int64), persistent=False)
         # Rows this rank's experts received (padding included), in its first num_local_experts entries: the
         # per-rank load the trainer logs (train/rank_load.py).
@@ -113,6 +118,7 @@ class MoELayer(nn.Module):
         self.register_buffer("assignments", torch.zeros((), dtype=torch.int64), persistent=False)
         self.register_buffer("aux_loss_value", torch.zeros((), dtype=torch.float64), persistent=False)
         self.register_buffer("router_entropy_sum", torch.zeros((), dtype=torch.float64), persistent=False)
+        self.layout_forward = LayoutRegion(MoELayer._forward)
 
     def reset_telemetry(self) -> None:
         """Zero the step's telemetry (the trainer: once per step)."""
@@ -122,25 +128,28 @@ class MoELayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, records: RoutingRecords | None = None) -> torch.Tensor:
         """hidden [b, s, h] -> [b, s, h]. `records` collects this forward's routing for all_layers_aux_loss."""
+        return self.layout_forward(self, hidden, records)
+
+    def _forward(self, hidden: torch.Tensor, records: RoutingRecords | None) -> torch.Tensor:
         batch, seq, hidden_size = hidden.shape
         x = hidden.reshape(-1, hidden_size)
         routing = self.router(x)
         tokens, top_k = routing.topk_indices.shape
 
         keep, capacity = None, None
-        if self.moe.capacity_factor is not None:
+        if self.cfg.capacity_factor is not None:
             capacity = expert_capacity(
                 num_tokens=tokens,
                 top_k=top_k,
-                num_experts=self.moe.num_experts,
-                capacity_factor=self.moe.capacity_factor,
+                num_experts=self.cfg.num_experts,
+                capacity_factor=self.cfg.capacity_factor,
             )
             keep = capacity_keep_mask(
                 routing.topk_indices,
                 routing.topk_weights,
-                num_experts=self.moe.num_experts,
+                num_experts=self.cfg.num_experts,
                 capacity=capacity,
-                policy=self.moe.drop_policy,
+                policy=self.cfg.drop_policy,
             )
         # Forced routing (measure): every rank's counts follow from the shapes, no device read needed.
         even = self.router.even_routing and keep is None
@@ -148,17 +157,17 @@ class MoELayer(nn.Module):
         shared = self._start_shared_experts(x)  # before the dispatch: on CUDA it overlaps the all-to-all
         rows, row_probs, rows_per_expert, plan = self.dispatcher.dispatch(
             x, routing.topk_slots, routing.topk_weights, keep=keep,
-            pad_to=capacity if self.moe.pad_to_capacity else None, host_counts=known,
+            pad_to=capacity if self.cfg.pad_to_capacity else None, host_counts=known,
         )
         # The capacity bounds each expert's rows where this rank holds every expert (no expert parallelism: the
         # rows come from its own tokens alone), so the padded batched GEMM can size itself without a read.
-        bound = capacity if self.dispatcher.num_local_experts == self.moe.num_experts else None
+        bound = capacity if self.dispatcher.num_local_experts == self.cfg.num_experts else None
         out = self.experts(rows, rows_per_expert, probs=row_probs, capacity=bound)
         out = self.dispatcher.combine(out, plan).to(hidden.dtype)
         if shared is not None:
             out = out + self._finish_shared_experts(shared)
 
-        counts = count_per_expert(routing.topk_indices, self.moe.num_experts)
+        counts = count_per_expert(routing.topk_indices, self.cfg.num_experts)
         recomputing = in_recomputation()
         if not recomputing:
             with torch.no_grad():
@@ -177,7 +186,7 @@ class MoELayer(nn.Module):
         sequence or context parallelism would put an all-reduce or gather on the side stream, whose order
         against the dispatch's collectives would then be the streams' rather than the program's)."""
         return (x.device.type == "cuda" and self.token_group is None
-                and self.dispatcher.num_local_experts < self.moe.num_experts)
+                and self.dispatcher.num_local_experts < self.cfg.num_experts)
 
     def _start_shared_experts(self, x: torch.Tensor) -> torch.Tensor | None:
         """The shared experts' output, started before the routed experts' dispatch. On a side CUDA stream (see
@@ -210,40 +219,44 @@ class MoELayer(nn.Module):
         shared.record_stream(main)
         return shared
 
+    # Eager under train.compile: the switch-style losses' gradient is a holder's value, filled after the layer's
+    # forward (by the layer, or the model for all_layers_aux_loss) and read by backward; a compiled backward
+    # would read it at trace time. Attached eagerly, it is read when backward runs.
+    @torch.compiler.disable
     def _attach_balancing_losses(self, out, routing, counts, batch, seq, records, recomputing) -> torch.Tensor:
         """Each loss over its token set. With a `token_group` (sequence parallelism) the set spans equal shards
         on several ranks: each rank's loss is its share (its tokens over the whole set), the shares sum to the
         single-device loss and each rank's gradient reaches its own router scores."""
-        cfg = self.moe.router
-        experts = self.moe.num_experts
+        router = self.cfg.router
+        experts = self.cfg.num_experts
         shards = 1 if self.token_group is None else dist.get_world_size(self.token_group)
         value = torch.zeros((), dtype=torch.float32, device=out.device)
         graph_loss = None  # losses that are functions of this forward alone: differentiated by autograd
-        if cfg.load_balancing == "seq_aux_loss" and cfg.aux_loss_coeff > 0:
+        if router.load_balancing == "seq_aux_loss" and router.aux_loss_coeff > 0:
             scores = routing.scores.view(batch, seq, -1)
-            graph_loss = cfg.aux_loss_coeff * seq_aux_loss(scores, routing.topk_indices.view(batch, seq, -1),
-                                                           self.moe.top_k, group=self.token_group)
-        if cfg.z_loss_coeff > 0:
-            z = cfg.z_loss_coeff * z_loss(routing.logits, token_shards=shards)
+            graph_loss = router.aux_loss_coeff * seq_aux_loss(scores, routing.topk_indices.view(batch, seq, -1),
+                                                              self.cfg.top_k, group=self.token_group)
+        if router.z_loss_coeff > 0:
+            z = router.z_loss_coeff * z_loss(routing.logits, token_shards=shards)
             graph_loss = z if graph_loss is None else graph_loss + z
         if graph_loss is not None:
             out = attach_loss(out, graph_loss, scale=self.balancing.scale)
             value = value + graph_loss.detach()
         # all_layers_aux_loss needs the model's forward to collect every layer (a layer run alone has none).
-        collected = cfg.load_balancing != "all_layers_aux_loss" or records is not None
-        if cfg.load_balancing in SWITCH_LOSSES and cfg.aux_loss_coeff > 0 and collected:
+        collected = router.load_balancing != "all_layers_aux_loss" or records is not None
+        if router.load_balancing in SWITCH_LOSSES and router.aux_loss_coeff > 0 and collected:
             holder = ScoreGradient()
             rows = routing.scores.shape[0] * shards  # of the token set (equal shards)
-            if cfg.load_balancing == "all_layers_aux_loss":
+            if router.load_balancing == "all_layers_aux_loss":
                 if not recomputing:
                     records.items.append(RoutingRecord(routing.scores.detach(), counts, holder))
             elif not recomputing:  # a recomputed forward's holder is never read: skip its collectives
-                load = self._switch_load(counts, routing.scores.shape[0], cfg.load_balancing)
-                holder.per_expert = cfg.aux_loss_coeff * experts * load / rows
+                load = self._switch_load(counts, routing.scores.shape[0], router.load_balancing)
+                holder.per_expert = router.aux_loss_coeff * experts * load / rows
                 importance = routing.scores.detach().float().mean(dim=0)
                 if shards > 1:  # this rank's share of the set's mean
                     importance = importance / shards
-                value = value + cfg.aux_loss_coeff * experts * (load * importance).sum()
+                value = value + router.aux_loss_coeff * experts * (load * importance).sum()
             out = attach_score_gradient(out, routing.scores, holder, scale=self.balancing.scale)
         if not recomputing:
             with torch.no_grad():

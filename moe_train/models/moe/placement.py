@@ -25,8 +25,8 @@ def apply_placement(model: nn.Module, placement: Placement | None) -> None:
     for module in model.modules():
         if isinstance(module, DecoderBlock) and module.is_moe:
             slots = None if placement is None else placement.slot_of_expert(module.layer_index)
-            module.mlp.router.set_placement(slots)
-            module.mlp.experts.expert_ids = None if slots is None else _inverse(slots)
+            module.ffn.router.set_placement(slots)
+            module.ffn.experts.expert_ids = None if slots is None else _inverse(slots)
 
 
 def placed_stacks(model: nn.Module) -> dict[str, tuple[int, ...]]:

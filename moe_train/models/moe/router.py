@@ -54,31 +54,31 @@ class Router(nn.Module):
     skewed towards the experts it favours.
     """
 
-    def __init__(self, *, hidden_size: int, moe: MoEConfig):
+    def __init__(self, *, hidden_size: int, cfg: MoEConfig):
         super().__init__()
-        cfg = moe.router
-        self.num_experts = moe.num_experts
-        self.top_k = moe.top_k
-        self.score_function = cfg.score_function
-        self.normalize_topk = cfg.normalize_topk
+        routing = cfg.router
+        self.num_experts = cfg.num_experts
+        self.top_k = cfg.top_k
+        self.score_function = routing.score_function
+        self.normalize_topk = routing.normalize_topk
         # Group limiting is active only when it can exclude something: several groups, not all of them kept.
-        groups, group_top_k = cfg.num_groups or 1, cfg.group_top_k or cfg.num_groups or 1
-        _check_routing(moe, groups, group_top_k)
+        groups, group_top_k = routing.num_groups or 1, routing.group_top_k or routing.num_groups or 1
+        _check_routing(cfg, groups, group_top_k)
         self.num_groups = groups if group_top_k < groups else None
         self.group_top_k = group_top_k
-        self.scaling_factor = cfg.topk_scaling_factor
+        self.scaling_factor = routing.topk_scaling_factor
         self.even_routing = False
-        self.forced = ForcedRouting.of(moe)
-        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        self.forced = ForcedRouting.of(cfg)
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size))
         # gpt-oss: a trained logit bias (transformers' router.bias). Its softmax over the top-k logits is this
         # router's softmax scores renormalised over the top k (normalize_topk), the same numbers.
-        self.bias = nn.Parameter(torch.empty(moe.num_experts)) if cfg.learned_bias else None
-        if cfg.expert_bias:
+        self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if routing.learned_bias else None
+        if routing.expert_bias:
             # fp32 whatever the model dtype: updates of 1e-3 would vanish in bf16 next to scores near 1.
-            self.register_buffer("expert_bias", torch.empty(moe.num_experts, dtype=torch.float32), persistent=True)
+            self.register_buffer("expert_bias", torch.empty(cfg.num_experts, dtype=torch.float32), persistent=True)
         else:
             self.expert_bias = None
-        self.logit_bias = cfg.logit_bias
+        self.logit_bias = routing.logit_bias
         self.placement: tuple[int, ...] | None = None  # the slot of each expert; None: contiguous
 
     def set_placement(self, slot_of_expert: list[int] | None) -> None:
@@ -194,9 +194,9 @@ def count_per_expert(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
 
 
-def _check_routing(moe: MoEConfig, num_groups: int, group_top_k: int) -> None:
+def _check_routing(cfg: MoEConfig, num_groups: int, group_top_k: int) -> None:
     """Refuse routing settings that would silently pick -inf experts (the recipe rules report them earlier)."""
-    experts, k = moe.num_experts, moe.top_k
+    experts, k = cfg.num_experts, cfg.top_k
     if k > experts:
         raise ValueError(f"model.moe.top_k ({k}) exceeds model.moe.num_experts ({experts})")
     if experts % num_groups:
