@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SHRINK_LAYOUT, assert_same_run
+from helpers import SHRINK_LAYOUT, assert_same_run, read_metrics
 from multirank import run_ranks
 from workers.record import record_run
 
@@ -42,10 +42,45 @@ AGAINST_SINGLE = ("alltoall", "allgather", "selective-recompute")
 
 EVALUATED = "alltoall"  # its runs also evaluate after the last step (the schedule's forwards only)
 
+# The embedding shared in the V: deepseek-v3-tiny (MTP) with its head tied to the embedding puts the embedding,
+# the MTP module and the tied head on pipeline rank 0, one embedding copy in each of its two chunks; trained 3
+# steps plain (against the single process), overlapped (bitwise the plain), and stopped at step 2 and resumed
+# (bitwise the plain: both copies load the saved tensor)
+SHARED = ("deepseek-v3-tiny", ["model.tie_embeddings=true"])
+SHARED_STEPS, SHARED_STOP = 3, 2
 
-def _spec(case_id: str, model: list[str], *, evaluate: bool = False) -> dict:
-    return {"id": case_id, "recipe": "qwen3-moe-tiny", "steps": STEPS, "evaluate": evaluate,
-            "overrides": [*SHRINK_LAYOUT, *MODEL, *model, *DUALPIPEV]}
+
+def _spec(case_id: str, model: list[str], *, evaluate: bool = False, recipe: str = "qwen3-moe-tiny",
+          steps: int = STEPS, **extra) -> dict:
+    return {"id": case_id, "recipe": recipe, "steps": steps, "evaluate": evaluate,
+            "overrides": [*SHRINK_LAYOUT, *MODEL, *model, *DUALPIPEV], **extra}
+
+
+def _shared_cases() -> list[dict]:
+    recipe, model = SHARED
+    return [_spec("shared-plain", model, recipe=recipe, steps=SHARED_STEPS),
+            _spec("shared-overlap", [*model, OVERLAP], recipe=recipe, steps=SHARED_STEPS),
+            _spec("shared-resume", model, recipe=recipe, steps=SHARED_STEPS, stop_at=SHARED_STOP)]
+
+
+def _check_shared(saved: dict[str, str], run_root: Path, tmp_path: Path) -> None:
+    """The embedding's two copies on rank 0: the step equals the single process (the copies' gradients summed
+    in place), the overlapped step the plain one bit for bit, and the resumed run the uninterrupted one bit for
+    bit (every parameter and buffer after the last step: workers/record.py checks the two copies bit-equal on
+    the rank; the losses the loss rank logged)."""
+    recipe, model = SHARED
+    plain, overlapped, resumed = (torch.load(saved[f"shared-{kind}"], weights_only=True)
+                                  for kind in ("plain", "overlap", "resume"))
+    assert_same_run(overlapped, plain, **EXACT)
+    single = record_run(recipe, [*SHRINK_LAYOUT, *MODEL, *model], world=1, run_dir=tmp_path / "shared",
+                        steps=SHARED_STEPS)
+    assert_same_run(plain, single)
+    assert resumed["started"] == SHARED_STOP
+    assert resumed["state"].keys() == plain["state"].keys()
+    for key, value in plain["state"].items():
+        assert torch.equal(resumed["state"][key], value), key
+    logged = read_metrics(run_root / "shared-resume", "train")
+    assert [r["loss"] for r in logged] == plain["losses"] and all(r["mtp_loss"] > 0 for r in logged)
 
 
 @pytest.mark.slow
@@ -56,9 +91,10 @@ def test_dualpipev_overlapped_pairs_equal_the_plain_step_and_the_single_process(
         cases += [_spec(f"{name}-plain", model, evaluate=evaluate),
                   _spec(f"{name}-overlap", [*model, OVERLAP], evaluate=evaluate)]
     order = _spec("order", [OVERLAP])
-    result = run_ranks("pipeline_overlap", 4, {"cases": [*cases, order], "run_root": str(tmp_path / "pp")}, tmp_path,
-                       timeout=400)
+    result = run_ranks("pipeline_overlap", 4, {"cases": [*cases, *_shared_cases(), order],
+                                               "run_root": str(tmp_path / "pp")}, tmp_path, timeout=500)
     saved = result["saved"]
+    _check_shared(saved, tmp_path / "pp", tmp_path)
     for name, model in CASES.items():
         plain = torch.load(saved[f"{name}-plain"], weights_only=True)
         overlapped = torch.load(saved[f"{name}-overlap"], weights_only=True)
@@ -131,18 +167,31 @@ def test_validate_refuses_what_dualpipev_and_its_overlap_cannot_do_by_name(sets:
     assert len(lines) == 1 and refused in lines[0], str(error.value)
 
 
-def test_the_engine_refuses_dualpipev_with_the_embedding_shared_in_the_v() -> None:
-    """MTP or a tied head on the last stage, which a V puts on the first stage's rank: validate and plan accept
-    it, the engine refuses it by name (config/support.py)."""
+@pytest.mark.parametrize("shared", [["model.tie_embeddings=true"], [], ["model.mtp_layers=0",
+                                                                       "model.tie_embeddings=true"]],
+                         ids=["mtp-tied", "mtp", "tied"])
+def test_validate_plan_and_the_engine_agree_on_dualpipev_with_the_embedding_shared_in_the_v(shared: list[str]
+                                                                                           ) -> None:
+    """MTP or a tied head on the last stage, which a V puts on the first stage's rank: validate accepts it, plan
+    prices it (no shared-embedding all-reduce: the rank sums its two copies in place) and the engine's gate
+    passes it (config/support.py, which bootstrap applies: the slow job above trains the mtp-tied recipe)."""
     from moe_train.config import load_recipe
+    from moe_train.config.hardware import HARDWARE
     from moe_train.config.support import unsupported
+    from moe_train.plan.estimate import estimate, plan_json
 
-    tied = load_recipe("qwen3-moe-tiny", [*SHRINK_LAYOUT, *TWO, *DUALPIPEV, "model.tie_embeddings=true"],
-                       check_files=False)
-    assert unsupported(tied) == ["parallel.pp_schedule: dualpipev with MTP or tied embeddings (the last stage's "
-                                 "embedding copy on the first stage's rank) is not supported yet"]
-    untied = load_recipe("qwen3-moe-tiny", [*SHRINK_LAYOUT, *TWO, *DUALPIPEV], check_files=False)
-    assert unsupported(untied) == []
+    recipe = load_recipe(SHARED[0], [*SHRINK_LAYOUT, *TWO, *DUALPIPEV, *shared], check_files=False)
+    assert recipe.model.mtp_layers > 0 or recipe.model.tie_embeddings
+    assert unsupported(recipe) == []
+    def summed(plan) -> list[bool]:  # per pipeline rank: does it all-reduce the embedding's gradient?
+        return [any(key.startswith("embedding/") for key in rank.comm.payload) for rank in plan.ranks]
+
+    plan = estimate(recipe, HARDWARE["h100"])
+    assert plan_json(plan)["step_time_s"] > 0 and summed(plan) == [False, False]
+    # the same copies on two ranks (1f1b: the last stage on rank 1) sum over the group of the two
+    apart = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"vpp": 1,
+                                                                                      "pp_schedule": "1f1b"})})
+    assert summed(estimate(apart, HARDWARE["h100"])) == [True, True]
 
 
 def _torch_order(pp: int, rank: int, micro_batches: int) -> list[tuple[str, ...]]:

@@ -46,7 +46,8 @@ micro-batch on this rank, Ts of them in the sequence region, Tm routed; a bytes 
   gradient norm over dp_cp (FSDP2's dense mesh; cp_tp at dp 1, where DTensor finds that flattened group).
 - pp: activations forward and their gradients backward, a Ts h per crossing of a stage boundary, sent by
   one side and received by the other; when the last stage keeps a copy of the embedding (MTP, tied head),
-  an fp32 all-reduce of the embedding's gradient shard per step between it and the first stage (`embedding`).
+  an fp32 all-reduce of the embedding's gradient shard per step between it and the first stage (`embedding`;
+  none in dualpipev's V, whose rank 0 holds both stages).
 Recompute repeats a region's forward collectives up to its last saved tensor (recompute_policy.py): not the exit of a
 dense MLP (or of a shared expert with nothing saved after it, or else the all-gather dispatcher's final
 reduce-scatter when nothing follows it), nor a MoE layer's final gather; a full-recompute group skips its last
@@ -157,11 +158,12 @@ class CommBytes:
         out.add("pp", "send", boundary, layout.pp, mb * sends)
         out.add("pp", "recv", boundary, layout.pp, mb * sends)
         # the last stage's copy of the embedding (MTP, tied head) and the first stage's sum their gradient
-        # shards once per step over a group of the two (parallel/pipeline.py: sync_shared_gradients)
-        if layout.pp > 1 and (m.mtp_layers > 0 or m.tie_embeddings):
+        # shards once per step over a group of the two (parallel/pipeline.py: sync_shared_gradients); a rank
+        # holding both (rank 0 in a V) sums them in place
+        holders = sum(c.virtual_index in (0, last) for c in chunks)
+        if layout.pp > 1 and (m.mtp_layers > 0 or m.tie_embeddings) and holders == 1:
             rows = fsdp_rows(m.padded_vocab_size() // layout.tp, layout.dps * layout.cp)[0]
-            holders = sum(c.virtual_index in (0, last) for c in chunks)
-            out.add("embedding", "all_reduce", FP32 * rows * m.hidden_size, 2, holders)
+            out.add("embedding", "all_reduce", FP32 * rows * m.hidden_size, 2, 1)
         return out
 
 
