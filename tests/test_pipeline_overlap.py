@@ -5,8 +5,10 @@ against the schedule torch builds.
 
 PP2 x EP2 on 4 gloo ranks (the experts over the two data-parallel ranks of each stage), 4 layers in 4 stages (a
 V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2), 4 micro-batches a step: each rank runs 3 overlapped
-pairs a step. Cases: the all-to-all and the all-gather dispatcher, selective recompute of the MoE layers, fp8
-rowwise (against the plain step only), in one job with the recorded order. The pairs run the plain schedule's
+pairs a step. Cases: the all-to-all, the all-gather and the hierarchical dispatcher (every rank its own
+emulated node), selective recompute of the MoE layers, fp8 rowwise (against the plain step only), MTP with a
+tied head (the embedding's two copies on rank 0: trained, overlapped, resumed), in one job with the recorded
+order. The pairs run the plain schedule's
 two sub-actions, on two stages that share no parameter, so nothing may part by a bit (tolerance 0); the plain
 dualpipev step is held to the single process as every layout test is (helpers.assert_same_run).
 """
@@ -34,10 +36,14 @@ CASES = {
     "allgather": ["model.moe.dispatcher=allgather"],
     "selective-recompute": ["parallel.recompute.granularity=selective", "parallel.recompute.modules=[moe]"],
     "fp8-rowwise": ["train.precision=fp8", "train.fp8.recipe=rowwise"],
+    "hierarchical": [],
 }
+# layout overrides of a case, not given to the single process: the hierarchical dispatcher with every rank its
+# own emulated node (EP2 spans 2 nodes of one rank: the network all-to-all, no NVLink fan-out)
+LAYOUT_ONLY = {"hierarchical": ["model.moe.dispatcher=hierarchical", "launch.nodes=4"]}
 # fp8 is held to the plain dualpipev step only: against the single process fp8 layouts differ by their own
 # tolerance (test_fp8_layouts), which says nothing of the overlap
-AGAINST_SINGLE = ("alltoall", "allgather", "selective-recompute")
+AGAINST_SINGLE = ("alltoall", "allgather", "selective-recompute", "hierarchical")
 
 
 EVALUATED = "alltoall"  # its runs also evaluate after the last step (the schedule's forwards only)
@@ -88,8 +94,15 @@ def test_dualpipev_overlapped_pairs_equal_the_plain_step_and_the_single_process(
     cases = []
     for name, model in CASES.items():
         evaluate = name == EVALUATED
-        cases += [_spec(f"{name}-plain", model, evaluate=evaluate),
-                  _spec(f"{name}-overlap", [*model, OVERLAP], evaluate=evaluate)]
+        layout = LAYOUT_ONLY.get(name, [])
+        cases += [_spec(f"{name}-plain", [*model, *layout], evaluate=evaluate),
+                  _spec(f"{name}-overlap", [*model, *layout, OVERLAP], evaluate=evaluate)]
+    from moe_train.config import load_recipe
+    from moe_train.plan.rank_layout import PlanLayout
+
+    hierarchical = load_recipe("qwen3-moe-tiny", [*_spec("h", LAYOUT_ONLY["hierarchical"])["overrides"],
+                                                  "launch.gpus_per_node=1"], check_files=False)
+    assert PlanLayout.from_recipe(hierarchical).ep_split == (2, 1)  # the EP group spans two nodes
     order = _spec("order", [OVERLAP])
     result = run_ranks("pipeline_overlap", 4, {"cases": [*cases, *_shared_cases(), order],
                                                "run_root": str(tmp_path / "pp")}, tmp_path, timeout=500)
@@ -192,6 +205,42 @@ def test_validate_plan_and_the_engine_agree_on_dualpipev_with_the_embedding_shar
     apart = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"vpp": 1,
                                                                                       "pp_schedule": "1f1b"})})
     assert summed(estimate(apart, HARDWARE["h100"])) == [True, True]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_process_group")  # tests/conftest.py: --fake plays a rank of its own fake group
+def test_measure_fake_of_each_dualpipev_rank_is_its_plan() -> None:
+    """`measure --fake` of deepseek-v3-tiny under dualpipev (PP2 x EP2, MTP: rank 0 holds the embedding, its
+    copy, the MTP module and the loss) against the plan of each pipeline rank, as every pipelined plan = measure
+    case: parameters, gradients, optimizer state, FLOPs and every collective's bytes exactly (the V's tip hands
+    its tensors on locally: no pp send there; the norm counts the embedding copy once); the saved bytes alive at
+    the step's peak within 1% of the plan's activations, and of in_flight's micro-batches of each stage
+    ([2 pp - r, r + 1]) times the stage's bytes per micro-batch measured."""
+    from helpers import GPU, plan_against_measure
+
+    from moe_train.config import load_recipe
+    from moe_train.config.mesh_shape import MeshShape
+    from moe_train.measure.driver import Target, measure
+    from moe_train.plan.estimate import estimate, plan_json
+    from moe_train.plan.rank_layout import PlanLayout, in_flight, rank_chunks
+
+    recipe = load_recipe("deepseek-v3-tiny", [*DUALPIPEV, "model.num_layers=4", "train.seq_length=64",
+                                              "train.micro_batch_size=1", "train.global_batch_size=8",
+                                              "launch.gpus_per_node=4"], check_files=False)
+    shape, layout, plan = MeshShape.from_recipe(recipe), PlanLayout.from_recipe(recipe), estimate(recipe, GPU)
+    assert layout.micro_batches == 4
+    for rank in (0, 2):  # pipeline ranks 0 and 1 (dp 0)
+        stage = shape.dense_coords(rank)[0]
+        report = measure(recipe, Target(fake=True, rank=rank))
+        planned = plan_json(plan, pipeline_rank=stage)
+        assert plan_against_measure(recipe, report, tolerance=1e-9, plan=planned) == [], rank
+        peak = report["activation_bytes_peak"]
+        assert peak == pytest.approx(planned["memory_bytes"]["activations"], rel=0.01), rank
+        per_layer, n = report["activation_bytes_per_layer"], recipe.model.num_layers
+        chunks = rank_chunks(layout, recipe.model)[stage]
+        held = sum(count * sum(per_layer[str(i)] for i in [*chunk.layers, *range(n, n + chunk.mtp)])
+                   for count, chunk in zip(in_flight(layout, stage), chunks, strict=True))
+        assert peak == pytest.approx(held + per_layer["other"], rel=0.01), (rank, in_flight(layout, stage))
 
 
 def _torch_order(pp: int, rank: int, micro_batches: int) -> list[tuple[str, ...]]:
