@@ -279,6 +279,23 @@ def test_plan_pairs_are_the_pairs_of_the_schedule_torch_builds(pp: int) -> None:
             assert comm.hidden_s == pytest.approx(6.0 * pairs / (2 * micro_batches), rel=1e-12)
 
 
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_plan_bubble_of_dualpipev_is_its_order_run_as_soon_as_each_pass_can(pp: int) -> None:
+    """The order's idle time (plan/overlap.py `dualpipev_idle`, each pass run once its inputs are there), on the
+    schedule torch builds (held pass for pass above): with full backwards (B = 2F, no weight pass apart) it is
+    DualPipe's count (pp - 1)(F&B + B) with F&B = F + B, less the one forward torch's split of the last rank's
+    first steady-state pair fills (none to fill when F = B: (pp - 1)(F&B + B) exactly). It does not grow with M,
+    so plan's bubble share is that over a rank's 2M (F + B), above interleaved 1F1B's (pp - 1) / 2M at vpp 2."""
+    from moe_train.plan.overlap import dualpipev_bubble, dualpipev_idle
+
+    for micro_batches in (2 * pp, 2 * pp + 1, 3 * pp, 4 * pp + 2):
+        assert dualpipev_idle(pp=pp, micro_batches=micro_batches) == (pp - 1) * (3 + 2) - 1
+        assert dualpipev_idle(pp=pp, micro_batches=micro_batches, backward_ratio=1.0) == (pp - 1) * 3
+        share = dualpipev_bubble(pp=pp, micro_batches=micro_batches)
+        assert share == pytest.approx((5 * (pp - 1) - 1) / (6 * micro_batches), rel=1e-12)
+        assert share > (pp - 1) / (2 * micro_batches)
+
+
 def test_plan_of_a_dualpipev_recipe_prices_the_pairs_of_each_rank() -> None:
     """`plan` of deepseek-v3's own pipeline (pp 8, vpp 2) under dualpipev: without ep_overlap nothing hides; with
     it every pipeline rank hides EP communication, at most its schedule's pairs / 2M, and the time rank's
