@@ -5,8 +5,10 @@ against the schedule torch builds.
 
 PP2 x EP2 on 4 gloo ranks (the experts over the two data-parallel ranks of each stage), 4 layers in 4 stages (a
 V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2), 4 micro-batches a step: each rank runs 3 overlapped
-pairs a step. Cases: the all-to-all and the all-gather dispatcher, selective recompute of the MoE layers, fp8
-rowwise (against the plain step only), in one job with the recorded order. The pairs run the plain schedule's
+pairs a step. Cases: the all-to-all, the all-gather and the hierarchical dispatcher (every rank its own
+emulated node), selective recompute of the MoE layers, fp8 rowwise (against the plain step only), MTP with a
+tied head (the embedding's two copies on rank 0: trained, overlapped, resumed), in one job with the recorded
+order. The pairs run the plain schedule's
 two sub-actions, on two stages that share no parameter, so nothing may part by a bit (tolerance 0); the plain
 dualpipev step is held to the single process as every layout test is (helpers.assert_same_run).
 """
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SHRINK_LAYOUT, assert_same_run
+from helpers import SHRINK_LAYOUT, assert_same_run, read_metrics
 from multirank import run_ranks
 from workers.record import record_run
 
@@ -34,18 +36,57 @@ CASES = {
     "allgather": ["model.moe.dispatcher=allgather"],
     "selective-recompute": ["parallel.recompute.granularity=selective", "parallel.recompute.modules=[moe]"],
     "fp8-rowwise": ["train.precision=fp8", "train.fp8.recipe=rowwise"],
+    "hierarchical": [],
 }
+# layout overrides of a case, not given to the single process: the hierarchical dispatcher with every rank its
+# own emulated node (EP2 spans 2 nodes of one rank: the network all-to-all, no NVLink fan-out)
+LAYOUT_ONLY = {"hierarchical": ["model.moe.dispatcher=hierarchical", "launch.nodes=4"]}
 # fp8 is held to the plain dualpipev step only: against the single process fp8 layouts differ by their own
 # tolerance (test_fp8_layouts), which says nothing of the overlap
-AGAINST_SINGLE = ("alltoall", "allgather", "selective-recompute")
+AGAINST_SINGLE = ("alltoall", "allgather", "selective-recompute", "hierarchical")
 
 
 EVALUATED = "alltoall"  # its runs also evaluate after the last step (the schedule's forwards only)
 
+# The embedding shared in the V: deepseek-v3-tiny (MTP) with its head tied to the embedding puts the embedding,
+# the MTP module and the tied head on pipeline rank 0, one embedding copy in each of its two chunks; trained 3
+# steps plain (against the single process), overlapped (bitwise the plain), and stopped at step 2 and resumed
+# (bitwise the plain: both copies load the saved tensor)
+SHARED = ("deepseek-v3-tiny", ["model.tie_embeddings=true"])
+SHARED_STEPS, SHARED_STOP = 3, 2
 
-def _spec(case_id: str, model: list[str], *, evaluate: bool = False) -> dict:
-    return {"id": case_id, "recipe": "qwen3-moe-tiny", "steps": STEPS, "evaluate": evaluate,
-            "overrides": [*SHRINK_LAYOUT, *MODEL, *model, *DUALPIPEV]}
+
+def _spec(case_id: str, model: list[str], *, evaluate: bool = False, recipe: str = "qwen3-moe-tiny",
+          steps: int = STEPS, **extra) -> dict:
+    return {"id": case_id, "recipe": recipe, "steps": steps, "evaluate": evaluate,
+            "overrides": [*SHRINK_LAYOUT, *MODEL, *model, *DUALPIPEV], **extra}
+
+
+def _shared_cases() -> list[dict]:
+    recipe, model = SHARED
+    return [_spec("shared-plain", model, recipe=recipe, steps=SHARED_STEPS),
+            _spec("shared-overlap", [*model, OVERLAP], recipe=recipe, steps=SHARED_STEPS),
+            _spec("shared-resume", model, recipe=recipe, steps=SHARED_STEPS, stop_at=SHARED_STOP)]
+
+
+def _check_shared(saved: dict[str, str], run_root: Path, tmp_path: Path) -> None:
+    """The embedding's two copies on rank 0: the step equals the single process (the copies' gradients summed
+    in place), the overlapped step the plain one bit for bit, and the resumed run the uninterrupted one bit for
+    bit (every parameter and buffer after the last step: workers/record.py checks the two copies bit-equal on
+    the rank; the losses the loss rank logged)."""
+    recipe, model = SHARED
+    plain, overlapped, resumed = (torch.load(saved[f"shared-{kind}"], weights_only=True)
+                                  for kind in ("plain", "overlap", "resume"))
+    assert_same_run(overlapped, plain, **EXACT)
+    single = record_run(recipe, [*SHRINK_LAYOUT, *MODEL, *model], world=1, run_dir=tmp_path / "shared",
+                        steps=SHARED_STEPS)
+    assert_same_run(plain, single)
+    assert resumed["started"] == SHARED_STOP
+    assert resumed["state"].keys() == plain["state"].keys()
+    for key, value in plain["state"].items():
+        assert torch.equal(resumed["state"][key], value), key
+    logged = read_metrics(run_root / "shared-resume", "train")
+    assert [r["loss"] for r in logged] == plain["losses"] and all(r["mtp_loss"] > 0 for r in logged)
 
 
 @pytest.mark.slow
@@ -53,12 +94,20 @@ def test_dualpipev_overlapped_pairs_equal_the_plain_step_and_the_single_process(
     cases = []
     for name, model in CASES.items():
         evaluate = name == EVALUATED
-        cases += [_spec(f"{name}-plain", model, evaluate=evaluate),
-                  _spec(f"{name}-overlap", [*model, OVERLAP], evaluate=evaluate)]
+        layout = LAYOUT_ONLY.get(name, [])
+        cases += [_spec(f"{name}-plain", [*model, *layout], evaluate=evaluate),
+                  _spec(f"{name}-overlap", [*model, *layout, OVERLAP], evaluate=evaluate)]
+    from moe_train.config import load_recipe
+    from moe_train.plan.rank_layout import PlanLayout
+
+    hierarchical = load_recipe("qwen3-moe-tiny", [*_spec("h", LAYOUT_ONLY["hierarchical"])["overrides"],
+                                                  "launch.gpus_per_node=1"], check_files=False)
+    assert PlanLayout.from_recipe(hierarchical).ep_split == (2, 1)  # the EP group spans two nodes
     order = _spec("order", [OVERLAP])
-    result = run_ranks("pipeline_overlap", 4, {"cases": [*cases, order], "run_root": str(tmp_path / "pp")}, tmp_path,
-                       timeout=400)
+    result = run_ranks("pipeline_overlap", 4, {"cases": [*cases, *_shared_cases(), order],
+                                               "run_root": str(tmp_path / "pp")}, tmp_path, timeout=500)
     saved = result["saved"]
+    _check_shared(saved, tmp_path / "pp", tmp_path)
     for name, model in CASES.items():
         plain = torch.load(saved[f"{name}-plain"], weights_only=True)
         overlapped = torch.load(saved[f"{name}-overlap"], weights_only=True)
@@ -131,18 +180,67 @@ def test_validate_refuses_what_dualpipev_and_its_overlap_cannot_do_by_name(sets:
     assert len(lines) == 1 and refused in lines[0], str(error.value)
 
 
-def test_the_engine_refuses_dualpipev_with_the_embedding_shared_in_the_v() -> None:
-    """MTP or a tied head on the last stage, which a V puts on the first stage's rank: validate and plan accept
-    it, the engine refuses it by name (config/support.py)."""
+@pytest.mark.parametrize("shared", [["model.tie_embeddings=true"], [], ["model.mtp_layers=0",
+                                                                       "model.tie_embeddings=true"]],
+                         ids=["mtp-tied", "mtp", "tied"])
+def test_validate_plan_and_the_engine_agree_on_dualpipev_with_the_embedding_shared_in_the_v(shared: list[str]
+                                                                                           ) -> None:
+    """MTP or a tied head on the last stage, which a V puts on the first stage's rank: validate accepts it, plan
+    prices it (no shared-embedding all-reduce: the rank sums its two copies in place) and the engine's gate
+    passes it (config/support.py, which bootstrap applies: the slow job above trains the mtp-tied recipe)."""
     from moe_train.config import load_recipe
+    from moe_train.config.hardware import HARDWARE
     from moe_train.config.support import unsupported
+    from moe_train.plan.estimate import estimate, plan_json
 
-    tied = load_recipe("qwen3-moe-tiny", [*SHRINK_LAYOUT, *TWO, *DUALPIPEV, "model.tie_embeddings=true"],
-                       check_files=False)
-    assert unsupported(tied) == ["parallel.pp_schedule: dualpipev with MTP or tied embeddings (the last stage's "
-                                 "embedding copy on the first stage's rank) is not supported yet"]
-    untied = load_recipe("qwen3-moe-tiny", [*SHRINK_LAYOUT, *TWO, *DUALPIPEV], check_files=False)
-    assert unsupported(untied) == []
+    recipe = load_recipe(SHARED[0], [*SHRINK_LAYOUT, *TWO, *DUALPIPEV, *shared], check_files=False)
+    assert recipe.model.mtp_layers > 0 or recipe.model.tie_embeddings
+    assert unsupported(recipe) == []
+    def summed(plan) -> list[bool]:  # per pipeline rank: does it all-reduce the embedding's gradient?
+        return [any(key.startswith("embedding/") for key in rank.comm.payload) for rank in plan.ranks]
+
+    plan = estimate(recipe, HARDWARE["h100"])
+    assert plan_json(plan)["step_time_s"] > 0 and summed(plan) == [False, False]
+    # the same copies on two ranks (1f1b: the last stage on rank 1) sum over the group of the two
+    apart = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"vpp": 1,
+                                                                                      "pp_schedule": "1f1b"})})
+    assert summed(estimate(apart, HARDWARE["h100"])) == [True, True]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_process_group")  # tests/conftest.py: --fake plays a rank of its own fake group
+def test_measure_fake_of_each_dualpipev_rank_is_its_plan() -> None:
+    """`measure --fake` of deepseek-v3-tiny under dualpipev (PP2 x EP2, MTP: rank 0 holds the embedding, its
+    copy, the MTP module and the loss) against the plan of each pipeline rank, as every pipelined plan = measure
+    case: parameters, gradients, optimizer state, FLOPs and every collective's bytes exactly (the V's tip hands
+    its tensors on locally: no pp send there; the norm counts the embedding copy once); the saved bytes alive at
+    the step's peak within 1% of the plan's activations, and of in_flight's micro-batches of each stage
+    ([2 pp - r, r + 1]) times the stage's bytes per micro-batch measured."""
+    from helpers import GPU, plan_against_measure
+
+    from moe_train.config import load_recipe
+    from moe_train.config.mesh_shape import MeshShape
+    from moe_train.measure.driver import Target, measure
+    from moe_train.plan.estimate import estimate, plan_json
+    from moe_train.plan.rank_layout import PlanLayout, in_flight, rank_chunks
+
+    recipe = load_recipe("deepseek-v3-tiny", [*DUALPIPEV, "model.num_layers=4", "train.seq_length=64",
+                                              "train.micro_batch_size=1", "train.global_batch_size=8",
+                                              "launch.gpus_per_node=4"], check_files=False)
+    shape, layout, plan = MeshShape.from_recipe(recipe), PlanLayout.from_recipe(recipe), estimate(recipe, GPU)
+    assert layout.micro_batches == 4
+    for rank in (0, 2):  # pipeline ranks 0 and 1 (dp 0)
+        stage = shape.dense_coords(rank)[0]
+        report = measure(recipe, Target(fake=True, rank=rank))
+        planned = plan_json(plan, pipeline_rank=stage)
+        assert plan_against_measure(recipe, report, tolerance=1e-9, plan=planned) == [], rank
+        peak = report["activation_bytes_peak"]
+        assert peak == pytest.approx(planned["memory_bytes"]["activations"], rel=0.01), rank
+        per_layer, n = report["activation_bytes_per_layer"], recipe.model.num_layers
+        chunks = rank_chunks(layout, recipe.model)[stage]
+        held = sum(count * sum(per_layer[str(i)] for i in [*chunk.layers, *range(n, n + chunk.mtp)])
+                   for count, chunk in zip(in_flight(layout, stage), chunks, strict=True))
+        assert peak == pytest.approx(held + per_layer["other"], rel=0.01), (rank, in_flight(layout, stage))
 
 
 def _torch_order(pp: int, rank: int, micro_batches: int) -> list[tuple[str, ...]]:
@@ -179,6 +277,23 @@ def test_plan_pairs_are_the_pairs_of_the_schedule_torch_builds(pp: int) -> None:
                                  backward_compute_s=1e3, paired_passes=(pairs, 2 * micro_batches))
             (comm,) = exposed_comm({"ep/all_to_all": 6.0}, {"ep/all_to_all": 2.0}, ample, layers=2).values()
             assert comm.hidden_s == pytest.approx(6.0 * pairs / (2 * micro_batches), rel=1e-12)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_plan_bubble_of_dualpipev_is_its_order_run_as_soon_as_each_pass_can(pp: int) -> None:
+    """The order's idle time (plan/overlap.py `dualpipev_idle`, each pass run once its inputs are there), on the
+    schedule torch builds (held pass for pass above): with full backwards (B = 2F, no weight pass apart) it is
+    DualPipe's count (pp - 1)(F&B + B) with F&B = F + B, less the one forward torch's split of the last rank's
+    first steady-state pair fills (none to fill when F = B: (pp - 1)(F&B + B) exactly). It does not grow with M,
+    so plan's bubble share is that over a rank's 2M (F + B), above interleaved 1F1B's (pp - 1) / 2M at vpp 2."""
+    from moe_train.plan.overlap import dualpipev_bubble, dualpipev_idle
+
+    for micro_batches in (2 * pp, 2 * pp + 1, 3 * pp, 4 * pp + 2):
+        assert dualpipev_idle(pp=pp, micro_batches=micro_batches) == (pp - 1) * (3 + 2) - 1
+        assert dualpipev_idle(pp=pp, micro_batches=micro_batches, backward_ratio=1.0) == (pp - 1) * 3
+        share = dualpipev_bubble(pp=pp, micro_batches=micro_batches)
+        assert share == pytest.approx((5 * (pp - 1) - 1) / (6 * micro_batches), rel=1e-12)
+        assert share > (pp - 1) / (2 * micro_batches)
 
 
 def test_plan_of_a_dualpipev_recipe_prices_the_pairs_of_each_rank() -> None:

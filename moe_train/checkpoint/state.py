@@ -128,11 +128,30 @@ def _chunk_states(
 
 def _merged(states: list[tuple[dict[str, torch.Tensor], dict | None]]) -> tuple[dict[str, torch.Tensor], dict]:
     """The chunks' model and optimizer state merged (the same tensors): keys are the whole model's names, so a
-    checkpoint holds the same keys whatever the pipeline split (each stage writes its own)."""
+    checkpoint holds the same keys whatever the pipeline split (each stage writes its own). A key two chunks hold
+    (a V's embedding and its copy, bit-equal) keeps one of the two tensors: `_fill_copies` after a load."""
     model_sd = {k: v for chunk_sd, _ in states for k, v in chunk_sd.items()}
     optim_state = {k: v for _, chunk_optim in states if chunk_optim is not None
                    for k, v in chunk_optim["state"].items()}
     return model_sd, optim_state
+
+
+def _fill_copies(states: list[tuple[dict[str, torch.Tensor], dict | None]], model_sd: dict[str, torch.Tensor],
+                 optim_state: dict) -> None:
+    """After a load into the merged state: a key two chunks of this rank hold (the embedding and the last stage's
+    copy, both on pipeline rank 0 in a V) was filled in one chunk's tensor only (the merged one); the other
+    chunk's tensor takes the same values, so both copies resume bit-equal."""
+    def fill(copy: object, loaded: object) -> None:
+        if isinstance(copy, torch.Tensor) and copy is not loaded:
+            local = copy.to_local() if hasattr(copy, "to_local") else copy  # both sharded alike (same shape, mesh)
+            local.copy_(loaded.to_local() if hasattr(loaded, "to_local") else loaded)
+
+    for chunk_sd, chunk_optim in states:
+        for key, value in chunk_sd.items():
+            fill(value, model_sd[key])
+        for key, entries in (chunk_optim or {"state": {}})["state"].items():
+            for name, value in entries.items():
+                fill(value, optim_state[key][name])
 
 
 def save_training_state(
@@ -193,6 +212,7 @@ def load_training_state(
         state["optim"] = {"state": optim_state}
     # fills the chunks' state dicts in place (merged above: the same tensors)
     _dcp_load(state, path, own=own, stacks=placed_stacks_of(chunks))
+    _fill_copies(states, model_sd, optim_state)
     for chunk, optimizer, (chunk_sd, chunk_optim) in zip(chunks, optimizers, states, strict=True):
         if chunk_optim is None:
             set_model_state_dict(chunk, chunk_sd)

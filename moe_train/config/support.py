@@ -37,11 +37,6 @@ NOT_SUPPORTED_YET: tuple[Unsupported, ...] = (
     # every world size) are the sharded ones, not the gathered ones its forward used: their gradients stay empty.
     Unsupported("parallel.pp_schedule", lambda r: r.parallel.pp > 1 and r.parallel.pp_schedule == "zero_bubble",
                 "the zero_bubble schedule with FSDP2 (use 1f1b, interleaved_1f1b or gpipe)"),
-    # In a V the first and the last stage are both on pipeline rank 0: the shared-embedding sum and the checkpoint
-    # keys of the last stage's embedding copy assume they are two ranks (parallel/pipeline.py).
-    Unsupported("parallel.pp_schedule", lambda r: r.parallel.pp > 1 and r.parallel.pp_schedule == "dualpipev"
-                and (r.model.mtp_layers > 0 or r.model.tie_embeddings),
-                "dualpipev with MTP or tied embeddings (the last stage's embedding copy on the first stage's rank)"),
     Unsupported("parallel.cp", lambda r: r.parallel.cp > 1 and r.parallel.dp_replicate > 1,
                 "context parallelism with HSDP (cp > 1 and dp_replicate > 1)"),
 )

@@ -12,7 +12,10 @@ The last stage also needs the embedding's weights when it runs MTP (which embeds
 head to the embedding. It then keeps its own copy, initialised by the same name, and the two copies' gradients
 are summed before every update (`sync_shared_gradients`, over a group of the first and last stage's ranks), as
 Megatron-Core does for shared embeddings: both copies take the same step and stay bit-equal; the copy is
-counted once in the gradient norm (`duplicate_parameters`) and its checkpoint key is the embedding's own.
+counted once in the gradient norm (`duplicate_parameters`) and its checkpoint key is the embedding's own. In a
+V (dualpipev) the first and the last stage are both on pipeline rank 0: the rank holds both copies, sums them
+in place and needs no group; its checkpoint writes the key once and a load fills both copies
+(checkpoint/state.py).
 
 Schedules are torch.distributed.pipelining's, given static stage inputs and outputs (a hidden-state tensor
 between stages, the loss terms after the last): 1f1b, gpipe, interleaved_1f1b (vpp > 1), zero_bubble
@@ -98,12 +101,13 @@ def split_model(model: Transformer, recipe: Recipe, ctx: ParallelContext) -> lis
 
 def shared_embedding_group(recipe: Recipe, ctx: ParallelContext) -> dist.ProcessGroup | None:
     """The two-rank group of this rank's first-stage and last-stage peers (same dp, cp, tp coordinates), when
-    the last stage keeps a copy of the embedding; None on ranks outside it or when there is no copy.
+    the last stage keeps a copy of the embedding on another rank than the first stage; None on ranks outside
+    it, when there is no copy, and in a V (both stages on pipeline rank 0: `sync_shared_gradients` sums there).
 
     Every rank calls this (creating process groups is collective); the group is recorded in the context as
     `embedding`, the name its all-reduce goes by in byte counts."""
-    m, pp = recipe.model, ctx.size("pp")
-    if pp == 1 or not (m.mtp_layers > 0 or m.tie_embeddings):
+    m, p, pp = recipe.model, recipe.parallel, ctx.size("pp")
+    if pp == 1 or not (m.mtp_layers > 0 or m.tie_embeddings) or p.pp_schedule == "dualpipev":
         return None
     per_stage = ctx.world_size // pp  # pp is the outermost dimension: stage rank r holds ranks [r*n, (r+1)*n)
     pairs = [[offset, (pp - 1) * per_stage + offset] for offset in range(per_stage)]
@@ -116,17 +120,26 @@ def _embedding_weight(chunk: Transformer) -> nn.Parameter | None:
     return chunk.embed_tokens.weight if chunk.embed_tokens is not None else None
 
 
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a gradient (a DTensor under FSDP2 or TP), in place."""
+    return grad.to_local() if hasattr(grad, "to_local") else grad
+
+
 @torch.no_grad()
 def sync_shared_gradients(chunks: list[Transformer], group: dist.ProcessGroup | None) -> None:
-    """Sum the embedding's gradient with its last-stage copy's (both end up with the sum)."""
-    if group is None:
+    """Sum the embedding's gradient with its last-stage copy's; every copy ends up with the sum. The copies on
+    this rank (both in a V) are summed in place, then over `group` when the other copy is on another rank."""
+    grads = [_local(weight.grad) for chunk in chunks for weight in [_embedding_weight(chunk)]
+             if weight is not None and weight.grad is not None]
+    if not grads or (len(grads) == 1 and group is None):
         return
-    for chunk in chunks:
-        weight = _embedding_weight(chunk)
-        if weight is not None and weight.grad is not None:
-            grad = weight.grad
-            local = grad.to_local() if hasattr(grad, "to_local") else grad
-            dist.all_reduce(local, group=group)
+    total = grads[0]
+    for other in grads[1:]:  # two copies at most: a + b, the sum a two-rank all-reduce makes
+        total.add_(other)
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    for other in grads[1:]:
+        other.copy_(total)
 
 
 def duplicate_parameters(chunks: list[Transformer]) -> list[nn.Parameter]:

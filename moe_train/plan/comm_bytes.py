@@ -46,7 +46,8 @@ micro-batch on this rank, Ts of them in the sequence region, Tm routed; a bytes 
   gradient norm over dp_cp (FSDP2's dense mesh; cp_tp at dp 1, where DTensor finds that flattened group).
 - pp: activations forward and their gradients backward, a Ts h per crossing of a stage boundary, sent by
   one side and received by the other; when the last stage keeps a copy of the embedding (MTP, tied head),
-  an fp32 all-reduce of the embedding's gradient shard per step between it and the first stage (`embedding`).
+  an fp32 all-reduce of the embedding's gradient shard per step between it and the first stage (`embedding`;
+  none in dualpipev's V, whose rank 0 holds both stages).
 Recompute repeats a region's forward collectives up to its last saved tensor (recompute_policy.py): not the exit of a
 dense MLP (or of a shared expert with nothing saved after it, or else the all-gather dispatcher's final
 reduce-scatter when nothing follows it), nor a MoE layer's final gather; a full-recompute group skips its last
@@ -147,26 +148,32 @@ class CommBytes:
         for kinds, count in groups.items():
             out.add_pass(model.group_recompute(list(kinds)), sizes, mb * count)
 
-        _per_step(out, layout, params)
+        # the last stage's embedding copy (MTP, tied head), which the norm counts once (on the first stage)
+        copies = sum(c.loss and not c.embedding for c in chunks) if m.mtp_layers > 0 or m.tie_embeddings else 0
+        _per_step(out, layout, params, copies=copies)
         _fsdp(out, recipe, layout, params, param_bytes, a)
         if recipe.train.optimizer == "muon":  # each sharded Muon update gathered whole (plan/muon_cost.py)
             for group, payload, size, times in muon_gathers(params, layout, lambda unit: fsdp_group(layout, unit)):
                 out.add(group, "all_gather", payload, size, times)
 
         # pipeline: forward activations out of every chunk but the model's last, gradients back out of every
-        # chunk but the first; each chunk receives what it does not send (the other direction, same size)
+        # chunk but the first; each chunk receives what it does not send (the other direction, same size). A
+        # neighbour on this rank (a V's tip: stages pp - 1 and pp) is handed its tensors locally, unsent.
         boundary = lay.act_bytes * lay.seq_tokens * m.hidden_size
         last = layout.pp * layout.vpp - 1
-        sends = sum((c.virtual_index != last) + (c.virtual_index != 0) for c in chunks)
+        held = {c.virtual_index for c in chunks}
+        sends = sum((c.virtual_index != last and c.virtual_index + 1 not in held)
+                    + (c.virtual_index != 0 and c.virtual_index - 1 not in held) for c in chunks)
         out.add("pp", "send", boundary, layout.pp, mb * sends)
         out.add("pp", "recv", boundary, layout.pp, mb * sends)
         # the last stage's copy of the embedding (MTP, tied head) and the first stage's sum their gradient
-        # shards once per step over a group of the two (parallel/pipeline.py: sync_shared_gradients)
-        if layout.pp > 1 and (m.mtp_layers > 0 or m.tie_embeddings):
+        # shards once per step over a group of the two (parallel/pipeline.py: sync_shared_gradients); a rank
+        # holding both (rank 0 in a V) sums them in place
+        holders = sum(c.virtual_index in (0, last) for c in chunks)
+        if layout.pp > 1 and (m.mtp_layers > 0 or m.tie_embeddings) and holders == 1:
             vocab = ends.embedding(m).params[0].shape[0]  # the embedding's rows, cut by tp
             rows = fsdp_rows(vocab // layout.tp, layout.dps * layout.cp)[0]
-            holders = sum(c.virtual_index in (0, last) for c in chunks)
-            out.add("embedding", "all_reduce", FP32 * rows * m.hidden_size, 2, holders)
+            out.add("embedding", "all_reduce", FP32 * rows * m.hidden_size, 2, 1)
         return out
 
 
@@ -475,14 +482,17 @@ def _minus(collectives: list[Collective], removed: list[Collective]) -> list[Col
     return out
 
 
-def _per_step(out: CommBytes, layout: PlanLayout, params: RankParams) -> None:
-    """Once per step: the replicated parameters' partial gradients summed over tp, and the gradient norm."""
+def _per_step(out: CommBytes, layout: PlanLayout, params: RankParams, *, copies: int = 0) -> None:
+    """Once per step: the replicated parameters' partial gradients summed over tp, and the gradient norm, one
+    fp32 partial per tensor but the `copies` of the embedding this rank holds for its last stage (vocabulary
+    rows over tp: train/grad_norm.py counts them once, on the first stage)."""
     partial = sum(unit.count * fsdp_rows(t.shape[0], unit.shards)[0] * (t.numel // t.shape[0])
                   for unit in params.units for t in unit.tensors if t.partial)
     out.add("tp", "all_reduce", FP32 * partial, layout.tp)
     tensors = {"dense": 0, "tp": 0, "experts": 0}
     for tensor, count in params.tensors:
         tensors[tensor.mesh] += count
+    tensors["tp" if layout.tp > 1 else "dense"] -= copies
     # Under HSDP a norm is Partial over the shard dimension only (replicas hold the same shard): dps, edps.
     dense, dense_size = ("dps", layout.dps) if layout.dpr > 1 else ("dp", layout.dp)
     if layout.cp > 1 and layout.dpr == 1:  # FSDP2's dense mesh is dp x cp (HSDP with cp is refused)

@@ -29,7 +29,7 @@ from .assumptions import Assumptions
 from .comm_bytes import CommBytes, comm_time, dispatch_forward
 from .flop_count import forward_flops_per_token, layer_flops_by_region
 from .muon_cost import muon_flops, muon_trained
-from .overlap import ExposedComm, PairedPhases, exposed_comm, overlapped_pairs
+from .overlap import ExposedComm, PairedPhases, dualpipev_bubble, exposed_comm, overlapped_pairs
 from .params import RankParams, fp8_gathered_kinds, fsdp_rows, rank_params
 from .rank_layout import Chunk, PlanLayout, in_flight, rank_chunks
 from .recompute_policy import RecomputePolicy, recompute_groups
@@ -696,6 +696,8 @@ def _time(plan_rank: RankPlan, layout: PlanLayout, hw: Hardware, a: Assumptions,
     exposed = comm_total - ep_hidden - min(sum(comm["hideable"].values()), compute + elementwise)
     busy = compute + elementwise + exposed + plan_rank.moe_sync + offload_exposed
     bubble = busy * (layout.pp - 1) / (layout.vpp * layout.micro_batches) if layout.pp > 1 else 0.0
+    if layout.pp > 1 and layout.pp_schedule == "dualpipev":  # its own order's idle time (plan/overlap.py)
+        bubble = busy * dualpipev_bubble(pp=layout.pp, micro_batches=layout.micro_batches)
     optimizer = a.optimizer_bytes_per_param * local_params / hw.hbm_bytes_per_s
     return {"compute": compute, "elementwise": elementwise, "comm_exposed": exposed, "comm_total": comm_total,
             "ep_comm_hidden": ep_hidden, "moe_sync": plan_rank.moe_sync, "offload_exposed": offload_exposed,

@@ -32,6 +32,7 @@ No torch: the planner runs on the login node.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 # The groups the dispatchers' collectives run over (plan/comm_bytes.py's and measure's `<group>/<op>` keys):
@@ -69,6 +70,53 @@ def dualpipev_order(*, pp: int, rank: int, micro_batches: int) -> list[tuple[str
         order.append(("F1", "B0"))
     order += [("B1",), ("F1", "B0")] * down + [("B1",), ("B0",)] * up + [("B0",)] * down
     return order
+
+
+def dualpipev_bubble(*, pp: int, micro_batches: int) -> float:
+    """plan's dualpipev bubble as a share of a rank's busy time: `dualpipev_idle` with a backward twice its
+    forward (the FLOPs' ratio), over the rank's 2M forwards and 2M backwards."""
+    return dualpipev_idle(pp=pp, micro_batches=micro_batches) / (2 * micro_batches * 3.0)
+
+
+@functools.lru_cache(maxsize=1024)
+def dualpipev_idle(*, pp: int, micro_batches: int, backward_ratio: float = 2.0) -> float:
+    """A dualpipev step's idle time on each rank, in forward passes: every rank runs its `dualpipev_order` with
+    each pass as soon as its inputs are there (a forward after the previous stage's forward of its micro-batch,
+    a backward after its own forward and the next stage's backward), a forward taking 1, a backward
+    `backward_ratio`, an overlapped pair both (it hides communication, not compute), stages alike and hand-offs
+    free. The step ends with the last pass anywhere (the optimizer waits on every stage's gradient norm), so a
+    rank idles the step's length less its own passes: 2M (1 + ratio) on every rank."""
+    stages = {rank: (rank, 2 * pp - 1 - rank) for rank in range(pp)}  # the V: stage of passes "X0" and "X1"
+    orders = {rank: dualpipev_order(pp=pp, rank=rank, micro_batches=micro_batches) for rank in range(pp)}
+    done: dict[tuple[str, int, int], float] = {}  # (F | B, stage, micro-batch) -> finish time
+    counts: dict[tuple[str, int], int] = {}
+    free, position = dict.fromkeys(orders, 0.0), dict.fromkeys(orders, 0)
+
+    def inputs(kind: str, stage: int, micro: int) -> list[tuple[str, int, int]]:
+        if kind == "F":
+            return [] if stage == 0 else [("F", stage - 1, micro)]
+        return [("F", stage, micro)] + ([] if stage == 2 * pp - 1 else [("B", stage + 1, micro)])
+
+    while any(position[rank] < len(order) for rank, order in orders.items()):
+        progressed = False
+        for rank, order in orders.items():
+            if position[rank] == len(order):
+                continue
+            passes = [(name[0], stages[rank][int(name[1])]) for name in order[position[rank]]]
+            micro = [counts.get(key, 0) for key in passes]
+            needs = [need for (kind, stage), mb in zip(passes, micro, strict=True) for need in inputs(kind, stage, mb)]
+            if any(need not in done for need in needs):
+                continue
+            start = max([free[rank], *(done[need] for need in needs)])
+            free[rank] = start + sum(1.0 if kind == "F" else backward_ratio for kind, _ in passes)
+            for (kind, stage), mb in zip(passes, micro, strict=True):
+                done[(kind, stage, mb)] = free[rank]
+                counts[(kind, stage)] = mb + 1
+            position[rank] += 1
+            progressed = True
+        if not progressed:
+            raise ValueError(f"dualpipev order of pp {pp}, {micro_batches} micro-batches waits on itself")
+    return max(free.values()) - 2 * micro_batches * (1 + backward_ratio)
 
 
 def overlapped_pairs(*, pp: int, rank: int, micro_batches: int) -> tuple[int, int]:

@@ -119,9 +119,7 @@ def layouts(recipe: Recipe, *, nvlink_domain: int | None = None) -> list[dict]:
             # the recipe's overlapped micro-batches where the engine builds them (EP communication to hide; pp 1,
             # or dualpipev's pairs: vpp 2 and 2 pp micro-batches a step: config/rules.py); FSDP2's cadence
             # follows (param_gather null: per step when overlapped)
-            # (not with an embedding shared with the last stage, which the engine's V refuses: config/support.py)
-            dualpipev = (pp > 1 and vpp == 2 and recipe.train.global_batch_size // (mbs * dp) >= 2 * pp
-                         and not (m.mtp_layers or m.tie_embeddings))
+            dualpipev = pp > 1 and vpp == 2 and recipe.train.global_batch_size // (mbs * dp) >= 2 * pp
             base["parallel.ep_overlap"] = (pp == 1 or dualpipev) and ep * etp > 1
             if pp > 1 and base["parallel.ep_overlap"]:
                 base["parallel.pp_schedule"] = "dualpipev"

@@ -1,8 +1,9 @@
-"""Worker: the dualpipev cases of tests/test_pipeline_overlap.py in one job. A case trains and rank 0 saves its
-record (workers/record.py); the `order` case instead trains one step, then records the second: every dispatch
-collective's issue, hand-over, wait and completion and every compute phase (a hook on each attention's and expert
-group's forward and backward, in every chunk of the rank), with the stage pass that ran it, and the OVERLAP_F_B
-actions of every pipeline rank in the schedule the trainer built."""
+"""Worker: the dualpipev cases of tests/test_pipeline_overlap.py in one job. A case trains (or, with `stop_at`,
+stops there and resumes from its checkpoint) and rank 0 saves its record (workers/record.py); the `order` case
+instead trains one step, then records the second: every dispatch collective's issue, hand-over, wait and
+completion and every compute phase (a hook on each attention's and expert group's forward and backward, in every
+chunk of the rank), with the stage pass that ran it, and the OVERLAP_F_B actions of every pipeline rank in the
+schedule the trainer built."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def recorded_step(case: dict, run_dir: Path, world: int) -> dict:
 
 def main() -> None:
     spec, result_path, rank, world = start()
-    from workers.record import keep_record, record_run
+    from workers.record import keep_record, record_resumed, record_run
 
     out: dict = {"saved": {}}
     root = Path(spec["run_root"])
@@ -49,8 +50,12 @@ def main() -> None:
         if case["id"] == "order":
             out["order"] = recorded_step(case, root / case["id"], world)
             continue
-        record = record_run(case["recipe"], case["overrides"], world=world, run_dir=root / case["id"],
-                            steps=case["steps"], evaluate=case.get("evaluate", False))
+        if case.get("stop_at"):
+            record = record_resumed(case["recipe"], case["overrides"], world=world, run_dir=root / case["id"],
+                                    steps=case["steps"], stop_at=case["stop_at"])
+        else:
+            record = record_run(case["recipe"], case["overrides"], world=world, run_dir=root / case["id"],
+                                steps=case["steps"], evaluate=case.get("evaluate", False))
         keep_record(record, run_root=root, case_id=case["id"], rank=rank, saved=out["saved"])
     finish(out, result_path, rank)
 

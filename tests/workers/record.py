@@ -32,19 +32,24 @@ def _merged_over_stages(trainer, local: dict[str, torch.Tensor]) -> dict[str, to
         return local
     stages: list[dict] = [{} for _ in range(trainer.ctx.size("pp"))]
     dist.all_gather_object(stages, local, group=trainer.ctx.group("pp"))
+    return _one_per_key((key, value) for stage in stages for key, value in stage.items())
+
+
+def _one_per_key(items) -> dict[str, torch.Tensor]:
+    """(name, tensor) pairs by name; a name given twice (two stages' copies) must hold bit-equal tensors."""
     merged: dict[str, torch.Tensor] = {}
-    for stage in stages:
-        for key, value in stage.items():
-            if key in merged and not torch.equal(merged[key], value):
-                raise AssertionError(f"{key}: the stages' copies differ")
-            merged[key] = value
+    for key, value in items:
+        if key in merged and not torch.equal(merged[key], value):
+            raise AssertionError(f"{key}: the stages' copies differ")
+        merged[key] = value
     return merged
 
 
 def whole_state(trainer) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of the model as full tensors, from every pipeline stage (collective)."""
-    return _merged_over_stages(trainer, {k: full(v) for part in trainer.chunks
-                                         for k, v in part.state_dict().items()})
+    """Every parameter and buffer of the model as full tensors, from every pipeline stage (collective); the
+    copies of one tensor on one rank (a V's embedding and the last stage's) checked bit-equal too."""
+    return _merged_over_stages(trainer, _one_per_key((k, full(v)) for part in trainer.chunks
+                                                     for k, v in part.state_dict().items()))
 
 
 def fp8_gathering(trainer) -> dict[str, int]:
@@ -62,11 +67,10 @@ def fp8_gathering(trainer) -> dict[str, int]:
 def full_state(trainer) -> dict[str, torch.Tensor]:
     """`whole_state` and every optimizer state tensor (`{param}/exp_avg` etc.) as full tensors: what a checkpoint
     holds of the model and optimizer, whatever the layout (collective)."""
-    optimizer_state = {}
-    for part, optimizer in zip(trainer.chunks, trainer.optimizers, strict=True):
-        for name, param in part.named_parameters():
-            for key, value in optimizer.state.get(param, {}).items():
-                optimizer_state[f"{name}/{key}"] = full(value)
+    optimizer_state = _one_per_key((f"{name}/{key}", full(value))
+                                   for part, optimizer in zip(trainer.chunks, trainer.optimizers, strict=True)
+                                   for name, param in part.named_parameters()
+                                   for key, value in optimizer.state.get(param, {}).items())
     return {**whole_state(trainer), **_merged_over_stages(trainer, optimizer_state)}
 
 
