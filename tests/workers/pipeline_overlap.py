@@ -27,7 +27,7 @@ def recorded_step(case: dict, run_dir: Path, world: int) -> dict:
     trainer.train_step(1)
     for chunk in trainer.trainable.chunks:
         for name, module in chunk.named_modules():
-            if name.endswith(("self_attn", "mlp.experts")):
+            if name.endswith(("self_attn", "ffn.experts")):
                 kind = name.rsplit(".", 1)[-1]
                 module.register_forward_pre_hook(lambda *_, kind=kind: turns.record("compute", f"{kind}.fwd"))
                 module.register_full_backward_pre_hook(lambda *_, kind=kind: turns.record("compute", f"{kind}.bwd"))
