@@ -4,7 +4,9 @@
    over 256 GPUs, beside `python -c pass` and `validate`, interleaved so drifting load hits all alike. Target:
    under 2 s.
 2. The planner's TFLOP/s per GPU for the published Megatron-Core runs (their published figures: docs/plan.md), each in
-   its published layout, with the error. These are the figures docs/plan.md reports.
+   its published layout, with the error: plain, then overlapped (parallel.ep_overlap; at pp > 1 under
+   pp_schedule dualpipev, also printed without the overlap), with peak memory and whether the engine runs it or
+   it is a plan only. These are the figures docs/plan.md reports.
 
 Run: python bench/bench_plan.py [--repeats N]
 """
