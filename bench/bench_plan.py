@@ -4,7 +4,9 @@
    over 256 GPUs, beside `python -c pass` and `validate`, interleaved so drifting load hits all alike. Target:
    under 2 s.
 2. The planner's TFLOP/s per GPU for the published Megatron-Core runs (their published figures: docs/plan.md), each in
-   its published layout, with the error. These are the figures docs/plan.md reports.
+   its published layout, with the error: plain, then overlapped (parallel.ep_overlap; at pp > 1 under
+   pp_schedule dualpipev, also printed without the overlap), with peak memory and whether the engine runs it or
+   it is a plan only. These are the figures docs/plan.md reports.
 
 Run: python bench/bench_plan.py [--repeats N]
 """
@@ -64,30 +66,41 @@ def timings(repeats: int) -> None:
 
 
 # The recipe's parallel.ep_overlap (docs/parallel.md, "Overlapped micro-batches"): the plan prices what its
-# pairs of micro-batches hide (plan/overlap.py); with pipelining (pp > 1) validate, and so plan, refuse it but
-# under parallel.pp_schedule dualpipev (the published rows' interleaved_1f1b is refused).
+# pairs of micro-batches hide (plan/overlap.py). With pipelining (pp > 1) it is built under pp_schedule dualpipev
+# only (the published rows' interleaved_1f1b is refused), so a pp > 1 row's overlapped variant also takes
+# dualpipev (vpp 2 in a V, as the published PP8 VPP2). For DeepSeek-V3 that is the like-for-like overlapped
+# schedule: it was trained with DualPipe, which exists to hide its expert-parallel all-to-all.
 EP_OVERLAP = ["parallel.ep_overlap=true"]
+DUALPIPEV = ["parallel.pp_schedule=dualpipev"]
+
+
+def variants(pp: int) -> list[tuple[str, list[str]]]:
+    """The published layout plain, then overlapped (at pp > 1: dualpipev plain, then dualpipev + ep_overlap)."""
+    if pp == 1:
+        return [("plain", []), ("ep_overlap", EP_OVERLAP)]
+    return [("plain", []), ("dualpipev", DUALPIPEV), ("dualpipev+ep_overlap", [*DUALPIPEV, *EP_OVERLAP])]
 
 
 def published() -> None:
-    from moe_train.config import load_recipe
+    from moe_train.config import RecipeError, load_recipe
     from moe_train.config.hardware import hardware_table
+    from moe_train.config.support import unsupported
     from moe_train.plan.estimate import estimate, plan_json
 
     # error: of the plan in Megatron-Core's convention (causal attention over half of s x s), as it publishes;
-    # "engine": the plan in the engine's own (full s x s, as torch's flop counter and measure count)
-    print(f"\n{'model':15s} {'hardware':8s} {'GPUs':>4s} {'published':>9s} {'plan':>6s} {'error':>7s} "
-          f"{'engine':>6s} {'peak GB':>8s} {'fits':>5s}  step-time parts (s) of the slowest pipeline rank")
-    from moe_train.config import RecipeError
-
-    for label, extra in (("parallel.ep_overlap false (the plain step)", []),
-                         ("parallel.ep_overlap true (overlapped pairs of micro-batches)", EP_OVERLAP)):
-        print(label)
-        for name, gpu, gpus, figure, overrides in PUBLISHED:
+    # "engine": the plan in the engine's own (full s x s, as torch's flop counter and measure count);
+    # runs: whether the engine trains the variant (config/support.py) or it is a plan only
+    print(f"\n{'model':15s} {'hardware':8s} {'GPUs':>4s} {'variant':20s} {'published':>9s} {'plan':>6s} "
+          f"{'error':>7s} {'engine':>6s} {'peak GB':>8s} {'fits':>5s} {'runs':>9s}  "
+          "step-time parts (s) of the slowest pipeline rank")
+    for name, gpu, gpus, figure, overrides in PUBLISHED:
+        pp = load_recipe(name, overrides, check_files=False).parallel.pp
+        for variant, extra in variants(pp):
+            head = f"{name:15s} {gpu:8s} {gpus:4d} {variant:20s} {figure:9.1f}"
             try:
                 recipe = load_recipe(name, [*overrides, *extra], check_files=False)
             except RecipeError as error:  # plan refuses what validate refuses (exit 2)
-                print(f"{name:15s} {gpu:8s} {gpus:4d} {figure:9.1f}  refused: {error}")
+                print(f"{head}  refused: {error}")
                 continue
             assert recipe.world_size == gpus, (name, recipe.world_size)
             data = plan_json(estimate(recipe, hardware_table()[recipe.launch.gpu]))
@@ -96,12 +109,14 @@ def published() -> None:
                                                             "ep_comm_hidden", "moe_sync", "bubble", "optimizer"))
             exposed = ", ".join(f"{k} {c['exposed_fraction']:.2f} of {c['own_s']:.2f} s"
                                 for k, c in data["exposed_comm"].items())
+            refusals = unsupported(recipe)
             megatron = data["tflops_per_gpu_megatron"]
             error = megatron / figure - 1
-            print(f"{name:15s} {gpu:8s} {gpus:4d} {figure:9.1f} {megatron:6.1f} {error:+7.1%} "
-                  f"{data['tflops_per_gpu']:6.1f} {data['memory_bytes']['total'] / 1e9:8.1f} "
-                  f"{str(data['fits']):>5s}  {parts} (pp rank {data['time_rank']['pp']}; memory: pp rank "
-                  f"{data['rank']['pp']}); EP comm exposed: {exposed}")
+            print(f"{head} {megatron:6.1f} {error:+7.1%} {data['tflops_per_gpu']:6.1f} "
+                  f"{data['memory_bytes']['total'] / 1e9:8.1f} {str(data['fits']):>5s} "
+                  f"{'plan-only' if refusals else 'engine':>9s}  {parts} (pp rank {data['time_rank']['pp']}; "
+                  f"memory: pp rank {data['rank']['pp']}); EP comm exposed: {exposed}"
+                  + "".join(f"\n{'':20s}refused by the engine: {line}" for line in refusals))
 
 
 def main() -> None:
