@@ -139,6 +139,8 @@ ALL_SLOW: dict[str, str] = {
                          "no moe_train code)",
     "test_resilience.py": "one 4-rank job; resume, rejected steps and the notice file in one process are "
                           "test_checkpoint's, test_bad_steps' and test_train_resume's fast tests",
+    "test_split_wgrad_plan.py": "one 2-rank gloo job, plain and split_wgrad measured against the plan's two ends; "
+                                "the plan's split_wgrad pricing is test_plan_overlap's fast tests",
     "test_stop_one_rank.py": "signals one of two torchrun ranks; a single process's stop and a rank's failure are "
                              "test_train_resume's and test_run_cli's fast tests",
     "test_slurm.py": SLURM,
