@@ -131,7 +131,7 @@ def test_the_chunked_loss_and_the_document_block_mask_build_on_cuda():
     from torch.nn.attention.flex_attention import BlockMask
 
     from moe_train.models.attention import attention_mask
-    from moe_train.models.linear import linear_cross_entropy_sum
+    from moe_train.models.loss import linear_cross_entropy_sum
 
     with fake_cuda(SM90):
         hidden, head, targets = _cuda(128, 32), _cuda(500, 32), torch.randint(500, (128,), device="cuda")

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from moe_train.models.linear import Linear, linear_cross_entropy_sum
-from moe_train.models.loss import IGNORE_INDEX, LanguageModelLoss
+from moe_train.models.linear import Linear
+from moe_train.models.loss import IGNORE_INDEX, LanguageModelLoss, linear_cross_entropy_sum
 
 
 def _all_reduce(x: torch.Tensor, *, op: dist.ReduceOp, group: dist.ProcessGroup) -> torch.Tensor:
