@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -123,7 +124,16 @@ def test_the_deadline_and_sigterm_still_write_the_figures(tmp_path: Path) -> Non
     out = tmp_path / "term"
     process = subprocess.Popen([sys.executable, str(CHECK), "--device", "cpu", "--only", "sdpa,probe", "--out",
                                 str(out)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(3)
+    # the signal goes once sdpa is under way (a fixed sleep lost the race on a loaded machine: the check was still
+    # importing, before its SIGTERM handler, and died of the default action)
+    guard = threading.Timer(120, process.kill)  # a check that never starts a stage ends the wait (EOF)
+    guard.start()
+    begun = [process.stdout.readline()]
+    while begun[-1] and begun[-1].strip() != "sdpa: started":
+        begun.append(process.stdout.readline())
+    guard.cancel()
+    assert begun[-1].strip() == "sdpa: started", begun
+    time.sleep(0.5)
     process.send_signal(signal.SIGTERM)
     stdout, _ = process.communicate(timeout=60)
     stages = json.loads((out / "figures.json").read_text())["stages"]

@@ -799,6 +799,7 @@ def main(argv: list[str] | None = None) -> int:
                 report["stages"][name] = {"status": "not run", "why": "the check's deadline passed before it"}
                 continue
             start = time.monotonic()
+            print(f"{name}: started", flush=True)  # a supervisor may wait for a stage to be under way
             if args.in_process:
                 entry, output = _stage_entry(name, args.device, work / name), ""
             else:
